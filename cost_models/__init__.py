@@ -1,0 +1,1 @@
+"""Cost model: hardware specs, compute, communication, memory and pipeline simulation."""

@@ -1,0 +1,1 @@
+"""Profiling, solving, comparison and the CLI: the composition root of mmplan."""

@@ -1,0 +1,114 @@
+"""The `mmplan` command line: thin typer commands forwarding to one core function each."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from planner import console
+from plans.errors import MmplanError
+
+app = typer.Typer(
+    name="mmplan",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    help="Plan and run parallel training of multimodal models.\n\n"
+         "[bold]profile[/] a model -> [bold]solve[/] for a cluster -> [bold]run[/] the plan -> [bold]compare[/] plans offline.",
+)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn MmplanError (and unwritable paths) into one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MmplanError as e:
+            console.fail(str(e))
+            raise typer.Exit(code=2) from None
+        except KeyboardInterrupt:
+            console.fail("interrupted")
+            raise typer.Exit(code=130) from None
+
+    return wrapper
+
+
+def check_writable(path: Path) -> None:
+    """Fail before any work when the output cannot be written (nothing is left behind)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise MmplanError(f"output path {path} is a directory")
+    if not parent.is_dir():
+        raise MmplanError(f"cannot write {path}: directory {parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".mmplan-probe-")
+    except OSError as e:
+        raise MmplanError(f"cannot write {path}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@app.command()
+@user_errors
+def profile(
+    model: Annotated[str, typer.Argument(help="Zoo name (e.g. [cyan]tiny-vlm[/], [cyan]llava-1.5-7b[/]), an architecture [cyan].toml[/], or [cyan]package.module:factory[/].")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile.")] = Path("profile.json"),
+    micro_batch: Annotated[int, typer.Option(help="Batch size to profile at; figures are stored per sample.")] = 1,
+    device: Annotated[str, typer.Option(help="[cyan]meta[/]: no memory, fake tensors (any size); [cyan]cpu[/]/[cyan]cuda[/]: real tensors.")] = "meta",
+    dtype: Annotated[Optional[str], typer.Option(help="fp32 | bf16 | fp16 (default: the model's, bf16 for real-size zoo models).")] = None,
+    measure: Annotated[bool, typer.Option(help="Time forward/backward of each distinct block on --device (cpu or cuda).")] = False,
+    group: Annotated[Optional[list[str]], typer.Option(help="Override module groups: PATTERN=GROUP (fnmatch on block names, repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Profile a model: module dependency graph, per-block FLOPs, params, saved activations, data flow."""
+    from planner.model_source import resolve
+    from planner.profile import parse_group_overrides, profile_model
+    from plans.graph import save_profile
+
+    if device not in ("meta", "cpu", "cuda"):
+        raise MmplanError(f"--device must be meta, cpu or cuda, got {device!r}")
+    check_writable(output)
+    source = resolve(model)
+    with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
+        prof = profile_model(source, micro_batch=micro_batch, device=device, dtype=dtype, measure=measure,
+                             groups=parse_group_overrides(group or []), progress=note)
+    save_profile(prof, output)
+    if as_json:
+        print(json.dumps({"profile": str(output), "model": prof.model, "fingerprint": prof.fingerprint,
+                          "blocks": len(prof.blocks), "groups": list(prof.groups),
+                          "params": sum(b.params for b in prof.blocks), "measured_on": prof.measured_on}))
+    elif not quiet:
+        from planner.show import render_profile
+
+        render_profile(prof, console.out)
+        console.out.print(f"wrote [bold]{output}[/]")
+
+
+@app.command()
+@user_errors
+def show(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile.json written by [cyan]mmplan profile[/].")],
+    top: Annotated[int, typer.Option(help="How many of the largest blocks to list.")] = 5,
+) -> None:
+    """Summarise a profile: per-group params, FLOPs and activations, the largest blocks, edges between groups."""
+    from planner.show import render_profile
+    from plans.graph import load_profile
+
+    render_profile(load_profile(profile_path), console.out, top=top)
+
+
+def main() -> None:  # pragma: no cover - console-script entry
+    app()
+
+
+if __name__ == "__main__":
+    app()

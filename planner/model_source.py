@@ -1,0 +1,90 @@
+"""Turns a MODEL argument (zoo name, architecture TOML, or `package.module:factory`) into a factory."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from plans.errors import MmplanError
+
+Factory = Callable[[int], tuple[nn.Module, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: its display name, a factory(micro_batch) -> (model, batch), default dtype."""
+
+    name: str
+    factory: Factory
+    default_dtype: str = "fp32"
+
+
+def resolve(spec: str) -> ModelSource:
+    """Zoo name | path to an architecture .toml | `package.module:factory`."""
+    if ":" in spec and not spec.endswith(".toml"):
+        return ModelSource(spec, _import_factory(spec), "fp32")
+    from runtime.models import zoo
+
+    if spec.endswith(".toml"):
+        if not Path(spec).is_file():
+            raise MmplanError(f"architecture file {spec} does not exist")
+        try:
+            config = zoo.resolve(spec)
+        except (ValueError, KeyError, OSError) as e:
+            raise MmplanError(f"architecture file {spec}: {_one_line(e)}") from None
+        return ModelSource(config.name, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
+    if spec in zoo.names():
+        config = zoo.resolve(spec)
+        return ModelSource(spec, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
+    raise MmplanError(f"unknown model {spec!r}; known zoo models: {', '.join(zoo.names())} "
+                      "(or give a .toml architecture file or package.module:factory)")
+
+
+def _import_factory(spec: str) -> Factory:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import error of any kind is the user's to fix
+        raise MmplanError(f"cannot import {module_name!r} for factory {spec}: {_one_line(e)}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise MmplanError(f"{module_name!r} has no callable {attr!r} (factory {spec})")
+    takes_batch = bool(inspect.signature(factory).parameters)
+
+    def call(micro_batch: int):
+        try:
+            out = factory(micro_batch) if takes_batch else factory()
+        except Exception as e:
+            raise MmplanError(f"factory {spec} raised {type(e).__name__}: {_one_line(e)}") from None
+        return _check_factory_output(spec, out)
+
+    return call
+
+
+def _check_factory_output(spec: str, out: Any) -> tuple[nn.Module, dict[str, Any]]:
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module) and isinstance(out[1], dict)):
+        raise MmplanError(f"factory {spec} must return (nn.Module, dict of example inputs), got {type(out).__name__}")
+    return out
+
+
+def call_factory(source: ModelSource, micro_batch: int) -> tuple[nn.Module, dict[str, Any]]:
+    """Run a factory, turning its failures into one clear MmplanError."""
+    try:
+        model, batch = source.factory(micro_batch)
+    except MmplanError:
+        raise
+    except Exception as e:
+        raise MmplanError(f"building model {source.name} failed: {type(e).__name__}: {_one_line(e)}") from None
+    if not any(isinstance(v, torch.Tensor) for v in batch.values()):
+        raise MmplanError(f"model {source.name}: the example batch holds no tensors")
+    return model, batch
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] if text else type(e).__name__

@@ -1,0 +1,495 @@
+"""The profiling pass: runs the real model once and records blocks, FLOPs, saved activations and data flow.
+
+How each figure is obtained (one forward + backward of the model at `micro_batch`):
+- blocks: elements of every nn.ModuleList/Sequential, plus each maximal submodule holding no such container;
+  blocks that never run in the forward are dropped;
+- FLOPs: torch.utils.flop_counter's per-op formulas, counted by a dispatch mode; a forward op counts for the
+  block running, a backward op for the block whose forward created its autograd node (known from the node's
+  sequence number: each block's forward creates a contiguous range of them);
+- activation bytes: saved_tensors_hooks attribute every storage autograd saves to the block running
+  (parameters and buffers excluded, each storage counted once, for the first block that saves it;
+  tensors saved by glue code between blocks count for the last block that ran);
+- edges: a TorchFunctionMode propagates, through the glue code between blocks, which block outputs each
+  tensor derives from; a block's inputs then name the blocks (and batch inputs) that feed it.
+On `device="meta"` the model is built on the meta device and run on FakeTensors with CPU dispatch, so no
+memory is allocated and the kernels (hence FLOPs and saved tensors) are exactly those a real CPU run uses.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+import hashlib
+import statistics
+import time
+from collections import defaultdict
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+from planner.model_source import ModelSource, call_factory
+from plans.errors import MmplanError
+from plans.graph import Block, Edge, InputEdge, Profile, fingerprint
+
+Device = Literal["meta", "cpu", "cuda"]
+Progress = Callable[[str, float], None]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_aten = torch.ops.aten
+
+# FLOP formulas by op (torch's, from torch.utils.flop_counter). It has none for the CPU flash-attention
+# kernel that SDPA dispatches to on CPU and under FakeTensorMode: it is the same attention maths, so use
+# torch's SDPA formulas (which count the full S x S score matrix even when causal).
+_FLOP_FORMULAS = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+}
+_GLUE = "(glue)"  # FLOPs of tensor code between blocks (e.g. the loss); not part of any block
+
+
+def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Blocks in definition order: container elements plus maximal container-free submodules."""
+    containers = (nn.ModuleList, nn.Sequential)
+
+    def has_container(m: nn.Module) -> bool:
+        return any(isinstance(c, containers) for c in m.modules())
+
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(m, containers) or not has_container(child):
+                found.append((path, child))
+            else:
+                walk(path + ".", child)
+
+    if isinstance(model, containers) or not has_container(model):
+        raise MmplanError(f"{type(model).__name__} has no nn.ModuleList/Sequential of layers to cut into blocks")
+    walk("", model)
+    return found
+
+
+def default_group(block_name: str) -> str:
+    """Module groups are the model's top-level children; a top-level block is its own group."""
+    return block_name.split(".", 1)[0]
+
+
+def parse_group_overrides(specs: list[str]) -> list[tuple[str, str]]:
+    """`PATTERN=GROUP` items (fnmatch on block names, later items win) -> [(pattern, group)]."""
+    out = []
+    for spec in specs:
+        pattern, sep, group = spec.partition("=")
+        if not sep or not pattern or not group:
+            raise MmplanError(f"--group expects PATTERN=GROUP (e.g. 'llm.head=head'), got {spec!r}")
+        out.append((pattern, group))
+    return out
+
+
+@dataclass
+class _BlockRecord:
+    """What the analysis pass learns about one block (mutable while the pass runs)."""
+
+    name: str
+    module: nn.Module
+    order: int = -1
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    in_spec: Any = None  # (args, kwargs) with tensors replaced by _TensorSpec, for measuring
+    signature: str = ""
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class _Trace:
+    """Shared state of the hooks and modes during the analysis pass."""
+
+    records: dict[str, _BlockRecord]
+    param_storages: set[int]
+    current: str | None = None
+    last_finished: str | None = None
+    executed: int = 0
+    provenance: dict[int, frozenset] = field(default_factory=dict)  # id(tensor) -> {(src, leaf, nbytes)}
+    alive: list = field(default_factory=list)  # keeps traced tensors alive so their ids stay unique
+    seen_storages: set[int] = field(default_factory=set)
+    edges: dict[tuple[str, str], dict[tuple[str, int], int]] = field(default_factory=lambda: defaultdict(dict))
+    max_seq: int = -1  # highest autograd-node sequence number created so far
+    seq_ranges: list = field(default_factory=list)  # [(first, last, block)] autograd nodes each block call made
+    glue_flops: float = 0.0
+    ops: set = field(default_factory=set)  # names of the FLOP-counted ops that ran
+
+    def note_nodes(self, out: Any) -> None:
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                self.max_seq = max(self.max_seq, leaf.grad_fn._sequence_nr())
+
+    def owner_of_node(self, seq: int) -> str | None:
+        i = bisect.bisect_right(self.seq_ranges, (seq, float("inf"), "")) - 1
+        if i >= 0 and self.seq_ranges[i][0] <= seq <= self.seq_ranges[i][1]:
+            return self.seq_ranges[i][2]
+        return None
+
+    def count(self, flops: float) -> None:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            owner = self.current
+            if owner is not None:
+                self.records[owner].fwd_flops += flops
+                return
+        else:
+            owner = self.owner_of_node(node._sequence_nr())
+            if owner is not None:
+                self.records[owner].bwd_flops += flops
+                return
+        self.glue_flops += flops
+
+    def tag(self, t: torch.Tensor, prov: frozenset) -> None:
+        self.provenance[id(t)] = self.provenance.get(id(t), frozenset()) | prov
+        self.alive.append(t)
+
+    def prov_of(self, tree: Any) -> frozenset:
+        leaves, _ = tree_flatten(tree)
+        out: frozenset = frozenset()
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                out |= self.provenance.get(id(x), frozenset())
+        return out
+
+
+class _Provenance(TorchFunctionMode):
+    """Outside blocks, every op's outputs derive from the union of its inputs' sources."""
+
+    def __init__(self, trace: _Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.trace.note_nodes(out)
+        if self.trace.current is None:
+            prov = self.trace.prov_of((args, kwargs))
+            if prov:
+                for leaf in tree_flatten(out)[0]:
+                    if isinstance(leaf, torch.Tensor):
+                        self.trace.tag(leaf, prov)
+        return out
+
+
+class _FlopCount(TorchDispatchMode):
+    """Counts every op's FLOPs for its block (see the module docstring)."""
+
+    def __init__(self, trace: _Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.trace.ops.add(func._overloadpacket.__name__)
+            self.trace.count(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _spec(tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
+    mapped = [_TensorSpec(tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return mapped, spec
+
+
+def _signature(module: nn.Module, in_spec: Any) -> str:
+    leaves, _ = in_spec
+    parts = [type(module).__qualname__, repr(module)]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
+    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()]
+    parts += [repr(x) if isinstance(x, (_TensorSpec, int, float, bool, str, type(None))) else type(x).__name__ for x in leaves]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def _install_hooks(trace: _Trace) -> list:
+    handles = []
+    for rec in trace.records.values():
+
+        def pre(module, args, kwargs, rec=rec):
+            if rec.order < 0:
+                rec.order = trace.executed
+                trace.executed += 1
+                rec.in_spec = _spec((args, kwargs))
+            for src, leaf, nbytes in trace.prov_of((args, kwargs)):
+                trace.edges[(src, rec.name)][(src, leaf)] = nbytes
+            trace.current = rec.name
+            trace.seq_ranges.append([trace.max_seq + 1, None, rec.name])
+
+        def post(module, args, kwargs, output, rec=rec):
+            trace.note_nodes(output)
+            trace.seq_ranges[-1][1] = trace.max_seq
+            trace.seq_ranges[-1] = tuple(trace.seq_ranges[-1])
+            trace.current = None
+            trace.last_finished = rec.name
+            for i, leaf in enumerate(x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)):
+                rec.output_bytes += _nbytes(leaf)
+                trace.provenance.pop(id(leaf), None)
+                trace.tag(leaf, frozenset({(rec.name, i, _nbytes(leaf))}))
+
+        handles.append(rec.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(rec.module.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
+def _pack_hook(trace: _Trace):
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        owner = trace.current or trace.last_finished
+        if key not in trace.param_storages and key not in trace.seen_storages and owner is not None:
+            trace.seen_storages.add(key)
+            trace.records[owner].activation_bytes += storage.nbytes()
+        return t
+
+    return pack
+
+
+def _scalar_loss(out: Any) -> torch.Tensor:
+    leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not leaves:
+        raise MmplanError("the model's forward returned no floating-point tensor to take a loss from")
+    loss = leaves[0]
+    return loss if loss.dim() == 0 else loss.float().sum()
+
+
+def _fakify(model: nn.Module, batch: dict[str, Any], mode: FakeTensorMode):
+    """Swap parameters, buffers and batch tensors for FakeTensors on CPU; returns (batch, restore)."""
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            with mode:
+                return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return mode.from_tensor(t)
+
+    saved: list[tuple[dict, str, Any]] = []
+    for m in model.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                saved.append((store, name, t))
+                ft = fake(t.detach())
+                store[name] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
+
+    def restore() -> None:
+        for store, name, t in saved:
+            store[name] = t
+
+    return {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, restore
+
+
+def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    model.to(dtype)
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[list[_BlockRecord], _Trace]:
+    """One forward + backward of the model with every probe installed."""
+    records = {name: _BlockRecord(name, module) for name, module in discover_blocks(model)}
+    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
+    restore = lambda: None  # noqa: E731
+    if fake:
+        batch, restore = _fakify(model, batch, mode)
+    try:
+        storages = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        trace = _Trace(records, storages)
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                trace.tag(value, frozenset({(f"input:{key}", 0, _nbytes(value))}))
+        handles = _install_hooks(trace)
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(mode if fake else nullcontext())
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(_FlopCount(trace))
+                with torch.autograd.graph.saved_tensors_hooks(_pack_hook(trace), lambda t: t), _Provenance(trace):
+                    loss = _scalar_loss(model(**batch))
+                if loss.requires_grad:
+                    loss.backward()
+        finally:
+            for h in handles:
+                h.remove()
+        for rec in records.values():
+            if rec.in_spec is not None:
+                rec.signature = _signature(rec.module, rec.in_spec)
+        ran = sorted((r for r in records.values() if r.order >= 0), key=lambda r: r.order)
+        return ran, trace
+    finally:
+        restore()
+
+
+def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
+    """A real copy of one block on `device` (random weights when the model was built on meta)."""
+    block = copy.deepcopy(module)
+    if any(t.device.type == "meta" for t in (*block.parameters(), *block.buffers())):
+        block = block.to_empty(device=device)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, 0.02)
+            for b in block.buffers():
+                b.zero_()
+        return block
+    return block.to(device)
+
+
+def _make_inputs(in_spec: Any, device: torch.device) -> tuple[tuple, dict]:
+    leaves, spec = in_spec
+    out = []
+    for x in leaves:
+        if isinstance(x, _TensorSpec):
+            if x.dtype.is_floating_point:
+                t = torch.randn(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
+            elif x.dtype == torch.bool:
+                t = torch.ones(x.shape, dtype=x.dtype, device=device)
+            else:
+                t = torch.zeros(x.shape, dtype=x.dtype, device=device)
+            out.append(t)
+        else:
+            out.append(x)
+    args, kwargs = spec.unflatten(out)
+    return args, kwargs
+
+
+def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: int = 5) -> tuple[float, float]:
+    """Median forward and backward milliseconds of one block on a real device."""
+    block = _materialise(module, device)
+    args, kwargs = _make_inputs(in_spec, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fwd, bwd = [], []
+    for i in range(reps + 2):  # two warm-up repetitions
+        sync()
+        t0 = time.perf_counter()
+        out = block(*args, **kwargs)
+        sync()
+        t1 = time.perf_counter()
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        sync()
+        t2 = time.perf_counter()
+        if i >= 2:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+        del out, outs
+        for p in (*block.parameters(), *(a for a in args if isinstance(a, torch.Tensor))):
+            p.grad = None
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def profile_model(
+    source: ModelSource,
+    *,
+    micro_batch: int = 1,
+    device: Device = "meta",
+    dtype: str | None = None,
+    measure: bool = False,
+    groups: list[tuple[str, str]] = (),
+    reps: int = 5,
+    progress: Progress | None = None,
+) -> Profile:
+    """Profile a model: see the module docstring for what is measured and how."""
+    note = progress or (lambda step, frac: None)
+    if micro_batch < 1:
+        raise MmplanError(f"--micro-batch must be >= 1, got {micro_batch}")
+    dtype = dtype or source.default_dtype
+    if dtype not in DTYPES:
+        raise MmplanError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MmplanError("--device cuda: no CUDA device is available here (use --device meta or cpu)")
+    if measure and device == "meta":
+        raise MmplanError("--measure needs a real device: add --device cpu or --device cuda")
+    fake = device != "cpu"  # cuda: analyse on fake tensors (the model may not fit), measure blocks on the GPU
+    note("building model", 0.0)
+    with torch.device("meta") if fake else nullcontext():
+        model, batch = call_factory(source, micro_batch)
+    batch = _cast(model, batch, DTYPES[dtype])
+    note("tracing forward and backward", 0.1)
+    try:
+        records, trace = analyse(model, batch, fake=fake)
+    except MmplanError:
+        raise
+    except Exception as e:
+        raise MmplanError(f"profiling {source.name} failed in its forward/backward: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    timings: dict[str, tuple[float, float]] = {}
+    if measure:
+        target = torch.device(device)
+        distinct = list({r.signature: r for r in records}.values())
+        for i, rec in enumerate(distinct):
+            note(f"measuring {rec.name}", 0.3 + 0.7 * i / len(distinct))
+            timings[rec.signature] = measure_block(rec.module, rec.in_spec, target, reps)
+    note("done", 1.0)
+    return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
+                     _device_name(torch.device(device)) if measure else None)
+
+
+def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) -> Profile:
+    blocks = []
+    for rec in records:
+        group = default_group(rec.name)
+        for pattern, g in overrides:
+            if fnmatchcase(rec.name, pattern):
+                group = g
+        params = sum(p.numel() for p in rec.module.parameters())
+        pbytes = sum(p.numel() * p.element_size() for p in rec.module.parameters())
+        fwd_ms, bwd_ms = timings.get(rec.signature, (None, None))
+        blocks.append(Block(
+            name=rec.name, group=group, kind=type(rec.module).__name__, params=params, param_bytes=pbytes,
+            fwd_flops=_per_sample(rec.fwd_flops, mb), bwd_flops=_per_sample(rec.bwd_flops, mb),
+            activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
+            supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
+            fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+        ))
+    order = {r.name: r.order for r in records}
+    edges = tuple(
+        Edge(src, dst, _per_sample(sum(leaves.values()), mb))
+        for (src, dst), leaves in sorted(trace.edges.items(), key=lambda kv: (order.get(kv[0][0], -1), order[kv[0][1]]))
+        if not src.startswith("input:")
+    )
+    inputs = tuple(
+        InputEdge(src.removeprefix("input:"), dst, _per_sample(sum(leaves.values()), mb))
+        for (src, dst), leaves in sorted(trace.edges.items(), key=lambda kv: (kv[0][0], order[kv[0][1]]))
+        if src.startswith("input:")
+    )
+    blocks_t = tuple(blocks)
+    attention = sorted(op for op in trace.ops if "attention" in op)
+    return Profile(
+        model=name, fingerprint=fingerprint(blocks_t, edges, inputs), dtype=dtype, micro_batch=mb,
+        blocks=blocks_t, edges=edges, inputs=inputs, measured_on=measured_on,
+        attention=", ".join(attention) or "none",
+    )
+
+
+def _per_sample(value: float, mb: int) -> float | int:
+    v = value / mb
+    return int(v) if float(v).is_integer() else v

@@ -1,0 +1,159 @@
+"""profile.json: the module dependency graph of a model (blocks, data-flow edges) and its networkx view."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import networkx as nx
+
+from plans.errors import FormatError
+from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
+
+PROFILE_SCHEMA = "mmplan.profile/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """The unit of planning: one element of a ModuleList/Sequential, or a container-free leaf module.
+
+    All sizes are per sample (the profile's micro-batch divided out); times are for the whole
+    profiled micro-batch, because time is not linear in batch size.
+    """
+
+    name: str  # module path, e.g. "llm.layers.3"
+    group: str  # module group (modality tower, projector, LLM) that gets its own layout
+    kind: str  # the block's class name
+    params: int  # parameter count
+    param_bytes: int
+    fwd_flops: float  # forward FLOPs per sample (torch.utils.flop_counter)
+    bwd_flops: float  # backward FLOPs per sample
+    activation_bytes: float  # bytes autograd saves for backward, per sample (saved-tensor hooks)
+    output_bytes: float  # bytes of the block's outputs, per sample
+    supports_tp: bool = False  # Megatron-style tensor parallelism applies
+    signature: str = ""  # equal for blocks of identical structure and input shapes
+    fwd_ms: float | None = None  # measured median forward time at the profile's micro-batch
+    bwd_ms: float | None = None  # measured median backward time at the profile's micro-batch
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Data flow: outputs of block `src` are inputs of block `dst`; `bytes` per sample."""
+
+    src: str
+    dst: str
+    bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class InputEdge:
+    """A model input (a key of the example batch) consumed by block `dst`; `bytes` per sample."""
+
+    input: str
+    dst: str
+    bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A profiled model: blocks in execution order, edges of its real data flow, and how it was measured."""
+
+    model: str
+    fingerprint: str  # structural hash: see fingerprint()
+    dtype: str  # dtype of parameters and floating activations while profiling
+    micro_batch: int  # batch size the model was profiled at
+    blocks: tuple[Block, ...]
+    edges: tuple[Edge, ...]
+    inputs: tuple[InputEdge, ...] = ()
+    measured_on: str | None = None  # device name the fwd/bwd times come from
+    attention: str = ""  # the attention kernel whose FLOPs and saved tensors are modelled
+    schema: str = PROFILE_SCHEMA
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Module groups in order of first appearance."""
+        return tuple(dict.fromkeys(b.group for b in self.blocks))
+
+    def block(self, name: str) -> Block:
+        return self._by_name()[name]
+
+    def group_blocks(self, group: str) -> tuple[Block, ...]:
+        return tuple(b for b in self.blocks if b.group == group)
+
+    def _by_name(self) -> dict[str, Block]:
+        return {b.name: b for b in self.blocks}
+
+    def with_groups(self, assign: dict[str, str]) -> "Profile":
+        """A copy whose blocks are regrouped by `assign` (block name -> group)."""
+        blocks = tuple(replace(b, group=assign.get(b.name, b.group)) for b in self.blocks)
+        return replace(self, blocks=blocks, fingerprint=fingerprint(blocks, self.edges, self.inputs))
+
+
+def fingerprint(blocks: tuple[Block, ...], edges: tuple[Edge, ...], inputs: tuple[InputEdge, ...]) -> str:
+    """Structural fingerprint: names, groups, kinds, parameter counts, shapes signatures and the data flow.
+
+    Independent of measured times and of the micro-batch, so a plan stays valid for a re-profiled model.
+    """
+    structure = {
+        "blocks": [[b.name, b.group, b.kind, b.params, b.signature] for b in blocks],
+        "edges": sorted([e.src, e.dst] for e in edges),
+        "inputs": sorted([i.input, i.dst] for i in inputs),
+    }
+    return hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16]
+
+
+def check(profile: Profile, what: str = "profile") -> Profile:
+    """Consistency beyond the schema: unique names, edges between known blocks, matching fingerprint."""
+    names = [b.name for b in profile.blocks]
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            raise FormatError(f"{what}: block {n!r} appears twice")
+        seen.add(n)
+    for e in profile.edges:
+        for end in (e.src, e.dst):
+            if end not in seen:
+                raise FormatError(f"{what}: edge {e.src} -> {e.dst} names unknown block {end!r}")
+    for i in profile.inputs:
+        if i.dst not in seen:
+            raise FormatError(f"{what}: input {i.input!r} feeds unknown block {i.dst!r}")
+    expected = fingerprint(profile.blocks, profile.edges, profile.inputs)
+    if profile.fingerprint != expected:
+        raise FormatError(f"{what}: fingerprint {profile.fingerprint} does not match its blocks ({expected}); was it edited?")
+    return profile
+
+
+def profile_from_data(data: Any, what: str = "profile") -> Profile:
+    if isinstance(data, dict) and "schema" in data and data["schema"] != PROFILE_SCHEMA:
+        raise FormatError(f"{what}: schema {data['schema']!r} is not supported (expected {PROFILE_SCHEMA!r})")
+    validate(data, "profile", what)
+    return check(from_data(Profile, data), what)
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    return profile_from_data(read_json(path, "profile"), f"profile {path}")
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    write_atomic(path, dumps(profile))
+
+
+def to_digraph(profile: Profile) -> nx.DiGraph:
+    """The networkx view: one node per block (attributes = Block fields), edge attribute `bytes`."""
+    g = nx.DiGraph(**{k: v for k, v in to_data(profile).items() if k not in ("blocks", "edges", "inputs")})
+    g.graph["inputs"] = [to_data(i) for i in profile.inputs]
+    for b in profile.blocks:
+        g.add_node(b.name, **to_data(b))
+    for e in profile.edges:
+        g.add_edge(e.src, e.dst, bytes=e.bytes)
+    return g
+
+
+def from_digraph(g: nx.DiGraph) -> Profile:
+    """Inverse of to_digraph (node insertion order is the execution order)."""
+    data = {k: v for k, v in g.graph.items()}
+    data["blocks"] = [dict(attrs) for _, attrs in g.nodes(data=True)]
+    data["edges"] = [{"src": u, "dst": v, "bytes": d["bytes"]} for u, v, d in g.edges(data=True)]
+    return profile_from_data(data)

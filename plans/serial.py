@@ -1,0 +1,119 @@
+"""One serialiser for every file mmplan writes: frozen dataclasses <-> canonical JSON, with schema checks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import types
+import typing
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jsonschema
+
+from plans.errors import FormatError
+
+T = TypeVar("T")
+
+
+def to_data(obj: Any) -> Any:
+    """Dataclasses -> plain JSON data (dicts keep field order; tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_data(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """Canonical JSON text: stable key order (field order), one-space indent, trailing newline."""
+    return json.dumps(to_data(obj), indent=1, allow_nan=False) + "\n"
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to path via a temporary file and rename, so no half-written file is ever left."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Load a JSON file, turning every I/O or syntax problem into one FormatError sentence."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise FormatError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise FormatError(f"{what} {path} is not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{what} {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
+@lru_cache(maxsize=None)
+def schema(name: str) -> dict:
+    """The JSON Schema `plans/schema/<name>.json`."""
+    return json.loads(resources.files("plans").joinpath("schema", f"{name}.json").read_text())
+
+
+def validate(data: Any, schema_name: str, what: str) -> None:
+    """Validate against a JSON Schema; the error names the offending field by its JSON path."""
+    validator = jsonschema.Draft202012Validator(schema(schema_name))
+    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        err = errors[0]
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise FormatError(f"{what}: field {where}: {_short(err.message)}")
+
+
+def _short(message: str, limit: int = 160) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def from_data(cls: type[T], data: Any) -> T:
+    """Plain JSON data -> (nested) frozen dataclass, guided by the type hints; validate first."""
+    return _build(cls, data)
+
+
+def _build(tp: Any, data: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        hints = _hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in data:
+                kwargs[f.name] = _build(hints[f.name], data[f.name])
+        return tp(**kwargs)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        return _build(args[0], data) if len(args) == 1 else data
+    if origin is tuple:
+        args = typing.get_args(tp)
+        item = args[0] if args else Any
+        return tuple(_build(item, x) for x in data)
+    if origin is dict:
+        _, vt = typing.get_args(tp)
+        return {k: _build(vt, v) for k, v in data.items()}
+    if tp is float and isinstance(data, int):
+        return float(data)
+    return data
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
