@@ -289,14 +289,17 @@ def _fakify(model: nn.Module, batch: dict[str, Any], mode: FakeTensorMode):
         return mode.from_tensor(t)
 
     saved: list[tuple[dict, str, Any]] = []
+    memo: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
     for m in model.modules():
         for store in (m._parameters, m._buffers):
             for name, t in list(store.items()):
                 if t is None:
                     continue
                 saved.append((store, name, t))
-                ft = fake(t.detach())
-                store[name] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
+                if id(t) not in memo:
+                    ft = fake(t.detach())
+                    memo[id(t)] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
+                store[name] = memo[id(t)]
 
     def restore() -> None:
         for store, name, t in saved:
@@ -455,13 +458,16 @@ def profile_model(
 
 def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) -> Profile:
     blocks = []
+    counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
         group = default_group(rec.name)
         for pattern, g in overrides:
             if fnmatchcase(rec.name, pattern):
                 group = g
-        params = sum(p.numel() for p in rec.module.parameters())
-        pbytes = sum(p.numel() * p.element_size() for p in rec.module.parameters())
+        own = [p for p in rec.module.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in own)
+        params = sum(p.numel() for p in own)
+        pbytes = sum(p.numel() * p.element_size() for p in own)
         fwd_ms, bwd_ms = timings.get(rec.signature, (None, None))
         blocks.append(Block(
             name=rec.name, group=group, kind=type(rec.module).__name__, params=params, param_bytes=pbytes,

@@ -109,9 +109,7 @@ def _build(tp: Any, data: Any) -> Any:
     if origin is dict:
         _, vt = typing.get_args(tp)
         return {k: _build(vt, v) for k, v in data.items()}
-    if tp is float and isinstance(data, int):
-        return float(data)
-    return data
+    return data  # numbers stay as written (an integral float field may hold an int): round trips are exact
 
 
 @lru_cache(maxsize=None)

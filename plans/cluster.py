@@ -1,0 +1,107 @@
+"""The cluster a plan is solved for, as data: device spec, links, tiers' capacities (catalog in cost_models/hardware.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from plans.errors import FormatError
+
+# Compute dtypes a device may list a peak for (plan.json's Training.dtype is one of fp32 | bf16 | fp16).
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+BACKENDS = ("nccl", "gloo")  # torch.distributed backends the runtime knows
+
+
+def _positive(value: float, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise FormatError(f"{what} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """An alpha-beta link: time(bytes) = latency_s + bytes / bandwidth (bytes/s, one direction)."""
+
+    bandwidth: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise FormatError(f"link bandwidth must be > 0, got {self.bandwidth}")
+        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise FormatError(f"link latency must be >= 0, got {self.latency_s}")
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move nbytes over this link (Hockney's alpha-beta model)."""
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One accelerator (or one CPU rank on `local-cpu`)."""
+
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per dtype ("fp32", "bf16", "fp16"; see DTYPES)
+    memory_bytes: int  # device memory per rank (the GPU tier)
+    memory_bandwidth: float  # bytes/s
+    # Achieved fraction of peak as a function of the work of one kernel launch: (flops, efficiency)
+    # points, interpolated in log(flops); calibrated by `mmplan calibrate`.
+    efficiency: tuple[tuple[float, float], ...] = ((1e6, 0.05), (1e9, 0.4), (1e12, 0.7))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise FormatError(f"device name must be a non-empty string, got {self.name!r}")
+        if not self.peak_flops:
+            raise FormatError(f"device {self.name}: peak_flops must list at least one dtype of {', '.join(DTYPES)}")
+        for dtype, flops in self.peak_flops.items():
+            if dtype not in DTYPES:
+                raise FormatError(f"device {self.name}: unknown dtype {dtype!r} in peak_flops; known: {', '.join(DTYPES)}")
+            _positive(flops, f"device {self.name}: peak_flops[{dtype}]")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise FormatError(f"device {self.name}: memory_bytes must be an integer > 0, got {self.memory_bytes!r}")
+        _positive(self.memory_bandwidth, f"device {self.name}: memory_bandwidth")
+        if not self.efficiency:
+            raise FormatError(f"device {self.name}: efficiency needs at least one (flops, efficiency) point")
+        previous = 0.0
+        for point in self.efficiency:
+            if len(point) != 2:
+                raise FormatError(f"device {self.name}: efficiency points must be (flops, efficiency) pairs, got {point!r}")
+            flops, eff = point
+            _positive(flops, f"device {self.name}: efficiency point flops")
+            if flops <= previous:
+                raise FormatError(f"device {self.name}: efficiency points must have strictly increasing flops, got {flops!r} after {previous!r}")
+            if not (isinstance(eff, (int, float)) and 0 < eff <= 1):
+                raise FormatError(f"device {self.name}: efficiency must be in (0, 1], got {eff!r} at {flops!r} flops")
+            previous = flops
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """nodes x gpus_per_node identical ranks; per-node host memory and NVMe shared by the node's ranks."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    device: Device
+    intra_node: Link  # GPU<->GPU inside a node (NVLink), per direction
+    inter_node: Link  # between nodes (InfiniBand per GPU), per direction
+    host_to_device: Link  # PCIe host<->device per GPU
+    nvme: Link  # NVMe read/write per node
+    host_memory_bytes: int  # per node
+    nvme_bytes: int  # per node
+    backend: str = "nccl"  # torch.distributed backend the runtime uses there ("nccl" | "gloo")
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise FormatError(f"cluster {self.name}: nodes and gpus_per_node must be >= 1, got {self.nodes} and {self.gpus_per_node}")
+        for what in ("host_memory_bytes", "nvme_bytes"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise FormatError(f"cluster {self.name}: {what} must be an integer > 0, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise FormatError(f"cluster {self.name}: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node

@@ -1,0 +1,376 @@
+"""plan.json: how to train a profiled model on a cluster — per-group layouts, stages, tiers, boundaries, predictions."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from plans.cluster import Cluster
+from plans.errors import FormatError
+from plans.graph import Profile
+from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
+
+PLAN_SCHEMA = "mmplan.plan/1"
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Tier = Literal["gpu", "cpu", "nvme"]  # where params / grads / optimizer state live
+ActivationTier = Literal["keep", "offload-cpu", "offload-nvme", "recompute"]  # a block's saved activations
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRef:
+    """The profile a plan was solved for; the fingerprint must match the model the runtime builds."""
+
+    model: str
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    """Step shape shared by all groups: every group processes the same micro-batches in the same order."""
+
+    global_batch: int  # samples per optimizer step
+    micro_batches: int  # micro-batches per step (m); each group's dp replicas split each micro-batch
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1  # model chunks per rank for the interleaved schedule
+    dtype: DType = "bf16"  # compute dtype (mixed precision keeps fp32 master weights)
+    optimizer: Literal["adam", "sgd"] = "adam"
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples in one micro-batch across all data-parallel replicas of a group."""
+        return self.global_batch // self.micro_batches
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Tier placement of one stage's state; blocks not named in `activations` keep theirs on the GPU."""
+
+    params: Tier = "gpu"
+    grads: Tier = "gpu"
+    optimizer: Tier = "gpu"
+    activations: dict[str, ActivationTier] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A pipeline stage of a group: consecutive blocks, and the dp*tp ranks that run them (tp fastest)."""
+
+    blocks: tuple[str, ...]
+    ranks: tuple[int, ...]
+    memory: Memory = field(default_factory=Memory)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A module group's layout: its ranks = pp stages x dp replicas x tp shards (tp fastest, then dp, then pp)."""
+
+    name: str
+    dp: int
+    tp: int
+    pp: int
+    stages: tuple[Stage, ...]
+    zero: int = 0  # ZeRO stage 0-3 over the group's dp replicas
+    colocated_with: str | None = None  # another group whose ranks this one time-shares; None = own ranks
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for s in self.stages for r in s.ranks)
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return tuple(b for s in self.stages for b in s.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Samples [start, stop) of every micro-batch go from src_rank to dst_rank (gradients go back)."""
+
+    src_rank: int
+    dst_rank: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """A data-flow edge between two groups, with the layout transform that realises it."""
+
+    src_group: str
+    dst_group: str
+    src_block: str
+    dst_block: str
+    bytes_per_sample: float
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Predicted peak bytes of one rank in each tier."""
+
+    rank: int
+    gpu: float
+    cpu: float = 0.0
+    nvme: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """What the cost model expects of the plan."""
+
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    comm_bytes: float  # bytes sent by all ranks in one step
+    fits: bool
+    memory: tuple[RankMemory, ...] = ()
+    bottleneck: str = ""  # the stage that bounds the step, "group/stage i"
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    method: str  # e.g. "ilp+dp", "baseline:homogeneous", "hand-written"
+    objective: float | None = None
+    time_s: float = 0.0
+    candidates: int = 0
+    stopped_early: bool = False
+    notes: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    profile: ProfileRef
+    cluster: Cluster
+    training: Training
+    groups: tuple[Group, ...]
+    boundaries: tuple[Boundary, ...] = ()
+    predicted: Predicted | None = None
+    solver: SolverInfo | None = None
+    schema: str = PLAN_SCHEMA
+
+    @property
+    def world_size(self) -> int:
+        return len({r for g in self.groups for r in g.ranks})
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+# --- reading, writing and checking plan.json ---------------------------------------------------
+
+
+def plan_from_data(data: Any, what: str = "plan", *, profile: Profile | None = None) -> Plan:
+    """Parsed JSON -> checked Plan; with a profile, missing boundaries are derived from it."""
+    _check_version(data.get("schema") if isinstance(data, dict) else None, what)
+    validate(data, "plan", what)
+    return _check(from_data(Plan, data), profile, what)
+
+
+def load_plan(path: str | os.PathLike, *, profile: Profile | None = None) -> Plan:
+    """Read and check a plan file (see plan_from_data)."""
+    return plan_from_data(read_json(path, "plan"), f"plan {path}", profile=profile)
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Check the plan (without a profile), then write its canonical JSON atomically."""
+    write_atomic(path, dumps(check_plan(plan)))
+
+
+def check_plan(plan: Plan, profile: Profile | None = None, what: str = "plan") -> Plan:
+    """Schema and consistency checks of a Plan built in code; returns it, with boundaries derived when
+    a profile is given and the plan has none. Raises FormatError naming the first problem."""
+    _check_version(plan.schema, what)
+    validate(to_data(plan), "plan", what)
+    return _check(plan, profile, what)
+
+
+def _check(plan: Plan, profile: Profile | None, what: str) -> Plan:
+    _check_training(plan.training, what)
+    for g in plan.groups:
+        _check_group(g, plan, what)
+    _check_colocation(plan.groups, what)
+    if profile is None:
+        _check_no_block_twice(plan.groups, what)
+        _check_boundaries_shape(plan, what)
+        return plan
+    _check_profile(plan, profile, what)
+    return _with_boundaries(plan, profile, what)
+
+
+def _check_version(version: Any, what: str) -> None:
+    if version != PLAN_SCHEMA:
+        got = "no 'schema' field" if version is None else f"schema {version!r}"
+        raise FormatError(f"{what}: {got}, expected schema {PLAN_SCHEMA!r}; is this a plan.json of this mmplan version?")
+
+
+def _check_training(t: Training, what: str) -> None:
+    if t.global_batch % t.micro_batches:
+        raise FormatError(
+            f"{what}: global_batch {t.global_batch} is not divisible by micro_batches {t.micro_batches}; "
+            "make the global batch a multiple of the number of micro-batches"
+        )
+    if t.virtual_stages > 1 and t.schedule != "interleaved":
+        raise FormatError(
+            f"{what}: virtual_stages {t.virtual_stages} needs the 'interleaved' schedule, not {t.schedule!r}; "
+            "set virtual_stages to 1 or change the schedule"
+        )
+
+
+def _check_group(g: Group, plan: Plan, what: str) -> None:
+    if [x.name for x in plan.groups].count(g.name) > 1:
+        raise FormatError(f"{what}: group name {g.name!r} is used twice; give every group its own name")
+    if len(g.stages) != g.pp:
+        raise FormatError(f"{what}: group {g.name!r} has pp={g.pp} but {len(g.stages)} stages; list exactly pp stages")
+    for i, s in enumerate(g.stages):
+        _check_stage(g, i, s, plan, what)
+    _check_unique_ranks(g, what)
+    if plan.training.micro_batch % g.dp:
+        raise FormatError(
+            f"{what}: group {g.name!r}: a micro-batch of {plan.training.micro_batch} samples is not divisible by dp={g.dp}; "
+            "choose global_batch / micro_batches as a multiple of every group's dp"
+        )
+
+
+def _check_stage(g: Group, i: int, s: Stage, plan: Plan, what: str) -> None:
+    name = f"group {g.name!r} stage {i}"
+    if len(s.ranks) != g.dp * g.tp:
+        raise FormatError(f"{what}: {name} has {len(s.ranks)} ranks but dp*tp = {g.dp}*{g.tp} = {g.dp * g.tp}; list dp*tp ranks per stage, tp fastest")
+    for r in s.ranks:
+        if not 0 <= r < plan.cluster.world_size:
+            world = plan.cluster.world_size
+            raise FormatError(f"{what}: {name}: rank {r} is out of range for cluster {plan.cluster.name!r} of {world} ranks (0..{world - 1})")
+    for rep in range(g.dp):
+        shards = s.ranks[rep * g.tp : (rep + 1) * g.tp]
+        nodes = sorted({plan.cluster.node_of(r) for r in shards})
+        if len(nodes) > 1:
+            raise FormatError(
+                f"{what}: {name}: the tp ranks {list(shards)} of replica {rep} span nodes {nodes}; "
+                "a tensor-parallel group must stay inside one node (ranks are listed tp fastest)"
+            )
+    if len(s.blocks) < plan.training.virtual_stages:
+        v = plan.training.virtual_stages
+        raise FormatError(f"{what}: {name} has {len(s.blocks)} blocks, fewer than virtual_stages={v}; each model chunk needs a block")
+    unknown = [b for b in s.memory.activations if b not in s.blocks]
+    if unknown:
+        raise FormatError(f"{what}: {name}: activation tier given for block {unknown[0]!r}, which is not a block of this stage")
+
+
+def _check_unique_ranks(g: Group, what: str) -> None:
+    seen: set[int] = set()
+    for r in g.ranks:
+        if r in seen:
+            raise FormatError(f"{what}: group {g.name!r} uses rank {r} twice; every rank of a group runs one stage shard")
+        seen.add(r)
+
+
+def _check_colocation(groups: tuple[Group, ...], what: str) -> None:
+    by_name = {g.name: g for g in groups}
+    for g in groups:
+        if g.colocated_with is None:
+            continue
+        host = by_name.get(g.colocated_with)
+        if host is None or host is g:
+            raise FormatError(
+                f"{what}: group {g.name!r} is colocated with {g.colocated_with!r}, "
+                f"which is not another group of the plan (groups: {', '.join(by_name)})"
+            )
+        if set(g.ranks) != set(host.ranks):
+            raise FormatError(
+                f"{what}: group {g.name!r} is colocated with {host.name!r} but their rank sets differ "
+                f"({sorted(g.ranks)} vs {sorted(host.ranks)}); colocated groups use exactly the same ranks"
+            )
+    roots = [g for g in groups if _root(g, by_name, what) is g]
+    for i, a in enumerate(roots):
+        for b in roots[i + 1 :]:
+            shared = set(a.ranks) & set(b.ranks)
+            if shared:
+                raise FormatError(
+                    f"{what}: groups {a.name!r} and {b.name!r} share rank {min(shared)} but are not colocated; "
+                    "give them disjoint ranks or set colocated_with"
+                )
+
+
+def _root(g: Group, by_name: dict[str, Group], what: str) -> Group:
+    """The group at the end of g's colocated_with chain."""
+    seen = [g.name]
+    while g.colocated_with is not None:
+        g = by_name[g.colocated_with]
+        if g.name in seen:
+            raise FormatError(f"{what}: colocated_with forms a cycle ({' -> '.join(seen + [g.name])}); one group of them must own its ranks")
+        seen.append(g.name)
+    return g
+
+
+def _check_no_block_twice(groups: tuple[Group, ...], what: str) -> dict[str, str]:
+    """Block -> name of the group placing it; a block in two stages is an error."""
+    owner: dict[str, str] = {}
+    for g in groups:
+        for b in g.blocks:
+            if b in owner:
+                raise FormatError(f"{what}: block {b!r} is placed twice (groups {owner[b]!r} and {g.name!r}); put each block in exactly one stage")
+            owner[b] = g.name
+    return owner
+
+
+def _check_profile(plan: Plan, profile: Profile, what: str) -> None:
+    if plan.profile.fingerprint != profile.fingerprint:
+        raise FormatError(
+            f"{what}: plan is for another model or model version (fingerprint {plan.profile.fingerprint} of {plan.profile.model!r}, "
+            f"profile has {profile.fingerprint} of {profile.model!r}); re-solve the plan for this profile"
+        )
+    owner = _check_no_block_twice(plan.groups, what)
+    order = {b.name: i for i, b in enumerate(profile.blocks)}
+    for b in owner:
+        if b not in order:
+            raise FormatError(f"{what}: block {b!r} of group {owner[b]!r} is not in the profile of {profile.model!r}; check the block name")
+    missing = [b.name for b in profile.blocks if b.name not in owner]
+    if missing:
+        raise FormatError(f"{what}: block {missing[0]!r} of the profile is missing from the plan ({len(missing)} missing); place every block in one stage")
+    for g in plan.groups:
+        for i, s in enumerate(g.stages):
+            idx = [order[b] for b in s.blocks]
+            if idx != sorted(idx):
+                raise FormatError(f"{what}: group {g.name!r} stage {i} lists its blocks out of the profile's execution order; sort them as in the profile")
+
+
+def _with_boundaries(plan: Plan, profile: Profile, what: str) -> Plan:
+    from plans.boundary import derive_boundaries  # boundary.py builds on this module's dataclasses
+
+    derived = derive_boundaries(plan.groups, profile, plan.training)
+    if not plan.boundaries:
+        return replace(plan, boundaries=derived)
+    if plan.boundaries != derived:
+        diff = _first_difference(plan.boundaries, derived)
+        raise FormatError(f"{what}: boundaries differ from those derived from the profile ({diff}); drop them to have them derived")
+    return plan
+
+
+def _first_difference(got: tuple[Boundary, ...], want: tuple[Boundary, ...]) -> str:
+    for g, w in zip(got, want):
+        if (g.src_block, g.dst_block) != (w.src_block, w.dst_block):
+            return f"plan has edge {g.src_block} -> {g.dst_block} where {w.src_block} -> {w.dst_block} is expected"
+        if g != w:
+            return f"edge {w.src_block} -> {w.dst_block} has other groups, bytes or transfers"
+    return f"plan has {len(got)} boundaries, expected {len(want)}"
+
+
+def _check_boundaries_shape(plan: Plan, what: str) -> None:
+    """Without a profile: boundaries name groups, ranks and samples that exist."""
+    ranks = {g.name: set(g.ranks) for g in plan.groups}
+    for b in plan.boundaries:
+        edge = f"boundary {b.src_block} -> {b.dst_block}"
+        for role, name in (("src", b.src_group), ("dst", b.dst_group)):
+            if name not in ranks:
+                raise FormatError(f"{what}: {edge} names unknown {role} group {name!r}; use a group of the plan")
+        for t in b.transfers:
+            if t.src_rank not in ranks[b.src_group] or t.dst_rank not in ranks[b.dst_group]:
+                raise FormatError(f"{what}: {edge}: transfer {t.src_rank} -> {t.dst_rank} uses a rank outside groups {b.src_group!r} / {b.dst_group!r}")
+            if not 0 <= t.start < t.stop <= plan.training.micro_batch:
+                raise FormatError(f"{what}: {edge}: samples [{t.start}, {t.stop}) are not inside a micro-batch of {plan.training.micro_batch}")

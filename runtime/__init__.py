@@ -1,0 +1,1 @@
+"""The executor: trains a model with a plan on torch.distributed."""
