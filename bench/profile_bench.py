@@ -18,7 +18,7 @@ TARGET_S, TARGET_BYTES = 30.0, 4e9
 CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from planner.model_source import resolve
+from runtime.source import resolve
 from planner.profile import profile_model
 from plans.graph import save_profile
 p = profile_model(resolve(sys.argv[1]), device="meta")

@@ -70,7 +70,7 @@ def profile(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
     """Profile a model: module dependency graph, per-block FLOPs, params, saved activations, data flow."""
-    from planner.model_source import resolve
+    from runtime.source import resolve
     from planner.profile import parse_group_overrides, profile_model
     from plans.graph import save_profile
 

@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from planner.model_source import ModelSource, call_factory
+from runtime.program import block_modules
+from runtime.source import ModelSource, call_factory
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, fingerprint
 
@@ -57,25 +58,7 @@ _GLUE = "(glue)"  # FLOPs of tensor code between blocks (e.g. the loss); not par
 
 def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Blocks in definition order: container elements plus maximal container-free submodules."""
-    containers = (nn.ModuleList, nn.Sequential)
-
-    def has_container(m: nn.Module) -> bool:
-        return any(isinstance(c, containers) for c in m.modules())
-
-    found: list[tuple[str, nn.Module]] = []
-
-    def walk(prefix: str, m: nn.Module) -> None:
-        for name, child in m.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(m, containers) or not has_container(child):
-                found.append((path, child))
-            else:
-                walk(path + ".", child)
-
-    if isinstance(model, containers) or not has_container(model):
-        raise MmplanError(f"{type(model).__name__} has no nn.ModuleList/Sequential of layers to cut into blocks")
-    walk("", model)
-    return found
+    return list(block_modules(model).items())
 
 
 def default_group(block_name: str) -> str:

@@ -5,7 +5,7 @@ import networkx as nx
 import pytest
 import torch
 
-from planner.model_source import resolve
+from runtime.source import resolve
 from planner.profile import discover_blocks, profile_model
 from plans.graph import from_digraph, profile_from_data, to_digraph
 from plans.serial import dumps, to_data

@@ -1,4 +1,4 @@
-"""Turns a MODEL argument (zoo name, architecture TOML, or `package.module:factory`) into a factory."""
+"""Turns a MODEL argument (zoo name, architecture TOML, or `package.module:factory`) into a model factory."""
 from __future__ import annotations
 
 import importlib
@@ -37,7 +37,8 @@ def resolve(spec: str) -> ModelSource:
             config = zoo.resolve(spec)
         except (ValueError, KeyError, OSError) as e:
             raise MmplanError(f"architecture file {spec}: {_one_line(e)}") from None
-        return ModelSource(config.name, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
+        # the spec (the file's path) names the model, so a plan can rebuild it
+        return ModelSource(spec, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
     if spec in zoo.names():
         config = zoo.resolve(spec)
         return ModelSource(spec, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)

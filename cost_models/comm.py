@@ -1,0 +1,79 @@
+"""Alpha-beta cost of collectives and point-to-point sends, and the link a set of ranks communicates over."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from plans.cluster import Cluster, Link
+
+# Every time here is in seconds; every size is the bytes of the whole tensor one rank holds before
+# (all-reduce, reduce-scatter, broadcast) or after (all-gather) the collective. Link.bandwidth is
+# bytes/s in one direction, Link.latency_s is the per-message start-up cost alpha.
+
+
+def link_for(cluster: Cluster, ranks: Iterable[int]) -> Link:
+    """The slowest link the rank set spans: the slower of intra/inter-node if it crosses nodes, else intra-node."""
+    per_node = cluster.gpus_per_node
+    if len({r // per_node for r in ranks}) <= 1:  # node_of(r), inlined: this runs per boundary transfer
+        return cluster.intra_node
+    return min(cluster.intra_node, cluster.inter_node, key=lambda link: link.bandwidth)
+
+
+def pair_link(cluster: Cluster, src: Iterable[int], dst: Iterable[int]) -> Link | None:
+    """Slowest link over the pairs (src[i], dst[i]) that send in parallel; None when every pair is one rank."""
+    pairs = [(a, b) for a, b in zip(src, dst) if a != b]
+    if not pairs:
+        return None
+    per_node = cluster.gpus_per_node
+    if all(a // per_node == b // per_node for a, b in pairs):
+        return cluster.intra_node
+    return min(cluster.intra_node, cluster.inter_node, key=lambda link: link.bandwidth)
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    """One message: alpha + bytes / bandwidth (Hockney's model)."""
+    if nbytes <= 0:
+        return 0.0
+    return link.latency_s + nbytes / link.bandwidth
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce: 2(n-1) alpha + 2(n-1)/n * bytes / bandwidth.
+
+    Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
+    section 4.5 (reduce-scatter then all-gather on a ring); NCCL's busbw = algbw * 2(n-1)/n (nccl-tests
+    PERFORMANCE.md) is the same factor.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather of a result of `nbytes`: (n-1) alpha + (n-1)/n * bytes / bandwidth (Thakur et al. 2005, 4.1)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter of an input of `nbytes`: (n-1) alpha + (n-1)/n * bytes / bandwidth (Thakur et al. 2005, 4.4)."""
+    return all_gather_time(nbytes, n, link)
+
+
+def broadcast_time(nbytes: float, n: int, link: Link) -> float:
+    """MPICH broadcast: the faster of a binomial tree, ceil(log2 n)(alpha + bytes/bw), and scatter + ring
+    all-gather, (ceil(log2 n) + n - 1) alpha + 2(n-1)/n bytes/bw (Thakur et al. 2005, section 4.1)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = math.ceil(math.log2(n))
+    tree = steps * (link.latency_s + nbytes / link.bandwidth)
+    scatter_allgather = (steps + n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return min(tree, scatter_allgather)
+
+
+def ring_bytes_sent(nbytes: float, n: int, *, all_reduce: bool) -> float:
+    """Bytes one rank sends in a ring collective: 2(n-1)/n * bytes for all-reduce, (n-1)/n for the halves."""
+    if n <= 1:
+        return 0.0
+    return (2 if all_reduce else 1) * (n - 1) / n * nbytes

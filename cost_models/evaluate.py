@@ -1,0 +1,133 @@
+"""The cost model's single entry: evaluate(plan, profile) -> step time, throughput, MFU, memory, timeline."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from cost_models.hardware import peak_flops
+from cost_models.memory import TierBytes, block_input_bytes, stage_memory
+from cost_models.pipeline import Busy, Event, Simulation, StageCost, simulate
+from plans.cluster import Cluster
+from plans.graph import Profile
+from plans.plan import Plan, Predicted, RankMemory
+
+TOKEN_INPUTS = ("tokens", "input_ids")  # model-input names that carry the LLM's token ids
+TOKEN_ID_BYTES = 8  # int64, torch's default for token ids (runtime/models/build.py example_batch)
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """What the cost model predicts for a plan: the Predicted figures, the simulated step, per-stage memory."""
+
+    predicted: Predicted
+    simulation: Simulation
+    stage_memory: tuple[TierBytes, ...]  # bytes on one rank of each stage, aligned with simulation.stages
+
+    @property
+    def stages(self) -> tuple[StageCost, ...]:
+        return self.simulation.stages
+
+    @property
+    def timeline(self) -> tuple[Event, ...]:
+        """Events of one representative rank per rank class; rank_timeline(r) gives any rank's."""
+        return self.simulation.timeline
+
+    @property
+    def memory(self) -> tuple[RankMemory, ...]:
+        return self.predicted.memory
+
+    @property
+    def busy(self) -> dict[int, Busy]:
+        return self.simulation.busy
+
+    def rank_timeline(self, rank: int) -> tuple[Event, ...]:
+        return self.simulation.rank_timeline(rank)
+
+
+def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Evaluation:
+    """Simulate one step of `plan` and derive its throughput, MFU, memory per rank and whether it fits.
+
+    TFLOP/s per GPU = model FLOPs per step (forward + backward of every block for every sample; the
+    recomputed forward is not counted) / step time / ranks of the plan; MFU = that / peak[dtype]
+    (Chowdhery et al. 2022, PaLM, appendix B). tokens/s = samples/s x tokens_per_sample(profile), 0 when
+    the profile does not say how many tokens a sample has.
+    """
+    cluster = cluster or plan.cluster
+    training = plan.training
+    sim = simulate(plan, profile, cluster)
+    inputs = block_input_bytes(profile)
+
+    blocks = {b.name: b for b in profile.blocks}
+    per_stage: list[TierBytes] = []
+    per_rank: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # rank -> bytes in gpu, cpu, nvme
+    for sc in sim.stages:
+        g = plan.group(sc.group)
+        stage = g.stages[sc.index]
+        tb = stage_memory(
+            [blocks[b] for b in stage.blocks], samples=training.micro_batch / g.dp, tp=g.tp, dp=g.dp,
+            zero=g.zero, memory=stage.memory, in_flight_micro_batches=sc.in_flight, input_bytes=inputs,
+            dtype=training.dtype, optimizer=training.optimizer,
+        )
+        per_stage.append(tb)
+        for r in stage.ranks:
+            acc = per_rank[r]
+            acc[0] += tb.gpu
+            acc[1] += tb.cpu
+            acc[2] += tb.nvme
+    memory = tuple(RankMemory(r, *per_rank[r]) for r in sorted(per_rank))
+
+    step = sim.step_time_s
+    world = len(per_rank)
+    flops = sum(b.fwd_flops + b.bwd_flops for b in profile.blocks) * training.global_batch  # FLOPs per step
+    achieved = flops / step / world if step > 0 else 0.0  # FLOP/s per GPU
+    samples_per_s = training.global_batch / step if step > 0 else 0.0
+    predicted = Predicted(
+        step_time_s=step,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * (tokens_per_sample(profile) or 0.0),
+        tflops_per_gpu=achieved / 1e12,
+        mfu=achieved / peak_flops(cluster.device, training.dtype),
+        bubble_fraction=sim.bubble_fraction,
+        comm_bytes=sim.comm_bytes,
+        fits=fits(memory, cluster),
+        memory=memory,
+        bottleneck=sim.bottleneck,
+    )
+    return Evaluation(predicted=predicted, simulation=sim, stage_memory=tuple(per_stage))
+
+
+def fits(memory: tuple[RankMemory, ...], cluster: Cluster) -> bool:
+    """Every rank's gpu tier within the device memory, each node's cpu and nvme tiers within its host memory and NVMe."""
+    cpu: dict[int, float] = defaultdict(float)
+    nvme: dict[int, float] = defaultdict(float)
+    for m in memory:
+        if m.gpu > cluster.device.memory_bytes:
+            return False
+        cpu[cluster.node_of(m.rank)] += m.cpu
+        nvme[cluster.node_of(m.rank)] += m.nvme
+    return all(v <= cluster.host_memory_bytes for v in cpu.values()) and all(v <= cluster.nvme_bytes for v in nvme.values())
+
+
+def tokens_per_sample(profile: Profile) -> float | None:
+    """Tokens the LLM processes per sample, inferred from the profile; None when it cannot be.
+
+    The token-id input (TOKEN_INPUTS, int64) gives the text tokens; the block it feeds (the embedding)
+    outputs text tokens x hidden width bytes, which gives the width; the most common output size among
+    that group's tensor-parallel blocks (its decoder layers; all its blocks if none is) divided by the
+    width is the LLM's sequence length: text plus encoder tokens for prefix models, text only for
+    cross-attention ones.
+    """
+    ids = next((i for i in profile.inputs if i.input in TOKEN_INPUTS), None)
+    if ids is None or ids.bytes <= 0:
+        return None
+    text = ids.bytes / TOKEN_ID_BYTES
+    embed = profile.block(ids.dst)
+    if embed.output_bytes <= 0:
+        return text
+    width = embed.output_bytes / text  # bytes of one token's hidden state
+    group = profile.group_blocks(embed.group)
+    layers = [b for b in group if b.supports_tp] or group
+    sizes = Counter(b.output_bytes for b in layers)
+    most = max(sizes.values())
+    seq = max(size for size, count in sizes.items() if count == most) / width
+    return float(round(seq))

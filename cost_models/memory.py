@@ -1,0 +1,167 @@
+"""Per-rank bytes of a pipeline stage in each tier: model states under ZeRO, activations in flight, tier residency."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plans.errors import MmplanError
+from plans.graph import Block, Profile
+from plans.plan import Memory, Schedule
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class TierBytes:
+    """Bytes one rank holds in each tier."""
+
+    gpu: float = 0.0
+    cpu: float = 0.0
+    nvme: float = 0.0
+
+    def __add__(self, other: "TierBytes") -> "TierBytes":
+        return TierBytes(self.gpu + other.gpu, self.cpu + other.cpu, self.nvme + other.nvme)
+
+    def put(self, tier: str, nbytes: float) -> "TierBytes":
+        """A copy with `nbytes` more in `tier` ("gpu" | "cpu" | "nvme")."""
+        return self + TierBytes(**{tier: nbytes})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    """Bytes of one rank's share of parameters, gradients and optimizer states."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def optimizer_bytes_per_param(dtype: str, optimizer: str) -> int:
+    """K of the ZeRO paper: optimizer-state bytes per parameter.
+
+    Mixed-precision Adam keeps an fp32 master copy, momentum and variance: K = 4 + 4 + 4 = 12
+    (Rajbhandari et al. 2020, section 3.1). Without mixed precision (fp32) the master copy is the
+    parameter itself: K = 8. SGD keeps momentum (4) plus, in mixed precision, the master copy (4).
+    """
+    master = 4 if DTYPE_BYTES[dtype] < 4 else 0
+    return master + (8 if optimizer == "adam" else 4)
+
+
+def model_state_bytes(params: float, *, dp: int, zero: int, dtype: str = "bf16", optimizer: str = "adam") -> ModelState:
+    """One rank's model states for `params` parameters replicated over `dp` ranks with ZeRO stage `zero`.
+
+    Rajbhandari et al. 2020 (ZeRO), section 5 and Figure 1: with mixed-precision Adam the states are
+    2Psi (fp16 params) + 2Psi (fp16 grads) + 12Psi (optimizer); stage 1 shards the optimizer states over
+    dp, stage 2 also the gradients, stage 3 also the parameters. Pass params already divided by tp.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise MmplanError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
+    width = DTYPE_BYTES[dtype]
+    p, g, o = width * params, width * params, optimizer_bytes_per_param(dtype, optimizer) * params
+    return ModelState(
+        params=p / dp if zero >= 3 else p,
+        grads=g / dp if zero >= 2 else g,
+        optimizer=o / dp if zero >= 1 else o,
+    )
+
+
+def warmup_forwards(schedule: Schedule, micro_batches: int, downstream: int, chunks: int = 1, pp: int = 1) -> int:
+    """Forward ops (model chunk x micro-batch) a rank runs before its first backward.
+
+    `downstream` is the number of pipeline stages after this one on the data path (pp - i - 1 for stage
+    i of a lone group; an encoder feeding a pp-stage LLM counts the LLM's stages too). GPipe runs every
+    forward first (Huang et al. 2019). 1F1B warms up with the downstream stages (PipeDream-Flush,
+    Narayanan et al. 2021 section 2.2.1). Interleaved 1F1B with v chunks per rank warms up with
+    2 * downstream + (v - 1) * pp (Megatron-LM schedules.py, forward_backward_pipelining_with_interleaving).
+    """
+    total = micro_batches * chunks
+    if schedule == "gpipe":
+        return total
+    if chunks == 1:
+        return min(total, downstream)
+    return min(total, 2 * downstream + (chunks - 1) * pp)
+
+
+def in_flight(schedule: Schedule, micro_batches: int, warmup: int, chunks: int = 1) -> float:
+    """Micro-batches whose activations a rank holds at its peak, in units of its whole stage, given its
+    warm-up (warmup_forwards): GPipe all m; otherwise the warm-up forwards plus the one of the first
+    1F1B pair, divided by the v chunks. That is min(m, pp - i) on stage i of 1F1B (Narayanan et al. 2021,
+    2.2.1) and p(1 + (p-1)/(p v)) on the first stage of the interleaved schedule (Korthikanti et al. 2022,
+    section 4.2.3).
+    """
+    if schedule == "gpipe":
+        return float(micro_batches)
+    return min(micro_batches * chunks, warmup + 1) / chunks
+
+
+def block_input_bytes(profile: Profile) -> dict[str, float]:
+    """Per-sample bytes of each block's inputs (its checkpoint under recompute): the edges and model
+    inputs into it, or the previous block's output when the profile records no edges into it."""
+    into: dict[str, float] = {}
+    for e in profile.edges:
+        into[e.dst] = into.get(e.dst, 0.0) + e.bytes
+    for i in profile.inputs:
+        into[i.dst] = into.get(i.dst, 0.0) + i.bytes
+    out, previous = {}, 0.0
+    for b in profile.blocks:
+        out[b.name] = into.get(b.name, previous)
+        previous = b.output_bytes
+    return out
+
+
+def stage_memory(
+    blocks: Sequence[Block],
+    *,
+    samples: float,
+    tp: int,
+    dp: int,
+    zero: int,
+    memory: Memory,
+    in_flight_micro_batches: float,
+    input_bytes: dict[str, float],
+    dtype: str = "bf16",
+    optimizer: str = "adam",
+) -> TierBytes:
+    """Peak bytes per tier on one rank of a stage running `blocks` on `samples` samples per micro-batch.
+
+    Model states: model_state_bytes of the rank's parameters (tp-parallel blocks divided by tp), each of
+    params / grads / optimizer in the tier the plan's Memory names. When params or grads live off the GPU
+    the GPU keeps a double buffer of the largest block's share (ZeRO-Infinity style streaming,
+    Rajbhandari et al. 2021); ZeRO-3 keeps a double buffer of the largest gathered block.
+    Activations (per sample, as profiled; tp-parallel blocks divided by tp, i.e. sequence parallelism,
+    Korthikanti et al. 2022) times the micro-batches in flight, by each block's tier: keep = resident;
+    recompute = only the block input is kept (a checkpoint) plus one block's activations transiently
+    (Chen et al. 2016); offload-cpu / offload-nvme = resident in that tier plus a two-block GPU buffer
+    for the offload/prefetch in flight.
+    """
+    width = DTYPE_BYTES[dtype]
+    shard = {b.name: (tp if b.supports_tp else 1) for b in blocks}
+    params = sum(b.params / shard[b.name] for b in blocks)
+    state = model_state_bytes(params, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
+    out = TierBytes().put(memory.params, state.params).put(memory.grads, state.grads).put(memory.optimizer, state.optimizer)
+
+    largest_block = max((b.params / shard[b.name] for b in blocks), default=0.0) * width  # bytes, one block's params
+    if memory.params != "gpu":
+        out = out.put("gpu", 2 * largest_block / (dp if zero >= 3 else 1))
+    if memory.grads != "gpu":
+        out = out.put("gpu", 2 * largest_block / (dp if zero >= 2 else 1))
+    if zero >= 3:
+        out = out.put("gpu", 2 * largest_block)
+
+    transient = 0.0  # bytes: the one block being recomputed, or the two being offloaded / prefetched
+    for b in blocks:
+        act = b.activation_bytes * samples / shard[b.name]  # bytes of one micro-batch
+        tier = memory.activations.get(b.name, "keep")
+        if tier == "keep":
+            out = out.put("gpu", act * in_flight_micro_batches)
+        elif tier == "recompute":
+            out = out.put("gpu", input_bytes.get(b.name, 0.0) * samples / shard[b.name] * in_flight_micro_batches)
+            transient = max(transient, act)
+        else:
+            out = out.put(tier.removeprefix("offload-"), act * in_flight_micro_batches)
+            transient = max(transient, 2 * act)
+    return out.put("gpu", transient)

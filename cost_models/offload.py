@@ -1,0 +1,33 @@
+"""Time to move bytes between the GPU and the cpu / nvme tiers, and how much of it hides behind compute."""
+from __future__ import annotations
+
+from plans.cluster import Cluster
+
+
+def transfer_time(nbytes: float, tier: str, cluster: Cluster) -> float:
+    """Seconds for one rank to move `nbytes` between its GPU and `tier` ("gpu" | "cpu" | "nvme").
+
+    cpu: the rank's host<->device link (PCIe), alpha + bytes / bandwidth. nvme: the data crosses PCIe
+    and the node's NVMe, which all gpus_per_node ranks of the node stream to at once, so the rank gets
+    nvme.bandwidth / gpus_per_node (ZeRO-Infinity's bandwidth-centric partitioning, Rajbhandari et al.
+    2021, section 6.1); the slower of the two bounds it.
+    """
+    if nbytes <= 0 or tier == "gpu":
+        return 0.0
+    pcie = cluster.host_to_device
+    if tier == "cpu":
+        return pcie.latency_s + nbytes / pcie.bandwidth
+    if tier == "nvme":
+        nvme_share = cluster.nvme.bandwidth / cluster.gpus_per_node
+        return max(pcie.latency_s, cluster.nvme.latency_s) + nbytes / min(pcie.bandwidth, nvme_share)
+    raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'cpu' or 'nvme'")
+
+
+def exposed(transfer_s: float, overlappable_s: float) -> float:
+    """The part of an asynchronous transfer that does not hide behind concurrent compute: max(0, t - c).
+
+    With prefetch on a side stream (ZeRO-Offload, Ren et al. 2021 section 4.2; the compute-storage
+    co-optimisation seed paper's asynchronous transfer), a transfer overlapping `overlappable_s` seconds
+    of compute only extends the step by what is left over.
+    """
+    return max(0.0, transfer_s - overlappable_s)

@@ -1,0 +1,148 @@
+"""Boundary communicators: move slices of block outputs forward and their gradients back between stages.
+
+One mechanism serves pipeline hand-overs and group boundaries (fan-in, fan-out, disjoint or shared
+ranks, one encoder feeding several stages): a route's pieces say which samples of which producer
+replica go to which consumer replica. Remote pieces travel by isend/irecv with a unique tag per
+(route, piece, tensor, direction, micro-batch); pieces between stages on the same rank are handed over
+through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
+guarantees the matching send was issued first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from runtime.layout import Layout, Route
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Structure of a block's output: pytree spec and (per-sample shape, dtype) of each tensor leaf."""
+
+    tree: TreeSpec
+    leaves: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+class Exchange:
+    """This rank's end of every route; counts the seconds it spends waiting for data."""
+
+    def __init__(self, layout: Layout, rank: int, specs: dict[str, OutputSpec], device: torch.device):
+        self.layout = layout
+        self.rank = rank
+        self.specs = specs
+        self.device = device
+        self.mailbox: dict[tuple, torch.Tensor] = {}
+        self.sends: list[dist.Work] = []
+        self.wait_s = 0.0
+        self.bytes_sent = 0
+        self._tag: dict[tuple, int] = {}
+        for i, route in enumerate(layout.routes):
+            for k in range(len(route.pieces)):
+                for leaf in range(len(specs[route.block].leaves)):
+                    for direction in (0, 1):
+                        self._tag[(i, k, leaf, direction)] = len(self._tag)
+
+    def tag(self, route: int, piece: int, leaf: int, direction: int, mb: int) -> int:
+        return self._tag[(route, piece, leaf, direction)] * self.layout.micro_batches + mb
+
+    def _rank(self, stage: str, replica: int) -> int:
+        return self.layout.stages[stage].rank_of(replica)
+
+    def _put(self, dst: int, tensor: torch.Tensor, key: tuple, tag: int) -> None:
+        if dst == self.rank:
+            self.mailbox[key] = tensor.detach().clone()
+        else:
+            tensor = tensor.detach().contiguous()
+            self.sends.append(dist.isend(tensor, dst, tag=tag))
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def _get(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, key: tuple, tag: int) -> torch.Tensor:
+        if src == self.rank:
+            return self.mailbox.pop(key)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        t0 = _now()
+        dist.recv(buf, src, tag=tag)
+        self.wait_s += _now() - t0
+        return buf
+
+    # forward: producer replica -> consumer replicas
+    def send_forward(self, route_idx: int, replica: int, mb: int, value: Any) -> None:
+        route = self.layout.routes[route_idx]
+        start0, _ = self.layout.slice(route.src, replica)
+        leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+        for k, p in enumerate(route.pieces):
+            if p.src_replica != replica:
+                continue
+            dst = self._rank(route.dst, p.dst_replica)
+            for leaf, t in enumerate(leaves):
+                key = (route_idx, k, leaf, 0, mb)
+                self._put(dst, t[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
+
+    def recv_forward(self, route_idx: int, replica: int, mb: int) -> tuple[Any, list[torch.Tensor]]:
+        """The producer's output for this consumer replica's samples, as fresh leaves requiring grad."""
+        route = self.layout.routes[route_idx]
+        spec = self.specs[route.block]
+        parts: list[list[torch.Tensor]] = [[] for _ in spec.leaves]
+        for k, p in self._pieces_into(route, replica):
+            src = self._rank(route.src, p.src_replica)
+            for leaf, (shape, dtype) in enumerate(spec.leaves):
+                key = (route_idx, k, leaf, 0, mb)
+                parts[leaf].append(self._get(src, (p.stop - p.start, *shape), dtype, key, self.tag(*key[:4], mb)))
+        leaves = [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in parts]
+        leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
+        return tree_unflatten(leaves, spec.tree), leaves
+
+    # backward: consumer replica -> producer replicas
+    def send_backward(self, route_idx: int, replica: int, mb: int, leaves: list[torch.Tensor]) -> None:
+        route = self.layout.routes[route_idx]
+        start0, _ = self.layout.slice(route.dst, replica)
+        for k, p in self._pieces_into(route, replica):
+            src = self._rank(route.src, p.src_replica)
+            for leaf, t in enumerate(leaves):
+                if not t.is_floating_point():
+                    continue
+                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                key = (route_idx, k, leaf, 1, mb)
+                self._put(src, grad[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
+
+    def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
+        """Add the gradients of this producer replica's output that the route's consumers send back."""
+        route = self.layout.routes[route_idx]
+        spec = self.specs[route.block]
+        start0, _ = self.layout.slice(route.src, replica)
+        for k, p in enumerate(route.pieces):
+            if p.src_replica != replica:
+                continue
+            dst = self._rank(route.dst, p.dst_replica)
+            for leaf, (shape, dtype) in enumerate(spec.leaves):
+                if not dtype.is_floating_point:
+                    continue
+                key = (route_idx, k, leaf, 1, mb)
+                piece = self._get(dst, (p.stop - p.start, *shape), dtype, key, self.tag(*key[:4], mb))
+                if grads[leaf] is None:
+                    n = self.layout.slice(route.src, replica)
+                    grads[leaf] = torch.zeros((n[1] - n[0], *shape), dtype=dtype, device=self.device)
+                grads[leaf][p.start - start0:p.stop - start0] += piece
+
+    def _pieces_into(self, route: Route, replica: int):
+        return sorted(((k, p) for k, p in enumerate(route.pieces) if p.dst_replica == replica), key=lambda kp: kp[1].start)
+
+    def finish(self) -> None:
+        """Wait for every send of the step (bounded by the process group's timeout)."""
+        t0 = _now()
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
+        self.wait_s += _now() - t0
+        if self.mailbox:
+            raise RuntimeError(f"{len(self.mailbox)} local hand-overs were never consumed: schedule bug")
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()

@@ -1,0 +1,70 @@
+"""This rank's part of the model: the traced program, its local blocks, and the shape of every block output."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from runtime.boundary import OutputSpec
+from runtime.program import Program, block_modules, trace_program
+
+
+@dataclass
+class RankModel:
+    model: nn.Module  # the module tree; blocks of other ranks are moved to the meta device (no memory)
+    program: Program
+    local: dict[str, nn.Module]  # this rank's blocks by name
+    specs: dict[str, OutputSpec]  # every block's output structure (for receive buffers)
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.local.values():
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+def output_specs(model: nn.Module, example: dict[str, Any]) -> dict[str, OutputSpec]:
+    """Per-sample output shapes of every block, from one forward on fake tensors (no compute)."""
+    specs: dict[str, OutputSpec] = {}
+    handles = []
+    for name, m in block_modules(model).items():
+        def hook(module, args, output, name=name):
+            flat, tree = tree_flatten(output)
+            specs[name] = OutputSpec(tree, tuple((tuple(t.shape[1:]), t.dtype) for t in flat if isinstance(t, torch.Tensor)))
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            batch = {k: mode.from_tensor(v[:1]) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return specs
+
+
+def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: set[str], device: torch.device) -> RankModel:
+    """Trace the model, record output shapes, keep only `local_blocks` in memory (on `device`)."""
+    program = trace_program(model, example)
+    specs = output_specs(model, example)
+    blocks = block_modules(model)
+    shared = _shared_across(blocks, local_blocks)
+    if shared:
+        raise ValueError(f"parameter shared between a local and a remote block ({shared}); tied weights across stages are not supported")
+    for name, m in blocks.items():
+        m.to(device if name in local_blocks else torch.device("meta"))
+    return RankModel(model, program, {n: blocks[n] for n in local_blocks}, specs)
+
+
+def _shared_across(blocks: dict[str, nn.Module], local: set[str]) -> str:
+    owner: dict[int, str] = {}
+    for name, m in blocks.items():
+        for p in m.parameters():
+            other = owner.setdefault(id(p), name)
+            if other != name and (other in local) != (name in local):
+                return f"{other} and {name}"
+    return ""

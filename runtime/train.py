@@ -1,0 +1,276 @@
+"""The per-rank training loop: data, the rank's tasks in schedule order, gradient reduction, optimizer, metrics.
+
+Loss scaling: the loss stage's replica r computes the model's loss over its samples of micro-batch j
+and back-propagates loss / (dp * m); every stage then sums its gradients over its dp replicas. For a
+loss that is a mean over samples this equals the single-process step over the global batch with m
+micro-batches of gradient accumulation (reference.py), which the parity tests check.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plans.plan import Plan
+from runtime.boundary import Exchange
+from runtime.data import Prefetcher, open_dataset
+from runtime.launch import RankContext
+from runtime.layout import Layout, build_layout
+from runtime.program import evaluate, tensor_leaves, trace_program
+from runtime.schedule import Task, has_backward, task_orders
+from runtime.source import call_factory, resolve
+from runtime.stage import RankModel, build_rank_model
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs to train; identical on every rank."""
+
+    plan: Plan
+    model: str  # model source: zoo name, architecture TOML, or package.module:factory
+    steps: int
+    seed: int = 0
+    lr: float = 1e-3
+    data: str | None = None  # None: the built-in synthetic dataset; else package.module:factory
+    log: str | None = None  # JSONL path written by rank 0
+    probe_grads: bool = False  # return the first step's gradients (parity tests)
+    fail_at: tuple[int, int] | None = None  # (rank, step): raise there (failure-handling tests)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    step_time_s: float
+    compute_s: list[float] = field(default_factory=list)
+    comm_s: list[float] = field(default_factory=list)
+    idle_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: list[float] = field(default_factory=list)
+
+
+def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, Any]]:
+    """The model with its initial weights: the same on every rank and in the reference run."""
+    torch.manual_seed(job.seed)
+    return call_factory(resolve(job.model), micro_batch)
+
+
+def vocab_of(model: nn.Module) -> int:
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes) if sizes else 2
+
+
+def step_samples(step: int, plan: Plan, mb: int, start: int, stop: int) -> range:
+    base = step * plan.training.global_batch + mb * plan.training.micro_batch
+    return range(base + start, base + stop)
+
+
+class RankTrainer:
+    """One rank's state for a whole run."""
+
+    def __init__(self, ctx: RankContext, job: Job):
+        self.ctx, self.job, self.plan = ctx, job, job.plan
+        model, example = build_model(job)
+        self.dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
+        program = trace_program(model, example)
+        self.layout: Layout = build_layout(self.plan, program)
+        local = {b for st in self.layout.stages_on(ctx.rank) for b in st.blocks}
+        self.rm: RankModel = build_rank_model(model, example, local, ctx.device)
+        self.stage_inputs = {key: _stage_inputs(self.rm, st.blocks, key == self.layout.loss_stage)
+                             for key, st in self.layout.stages.items()}
+        self.tasks: list[Task] = task_orders(self.layout, self.plan.training.schedule)[ctx.rank] \
+            if self.layout.stages_on(ctx.rank) else []
+        self.exchange = Exchange(self.layout, ctx.rank, self.rm.specs, ctx.device)
+        self.dp_groups = self._dp_groups()
+        self.params = self.rm.parameters()
+        self.optimizer = torch.optim.Adam(self.params, lr=job.lr) if self.params else None
+        self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
+
+    def _dp_groups(self) -> dict[str, Any]:
+        """One process group per stage with dp > 1 — created on every rank in the same order."""
+        groups = {}
+        for key, st in self.layout.stages.items():
+            if st.dp > 1:
+                g = dist.new_group(list(st.ranks))
+                if self.ctx.rank in st.ranks:
+                    groups[key] = g
+        return groups
+
+    def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
+        """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
+        out = {}
+        for st in self.layout.stages_on(self.ctx.rank):
+            keys = self.stage_inputs[st.key]
+            if not keys:
+                continue
+            r = st.replica_of(self.ctx.rank)
+            s0, s1 = self.layout.slice(st.key, r)
+            for j in range(self.layout.micro_batches):
+                batch = self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1))
+                out[(st.key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
+        return out
+
+    def run(self) -> dict[str, Any]:
+        results: dict[str, Any] = {"metrics": [], "grads": {}}
+        log = open(self.job.log, "w") if self.job.log and self.ctx.rank == 0 else None
+        try:
+            with Prefetcher(self._batches(s) for s in range(self.job.steps)) as batches:
+                for step in range(self.job.steps):
+                    metrics = self.step(step, next(batches), results)
+                    if self.ctx.rank == 0:
+                        results["metrics"].append(metrics.__dict__)
+                        if log:
+                            log.write(json.dumps(metrics.__dict__) + "\n")
+                            log.flush()
+        finally:
+            if log:
+                log.close()
+        return results
+
+    def step(self, step: int, batches: dict, results: dict) -> StepMetrics:
+        if self.job.fail_at == (self.ctx.rank, step):
+            raise RuntimeError(f"injected failure at step {step}")
+        t0 = time.perf_counter()
+        self.exchange.wait_s = 0.0
+        state: dict[tuple, Any] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        compute = 0.0
+        for task in self.tasks:
+            w0, c0 = self.exchange.wait_s, time.perf_counter()
+            if task.kind == "F":
+                loss_sum += self.forward(task, batches, state)
+            else:
+                self.backward(task, state)
+            compute += time.perf_counter() - c0 - (self.exchange.wait_s - w0)
+        self.exchange.finish()
+        c0 = time.perf_counter()
+        self.reduce_gradients()
+        comm = self.exchange.wait_s + time.perf_counter() - c0
+        if step == 0 and self.job.probe_grads:
+            names = {id(p): n for n, p in self.rm.model.named_parameters()}
+            results["grads"] = {names[id(p)]: p.grad.detach().clone() for p in self.params if p.grad is not None}
+        c0 = time.perf_counter()
+        if self.optimizer:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        compute += time.perf_counter() - c0
+        step_time = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+        if self.ctx.device.type == "cuda":
+            peak = float(torch.cuda.max_memory_allocated(self.ctx.device))
+        row = torch.tensor([float(loss_sum), step_time, compute, comm, peak], dtype=torch.float64)
+        gathered = [torch.zeros_like(row) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, row)
+        rows = torch.stack(gathered).tolist()
+        return StepMetrics(
+            step=step, loss=sum(r[0] for r in rows), step_time_s=max(r[1] for r in rows),
+            compute_s=[r[2] for r in rows], comm_s=[r[3] for r in rows],
+            idle_s=[max(0.0, r[1] - r[2] - r[3]) for r in rows], peak_memory_bytes=[r[4] for r in rows],
+        )
+
+    def forward(self, task: Task, batches: dict, state: dict) -> float:
+        lay, rm = self.layout, self.rm
+        st = lay.stages[task.stage]
+        batch = batches.get((task.stage, task.replica, task.mb), {})
+        received: dict[str, Any] = {}
+        leaves_in: dict[int, list[torch.Tensor]] = {}
+        for route in lay.routes_into(task.stage):
+            i = self.route_index[id(route)]
+            received[route.block], leaves_in[i] = self.exchange.recv_forward(i, task.replica, task.mb)
+
+        def fetch(node):
+            if node.op == "placeholder":
+                return batch[str(node.target)]
+            if node.op == "get_attr":
+                return rm.model.get_submodule("").get_parameter(str(node.target))
+            return received[str(node.target)]
+
+        env: dict = {}
+        mine = {b: rm.local[b] for b in st.blocks}  # blocks of other stages arrive through routes
+        grad = has_backward(lay, task.stage)
+        with torch.set_grad_enabled(grad):
+            for b in st.blocks:
+                evaluate(rm.program.blocks[b], env, fetch, mine)
+            loss = None
+            if task.stage == lay.loss_stage:
+                loss = evaluate(rm.program.output, env, fetch, mine) / (st.dp * lay.micro_batches)
+        outputs = {}
+        for route in lay.routes_out_of(task.stage):
+            value = env[rm.program.blocks[route.block]]
+            self.exchange.send_forward(self.route_index[id(route)], task.replica, task.mb, value)
+            outputs[route.block] = value
+        if grad:
+            state[(task.stage, task.replica, task.mb)] = (outputs, leaves_in, loss)
+        return float(loss.detach()) if loss is not None else 0.0
+
+    def backward(self, task: Task, state: dict) -> None:
+        outputs, leaves_in, loss = state.pop((task.stage, task.replica, task.mb))
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if loss is not None:
+            roots.append(loss)
+            grads.append(None)
+        by_block: dict[str, list[torch.Tensor | None]] = {}
+        for route in self.layout.routes_out_of(task.stage):
+            if not has_backward(self.layout, route.dst):
+                continue
+            g = by_block.setdefault(route.block, [None] * len(self.rm.specs[route.block].leaves))
+            self.exchange.recv_backward(self.route_index[id(route)], task.replica, task.mb, g)
+        for block, g in by_block.items():
+            for t, gt in zip(tensor_leaves(outputs[block]), g):
+                if gt is not None and t.requires_grad:
+                    roots.append(t)
+                    grads.append(gt)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for i, leaves in leaves_in.items():
+            self.exchange.send_backward(i, task.replica, task.mb, leaves)
+
+    def reduce_gradients(self) -> None:
+        """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage)."""
+        for key, group in self.dp_groups.items():
+            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
+            params = list({id(p): p for p in params}.values())
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if not params:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+    def close(self) -> None:
+        self.optimizer = None
+        self.rm = None
+        gc.collect()
+
+
+def _stage_inputs(rm: RankModel, blocks: tuple[str, ...], loss: bool) -> tuple[str, ...]:
+    keys: set[str] = set()
+    for b in blocks:
+        if b in rm.program.blocks:
+            keys |= rm.program.deps(rm.program.blocks[b])[1]
+    if loss:
+        keys |= rm.program.deps(rm.program.output)[1]
+    return tuple(sorted(keys))
+
+
+def train_rank(ctx: RankContext, job: Job) -> dict[str, Any]:
+    """Worker entry for runtime.launch: train, and return rank 0's metrics (and probed gradients)."""
+    torch.manual_seed(job.seed)
+    trainer = RankTrainer(ctx, job)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

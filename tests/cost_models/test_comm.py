@@ -1,0 +1,78 @@
+"""Alpha-beta collectives against NCCL's bus-bandwidth definitions and MPICH's ring costs; link choice."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cost_models.comm import (
+    all_gather_time,
+    all_reduce_time,
+    broadcast_time,
+    link_for,
+    p2p_time,
+    pair_link,
+    reduce_scatter_time,
+    ring_bytes_sent,
+)
+from cost_models.hardware import catalog_cluster
+from plans.cluster import Link
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("n", [2, 8, 64, 1024])
+def test_ring_all_reduce_runs_at_bus_bandwidth(n):
+    # nccl-tests PERFORMANCE.md: all-reduce busbw = algbw * 2(n-1)/n equals the link bandwidth of a ring.
+    link = Link(bandwidth=450e9)
+    t = all_reduce_time(GIB, n, link)
+    assert GIB / t * 2 * (n - 1) / n == pytest.approx(link.bandwidth, rel=1e-12)
+
+
+@pytest.mark.parametrize("collective", [all_gather_time, reduce_scatter_time])
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_all_gather_and_reduce_scatter_run_at_bus_bandwidth(collective, n):
+    # nccl-tests PERFORMANCE.md: all-gather / reduce-scatter busbw = algbw * (n-1)/n.
+    link = Link(bandwidth=50e9)
+    assert GIB / collective(GIB, n, link) * (n - 1) / n == pytest.approx(link.bandwidth, rel=1e-12)
+
+
+def test_ring_latency_terms_count_the_ring_steps():
+    # Thakur et al. 2005: a ring all-reduce takes 2(n-1) steps, all-gather / reduce-scatter n-1 steps.
+    fast, slow = Link(1e12, 0.0), Link(1e12, 1e-5)
+    for n in (2, 16):
+        assert all_reduce_time(1e6, n, slow) - all_reduce_time(1e6, n, fast) == pytest.approx(2 * (n - 1) * 1e-5)
+        assert all_gather_time(1e6, n, slow) - all_gather_time(1e6, n, fast) == pytest.approx((n - 1) * 1e-5)
+
+
+def test_all_reduce_is_a_reduce_scatter_then_an_all_gather():
+    link = Link(25e9, 5e-6)
+    assert all_reduce_time(3e8, 16, link) == pytest.approx(reduce_scatter_time(3e8, 16, link) + all_gather_time(3e8, 16, link))
+
+
+def test_broadcast_is_one_message_for_two_ranks_and_scatter_allgather_when_large():
+    link = Link(25e9, 5e-6)
+    assert broadcast_time(1e6, 2, link) == pytest.approx(p2p_time(1e6, link))
+    # Long messages: van de Geijn scatter + all-gather moves 2(n-1)/n of the message, like an all-reduce.
+    big = 64 * GIB
+    assert broadcast_time(big, 64, link) == pytest.approx(2 * 63 / 64 * big / link.bandwidth, rel=1e-4)
+    # Short messages: a binomial tree of ceil(log2 n) hops.
+    assert broadcast_time(8, 64, link) == pytest.approx(math.ceil(math.log2(64)) * p2p_time(8, link))
+
+
+def test_nothing_to_do_costs_nothing():
+    link = Link(1e9, 1e-3)
+    assert all_reduce_time(GIB, 1, link) == all_gather_time(GIB, 1, link) == broadcast_time(GIB, 1, link) == 0.0
+    assert p2p_time(0, link) == all_reduce_time(0, 8, link) == 0.0
+    assert ring_bytes_sent(GIB, 1, all_reduce=True) == 0.0
+    assert ring_bytes_sent(GIB, 4, all_reduce=True) == 2 * ring_bytes_sent(GIB, 4, all_reduce=False) == 1.5 * GIB
+
+
+def test_link_for_is_the_slowest_link_the_ranks_span():
+    cluster = catalog_cluster("16xh100-sxm")  # two nodes of 8
+    assert link_for(cluster, range(8)) == cluster.intra_node
+    assert link_for(cluster, [7, 8]) == cluster.inter_node
+    assert link_for(cluster, [3]) == cluster.intra_node
+    assert pair_link(cluster, [0, 1], [8, 9]) == cluster.inter_node
+    assert pair_link(cluster, [0, 1], [2, 3]) == cluster.intra_node
+    assert pair_link(cluster, [0, 1], [0, 1]) is None  # every rank hands over to itself

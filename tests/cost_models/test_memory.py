@@ -1,0 +1,95 @@
+"""Per-rank memory: ZeRO model states (paper's Figure 1), activations in flight per schedule, tiers."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.memory import (
+    TierBytes,
+    block_input_bytes,
+    in_flight,
+    model_state_bytes,
+    optimizer_bytes_per_param,
+    stage_memory,
+    warmup_forwards,
+)
+from plans.graph import Block, Edge, Profile, fingerprint
+from plans.plan import Memory
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("zero,figure_gb,digits", [(0, 120, 9), (1, 31.4, 1), (2, 16.6, 1), (3, 1.875, 9)])
+def test_zero_paper_figure_1(zero, figure_gb, digits):
+    # Rajbhandari et al. 2020, Figure 1: 7.5 B parameters, Nd = 64, mixed-precision Adam (K = 12):
+    # 120 GB, 31.4 GB, 16.6 GB and 1.875 GB per device for baseline DP and ZeRO stages 1-3 (the figure
+    # prints stages 1 and 2 to one decimal).
+    state = model_state_bytes(7.5e9, dp=64, zero=zero, dtype="bf16", optimizer="adam")
+    assert round(state.total / GB, digits) == figure_gb
+
+
+def test_optimizer_state_sizes():
+    assert optimizer_bytes_per_param("bf16", "adam") == 12  # ZeRO section 3.1: K = 12
+    assert optimizer_bytes_per_param("fp32", "adam") == 8  # momentum + variance, the fp32 weights are the master
+    assert optimizer_bytes_per_param("fp16", "sgd") == 8
+    assert model_state_bytes(1e9, dp=1, zero=3, dtype="fp32").total == 16e9
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 4), (1, 3)])
+def test_in_flight_micro_batches_per_schedule(p, m):
+    for i in range(p):
+        # 1F1B: stage i holds min(m, p - i) (Narayanan et al. 2021, 2.2.1); GPipe holds all m.
+        assert in_flight("1f1b", m, warmup_forwards("1f1b", m, p - i - 1)) == min(m, p - i)
+        assert in_flight("gpipe", m, warmup_forwards("gpipe", m, p - i - 1)) == m
+
+
+def test_interleaved_first_stage_matches_korthikanti():
+    p, v, m = 8, 4, 64
+    # Korthikanti et al. 2022 4.2.3: the first stage of the interleaved schedule holds p (1 + (p-1)/(p v)).
+    first, last = (warmup_forwards("interleaved", m, down, v, p) for down in (p - 1, 0))
+    assert in_flight("interleaved", m, first, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert in_flight("interleaved", m, last, v) < in_flight("interleaved", m, first, v)
+
+
+def chain(n: int = 3) -> Profile:
+    blocks = tuple(Block(f"b{i}", "g", "Layer", 1000, 2000, 1.0, 2.0, activation_bytes=100.0 * (i + 1),
+                         output_bytes=10.0 * (i + 1), supports_tp=i > 0) for i in range(n))
+    edges = tuple(Edge(f"b{i}", f"b{i + 1}", 10.0 * (i + 1)) for i in range(n - 1))
+    return Profile("chain", fingerprint(blocks, edges, ()), "bf16", 1, blocks, edges)
+
+
+def memory_of(profile: Profile, memory: Memory, *, tp: int = 1, dp: int = 1, zero: int = 0, flight: float = 4) -> TierBytes:
+    return stage_memory(profile.blocks, samples=2, tp=tp, dp=dp, zero=zero, memory=memory, in_flight_micro_batches=flight,
+                        input_bytes=block_input_bytes(profile))
+
+
+def test_recompute_keeps_only_the_block_input_plus_one_block():
+    profile = chain()
+    keep = memory_of(profile, Memory())
+    recompute = memory_of(profile, Memory(activations={"b1": "recompute", "b2": "recompute"}))
+    # b1 keeps its input (b0's output, 10 B/sample) instead of 200 B/sample; b2 keeps 20 instead of 300;
+    # one of them (the larger, b2) is rebuilt at a time.
+    saved = 4 * 2 * ((200 - 10) + (300 - 20)) - 2 * 300
+    assert keep.gpu - recompute.gpu == pytest.approx(saved)
+
+
+def test_offloaded_activations_and_states_move_tiers():
+    profile = chain()
+    gpu_only = memory_of(profile, Memory())
+    moved = memory_of(profile, Memory(optimizer="cpu", activations={"b2": "offload-nvme"}))
+    assert moved.cpu == 12 * 3000  # the optimizer states of all 3000 parameters
+    assert moved.nvme == 4 * 2 * 300  # b2's activations for the 4 micro-batches in flight
+    assert moved.gpu + moved.cpu + moved.nvme - 2 * 2 * 300 == pytest.approx(gpu_only.gpu)  # + a 2-block buffer
+
+
+def test_tensor_parallel_divides_only_the_blocks_that_support_it():
+    profile = chain()
+    one, two = memory_of(profile, Memory()), memory_of(profile, Memory(), tp=2)
+    # b1, b2 (2000 params, 500 B/sample of activations) halve; b0 (1000 params, 100 B/sample) does not.
+    assert one.gpu - two.gpu == pytest.approx(16 * 2000 / 2 + 4 * 2 * 500 / 2)
+
+
+def test_block_input_bytes_falls_back_to_the_previous_output():
+    profile = chain()
+    assert block_input_bytes(profile) == {"b0": 0.0, "b1": 10.0, "b2": 20.0}
+    bare = Profile("bare", "x", "bf16", 1, profile.blocks, ())
+    assert block_input_bytes(bare) == {"b0": 0.0, "b1": 10.0, "b2": 20.0}

@@ -1,0 +1,196 @@
+"""Pipeline simulator against the literature: bubbles of GPipe / 1F1B / interleaved, groups in parallel or colocated."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.comm import all_reduce_time, p2p_time
+from cost_models.compute import optimizer_step_time
+from cost_models.offload import transfer_time
+from cost_models.pipeline import simulate
+from plans import plan as P
+from plans.cluster import Cluster, Device, Link
+from plans.errors import MmplanError
+from plans.graph import Block, Edge, Profile, fingerprint
+
+PEAK = 1e12  # FLOP/s; efficiency 1 everywhere, so a block of f FLOPs per sample takes f x samples / PEAK s
+
+
+def make_cluster(nodes: int = 4, gpus_per_node: int = 8) -> Cluster:
+    device = Device("sim", {"bf16": PEAK, "fp32": PEAK}, 80 * 10**9, 2e12, ((1.0, 1.0),))
+    return Cluster("sim", nodes, gpus_per_node, device, intra_node=Link(1e11, 1e-6), inter_node=Link(1e10, 1e-5),
+                   host_to_device=Link(2e10, 1e-5), nvme=Link(8e9, 1e-4), host_memory_bytes=10**12, nvme_bytes=10**13)
+
+
+def make_profile(spec: list[tuple[str, int, float]], cross: tuple[tuple[str, str], ...] = (), *,
+                 edge_bytes: float = 0.0, params: int = 0, activation_bytes: float = 0.0) -> Profile:
+    """Groups of `n` identical blocks "<group>.<i>" chained in order; fwd FLOPs f and bwd 2f per sample."""
+    blocks, edges = [], []
+    for group, n, flops in spec:
+        for i in range(n):
+            blocks.append(Block(f"{group}.{i}", group, "Layer", params, 2 * params, flops, 2 * flops,
+                                activation_bytes, edge_bytes, signature=group))
+            if i:
+                edges.append(Edge(f"{group}.{i - 1}", f"{group}.{i}", edge_bytes))
+    edges += [Edge(s, d, edge_bytes) for s, d in cross]
+    b, e = tuple(blocks), tuple(edges)
+    return Profile("synthetic", fingerprint(b, e, ()), "bf16", 1, b, e)
+
+
+def make_group(name: str, blocks: list[list[str]], *, first_rank: int = 0, dp: int = 1, tp: int = 1,
+               colocated_with: str | None = None, zero: int = 0, memory: P.Memory | None = None) -> P.Group:
+    n = dp * tp
+    stages = tuple(P.Stage(tuple(bs), tuple(range(first_rank + i * n, first_rank + (i + 1) * n)), memory or P.Memory())
+                   for i, bs in enumerate(blocks))
+    return P.Group(name, dp, tp, len(stages), stages, zero=zero, colocated_with=colocated_with)
+
+
+def make_plan(profile: Profile, groups: list[P.Group], training: P.Training, cluster: Cluster | None = None) -> P.Plan:
+    plan = P.Plan(P.ProfileRef(profile.model, profile.fingerprint), cluster or make_cluster(), training, tuple(groups))
+    return P.check_plan(plan, profile)  # the plans/ contract's own checks; derives the boundaries
+
+
+def even_pipeline(p: int, m: int, schedule: str = "1f1b", v: int = 1, flops: float = 1e9) -> tuple[P.Plan, Profile]:
+    """p equal stages (v chunks each, one block per chunk), block k on stage k % p (Megatron's interleaving)."""
+    profile = make_profile([("llm", p * v, flops)])
+    stages = [[f"llm.{k}" for k in range(p * v) if k % p == i] for i in range(p)]
+    return make_plan(profile, [make_group("llm", stages)], P.Training(m, m, schedule, v)), profile
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 8), (8, 32), (3, 5)])
+def test_bubble_of_equal_stages_is_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
+    # Narayanan et al. 2021 section 2.2.1 (and GPipe, Huang et al. 2019): with p equal stages, m micro-batches
+    # and free p2p, the step is (m + p - 1)(tf + tb) and the bubble is (p - 1) / (m + p - 1) of it.
+    plan, profile = even_pipeline(p, m, schedule)
+    sim = simulate(plan, profile)
+    tf, tb = 1e9 / PEAK, 2e9 / PEAK
+    assert sim.pipeline_time_s == pytest.approx((m + p - 1) * (tf + tb), rel=1e-12)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+    assert sim.step_time_s == sim.pipeline_time_s  # no parameters: no gradient sync, no optimizer work
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 3, 16)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m_of_the_ideal(p, v, m):
+    # Narayanan et al. 2021 section 2.2.2: v model chunks per rank shrink the bubble to (p - 1) / v of a
+    # stage's (tf + tb), i.e. (p - 1) / (v m) relative to the ideal m (tf + tb).
+    plan, profile = even_pipeline(p, m, "interleaved", v)
+    sim = simulate(plan, profile)
+    ideal = m * v * 3e9 / PEAK  # v blocks of (1 + 2) GFLOP per micro-batch on every rank
+    assert sim.stages[0].chunks == v
+    assert (sim.pipeline_time_s - ideal) / ideal == pytest.approx((p - 1) / (v * m), rel=1e-9)
+
+
+def test_interleaved_holds_the_korthikanti_in_flight_activations():
+    plan, profile = even_pipeline(4, 8, "interleaved", 2)
+    sim = simulate(plan, profile)
+    # Korthikanti et al. 2022, 4.2.3: the first stage holds p (1 + (p - 1) / (p v)) micro-batches.
+    assert sim.stages[0].in_flight == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_p2p_adds_two_sends_per_stage_boundary_on_the_critical_path():
+    p, nbytes = 4, 1e6
+    profile = make_profile([("llm", p, 1e9)], edge_bytes=nbytes)
+    cluster = make_cluster(nodes=4, gpus_per_node=1)  # every stage on its own node: inter-node sends
+    plan = make_plan(profile, [make_group("llm", [[f"llm.{i}"] for i in range(p)])], P.Training(1, 1), cluster)
+    sim = simulate(plan, profile)
+    hop = p2p_time(nbytes, cluster.inter_node)
+    assert sim.pipeline_time_s == pytest.approx(p * 3e9 / PEAK + 2 * (p - 1) * hop, rel=1e-12)
+
+
+def two_encoders(colocated: bool) -> tuple[P.Plan, Profile]:
+    profile = make_profile([("img", 1, 3e9), ("aud", 1, 1e9), ("llm", 2, 2e9)], cross=(("img.0", "llm.0"), ("aud.0", "llm.0")))
+    img = make_group("img", [["img.0"]], first_rank=0)
+    aud = make_group("aud", [["aud.0"]], first_rank=0 if colocated else 1, colocated_with="img" if colocated else None)
+    llm = make_group("llm", [["llm.0", "llm.1"]], first_rank=2)
+    return make_plan(profile, [img, aud, llm], P.Training(1, 1)), profile
+
+
+def test_non_colocated_encoders_run_in_parallel_and_colocated_ones_in_sequence():
+    # The heterogeneous-parallelism paper (seed 002): disjoint rank sets run the encoders concurrently, so
+    # the step is max(encoders) + LLM; colocated encoders time-share their ranks, so it is their sum + LLM.
+    img, aud, llm = 3e9 / PEAK, 1e9 / PEAK, 4e9 / PEAK  # forward seconds; backward is twice as long
+    apart = simulate(*two_encoders(colocated=False))
+    shared = simulate(*two_encoders(colocated=True))
+    assert apart.pipeline_time_s == pytest.approx(3 * (max(img, aud) + llm), rel=1e-12)
+    assert shared.pipeline_time_s == pytest.approx(3 * (img + aud + llm), rel=1e-12)
+    assert len(shared.stages) == 3 and shared.representative[0] == 0
+
+
+def test_encoder_feeding_a_pipeline_warms_up_like_an_extra_stage():
+    # A pp=1 encoder on its own ranks in front of a 4-stage LLM is a 5-stage pipeline of equal stages.
+    p, m = 4, 8
+    profile = make_profile([("enc", 1, 1e9), ("llm", p, 1e9)], cross=(("enc.0", "llm.0"),))
+    enc = make_group("enc", [["enc.0"]], first_rank=0)
+    llm = make_group("llm", [[f"llm.{i}"] for i in range(p)], first_rank=1)
+    sim = simulate(make_plan(profile, [enc, llm], P.Training(m, m)), profile)
+    assert sim.stages[0].downstream == p
+    assert sim.bubble_fraction == pytest.approx(p / (m + p), rel=1e-12)
+
+
+def test_colocated_encoder_across_two_llm_stages_does_not_deadlock():
+    profile = make_profile([("enc", 1, 1e9), ("llm", 2, 1e9)], cross=(("enc.0", "llm.0"),))
+    llm = make_group("llm", [["llm.0"], ["llm.1"]], dp=2)  # ranks 0-1 and 2-3
+    enc = make_group("enc", [["enc.0"]], dp=4, colocated_with="llm")  # ranks 0-3
+    for schedule in ("1f1b", "gpipe"):
+        sim = simulate(make_plan(profile, [enc, llm], P.Training(32, 8, schedule)), profile)
+        assert len(set(sim.representative.values())) == 2  # rank classes: {enc, llm s0} and {enc, llm s1}
+        assert sim.pipeline_time_s > 0
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_encoder_feeding_an_interleaved_llm_warms_up_as_far_as_the_llm_reads_ahead(colocated):
+    # Interleaved stage 0 forwards 2(p-1) + (v-1)p + 1 chunks -- micro-batches 0..p-1 twice, then p..p+2 --
+    # before its first backward: an encoder stuck waiting for gradient 0 after fewer forwards would deadlock.
+    p, v, m = 4, 2, 8
+    profile = make_profile([("enc", 2, 1e9), ("llm", p * v, 1e9)], cross=(("enc.1", "llm.0"),))
+    llm = make_group("llm", [[f"llm.{k}" for k in range(p * v) if k % p == i] for i in range(p)], first_rank=0 if colocated else 1)
+    enc = make_group("enc", [["enc.0", "enc.1"]], dp=p if colocated else 1, colocated_with="llm" if colocated else None)
+    sim = simulate(make_plan(profile, [enc, llm], P.Training(m * p, m, "interleaved", v)), profile)
+    encoder = next(s for s in sim.stages if s.group == "enc")
+    distinct_before_first_backward = p + 3
+    assert encoder.warmup + 1 >= distinct_before_first_backward
+    assert encoder.in_flight == encoder.warmup + 1
+
+
+def test_gradient_all_reduce_and_optimizer_follow_the_last_backward():
+    profile = make_profile([("llm", 2, 1e9)], params=10**8)
+    cluster = make_cluster()
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=8)], P.Training(8, 1), cluster)
+    sim = simulate(plan, profile)
+    grads = 2 * 2 * 10**8  # bf16 gradients of two blocks
+    tail = all_reduce_time(grads, 8, cluster.intra_node) + optimizer_step_time(2 * 10**8, P.Memory(), cluster)
+    assert sim.step_time_s - sim.pipeline_time_s == pytest.approx(tail, rel=1e-12)
+    assert sim.busy[3].comm == pytest.approx(all_reduce_time(grads, 8, cluster.intra_node), rel=1e-12)
+    assert sim.comm_bytes == pytest.approx(8 * 2 * 7 / 8 * grads, rel=1e-12)  # ring: 2(n-1)/n per rank
+
+
+def test_offload_only_extends_the_step_by_what_compute_does_not_hide():
+    act = 4e8  # bytes per sample: 20 ms over PCIe at 20 GB/s, against 1 ms of forward compute
+    profile = make_profile([("llm", 1, 1e9)], activation_bytes=act)
+    cluster = make_cluster()
+    offloaded = P.Memory(activations={"llm.0": "offload-cpu"})
+    plan = make_plan(profile, [make_group("llm", [["llm.0"]], memory=offloaded)], P.Training(1, 1), cluster)
+    sim = simulate(plan, profile)
+    move = transfer_time(act, "cpu", cluster)
+    assert sim.stages[0].fwd_s == pytest.approx(max(1e-3, move), rel=1e-12)
+    assert sim.stages[0].bwd_s == pytest.approx(max(2e-3, move), rel=1e-12)
+    assert sim.busy[0].transfer == pytest.approx(2 * move, rel=1e-12)
+    lanes = {e.lane for e in sim.timeline}
+    assert lanes == {"compute", "transfer"}
+
+
+def test_timeline_events_stay_inside_the_step_and_lanes_do_not_overlap():
+    plan, profile = even_pipeline(4, 8, "interleaved", 2)
+    sim = simulate(plan, profile)
+    for rank in (0, 3):
+        compute = sorted((e.start, e.end) for e in sim.rank_timeline(rank) if e.lane == "compute")
+        assert len(compute) == 2 * 8 * 2
+        assert all(a[1] <= b[0] + 1e-15 for a, b in zip(compute, compute[1:]))
+        assert all(0 <= s <= e <= sim.step_time_s for s, e in compute)
+
+
+def test_a_cycle_between_groups_is_reported():
+    profile = make_profile([("a", 1, 1e9), ("b", 1, 1e9)], cross=(("a.0", "b.0"), ("b.0", "a.0")))
+    plan = make_plan(profile, [make_group("a", [["a.0"]]), make_group("b", [["b.0"]], first_rank=1)], P.Training(1, 1))
+    with pytest.raises(MmplanError, match="cycle"):
+        simulate(plan, profile)
