@@ -1,0 +1,504 @@
+"""Hardware specs: the device catalog, cluster specs from a shorthand or a TOML file (and back), device efficiency."""
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import tomllib
+from dataclasses import replace
+from decimal import ROUND_HALF_EVEN, Decimal
+from pathlib import Path
+from typing import Any
+
+from plans.cluster import BACKENDS, DTYPES, Cluster, Device, Link
+from plans.errors import FormatError, MmplanError
+
+# Units. Datasheets use SI: "GB/s" = 1e9 bytes/s, "TFLOPS" = 1e12 FLOP/s. The TOML format uses the same
+# (memory_gb = 1e9 bytes, bandwidth_gbps = 1e9 bytes/s, latency_us = 1e-6 s, peak_tflops = 1e12 FLOP/s).
+GB = 10**9
+TB = 10**12
+MiB = 2**20
+GiB = 2**30
+GBps = 1e9
+TFLOPS = 1e12
+US = 1e-6
+
+
+def _launch_bound_curve(peak: float, best: float, launch_s: float) -> tuple[tuple[float, float], ...]:
+    """(flops, efficiency) points at 1e6..1e13 FLOPs for a kernel that costs launch_s + flops / (best * peak).
+
+    Roofline with a fixed per-launch cost (Williams et al., "Roofline", CACM 2009, plus launch overhead):
+    efficiency(f) = best * f / (f + best * peak * launch_s). Rounded to 3 digits so files stay readable.
+    """
+    knee = best * peak * launch_s
+    return tuple((10.0**k, float(f"{best * 10.0**k / (10.0**k + knee):.3g}")) for k in range(6, 14))
+
+
+# A CUDA kernel launch plus cuBLAS heuristics costs a few microseconds (estimate; "CUDA C++ Best Practices
+# Guide", section on kernel launch overhead). Large cuBLAS GEMMs reach ~75-80 % of the dense tensor peak
+# (estimate; see NVIDIA's blog "New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA
+# Hopper GPUs" for measured curves). Both are replaced by measurements with `mmplan calibrate` on the target.
+_GPU_LAUNCH_S = 5e-6
+_GPU_BEST_FRACTION = {"a100": 0.80, "hopper": 0.75}
+
+# Per-hop latencies of NCCL's own cost model, Ring / Simple protocol, in microseconds
+# (NVIDIA/nccl src/graph/tuning.cc, hwLat[NVLINK] = 3.4, hwLat[NET] = 9.6).
+_NVLINK_LATENCY_S = 3.4e-6
+_IB_LATENCY_S = 9.6e-6
+# A small cudaMemcpy host<->device costs ~10 us of setup (estimate, typical of CUDA bandwidthTest/nvbandwidth
+# at small sizes). NVMe read latency ~100 us (estimate, typical 4 KiB random read of a datacenter U.2 drive).
+_PCIE_LATENCY_S = 10e-6
+_NVME_LATENCY_S = 100e-6
+# Per-drive sequential write of a 3.84 TB PCIe Gen4 U.2 data-centre drive (Samsung PM1733 / KIOXIA CM6 product
+# briefs: ~3.5-4 GB/s write, ~6.5-7 GB/s read); a RAID-0 of n drives at ~80 % scaling is write-bound at ~3 GB/s x n.
+_NVME_WRITE_PER_DRIVE = 3.0 * GBps
+
+
+def _a100(name: str, memory_bytes: int, hbm_gbps: float) -> Device:
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5 TFLOPS; BF16/FP16 Tensor Core 312 TFLOPS dense
+    # (624 with sparsity).
+    peak = {"fp32": 19.5 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}
+    return Device(name, peak, memory_bytes, hbm_gbps * GBps,
+                  _launch_bound_curve(peak["bf16"], _GPU_BEST_FRACTION["a100"], _GPU_LAUNCH_S))
+
+
+def _hopper(name: str, memory_bytes: int, hbm_gbps: float) -> Device:
+    # NVIDIA H100 and H200 Tensor Core GPU datasheets (SXM): FP32 67 TFLOPS; BF16/FP16 Tensor Core 1,979 TFLOPS
+    # with sparsity = 989.4 dense (528 tensor cores x 1,024 FLOP/clk x 1.83 GHz boost). Same GH100 chip in both.
+    peak = {"fp32": 67 * TFLOPS, "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS}
+    return Device(name, peak, memory_bytes, hbm_gbps * GBps,
+                  _launch_bound_curve(peak["bf16"], _GPU_BEST_FRACTION["hopper"], _GPU_LAUNCH_S))
+
+
+def _dgx(name: str, device: Device, *, nvlink_gbps: float, ib_gbps: float, pcie_gbps: float,
+         host_memory_bytes: int, nvme_drives: int) -> Cluster:
+    """One DGX-style node of 8 GPUs: the template that shorthands like `64xh100-sxm` scale out."""
+    return Cluster(
+        name=name,
+        nodes=1,
+        gpus_per_node=8,
+        device=device,
+        intra_node=Link(nvlink_gbps * GBps, _NVLINK_LATENCY_S),
+        inter_node=Link(ib_gbps * GBps, _IB_LATENCY_S),
+        host_to_device=Link(pcie_gbps * GBps, _PCIE_LATENCY_S),
+        nvme=Link(nvme_drives * _NVME_WRITE_PER_DRIVE, _NVME_LATENCY_S),
+        host_memory_bytes=host_memory_bytes,
+        nvme_bytes=nvme_drives * 3840 * GB,  # DGX user guides: internal storage is n x 3.84 TB NVMe U.2
+        backend="nccl",
+    )
+
+
+# local-cpu: the machine mmplan's tests and demos run on -- a 2-core AMD EPYC (Zen 4, "Genoa") KVM guest with
+# ~23.5 GiB of RAM, torch CPU with gloo, one rank per core, one thread per rank (PLATFORM-NOTES.md).
+_LOCAL_CORES = 2
+_LOCAL_RAM = 24_684_096 * 1024  # /proc/meminfo MemTotal on the reference machine (kB)
+_LOCAL_CPU = Cluster(
+    name="local-cpu",
+    nodes=1,
+    gpus_per_node=_LOCAL_CORES,
+    device=Device(
+        name="local-cpu",
+        peak_flops={
+            # Zen 4 core: two 256-bit FMA pipes (AVX-512 runs double-pumped) = 32 fp32 FLOP/cycle, x 3.7 GHz
+            # max boost (AMD EPYC 9004 series product brief; AMD "Software Optimization Guide for the Zen 4
+            # Microarchitecture", section 2.11).
+            "fp32": 32 * 3.7e9,
+            # AVX512_BF16 VDPBF16PS does 2 bf16 products per fp32 lane: 2x the fp32 rate (same guide).
+            "bf16": 64 * 3.7e9,
+            # Zen 4 has no fp16 arithmetic (no AVX512-FP16); torch's CPU fp16 matmul measured ~3 GFLOP/s at
+            # n = 256 on the reference machine (2026, torch 2.13, 1 thread).
+            "fp16": 3e9,
+        },
+        memory_bytes=_LOCAL_RAM // _LOCAL_CORES,  # a rank's share of RAM (the "GPU" tier is host RAM here)
+        # 256 MiB copies, both ranks copying at once: 23 GB/s per rank counting bytes read + written
+        # (`mmplan calibrate` on the reference machine); rounded down.
+        memory_bandwidth=20 * GBps,
+        # fp32 n x n matmuls (2 n^3 FLOPs) for n = 32 .. 2048, 1 thread per rank, both ranks busy, relative to the
+        # 118.4 GFLOP/s peak above (`mmplan calibrate` on the reference machine: best 103 GFLOP/s at n = 256).
+        efficiency=((6.55e4, 0.24), (5.24e5, 0.61), (4.19e6, 0.81), (3.36e7, 0.87), (2.68e8, 0.87),
+                    (2.15e9, 0.82), (1.72e10, 0.79)),
+    ),
+    # gloo over loopback between processes on one machine: ~1 GB/s, ~0.5 ms per message. PLATFORM-NOTES.md:
+    # 1-element all-reduce ~0.9 ms (2 hops), 16 MB send 5-12 ms. `mmplan calibrate` on a quiet moment: 41 us /
+    # 4.5 GB/s send-recv, 125 us / 1.7 GB/s per hop for all-reduce; other jobs on the 2 shared cores stretch
+    # single messages to ~2 ms, hence the conservative figure. One machine: the inter-node link is the same.
+    intra_node=Link(1.0 * GBps, 0.5e-3),
+    inter_node=Link(1.0 * GBps, 0.5e-3),
+    # No device: "host to device" is a copy inside RAM, bytes copied per second (`mmplan calibrate`: 10.5 GB/s,
+    # 0.4 us per copy, both ranks copying).
+    host_to_device=Link(10 * GBps, 1e-6),
+    # The VM's virtual disk, temp file written with fsync and read back uncached (`mmplan calibrate`: 1.4 GB/s
+    # write, 2.3 GB/s read, 0.1-0.5 ms latency); rounded down for a shared disk.
+    nvme=Link(1.0 * GBps, 0.5e-3),
+    host_memory_bytes=_LOCAL_RAM,
+    nvme_bytes=50 * GB,  # ~80 GB free on the reference machine; planned against a conservative share
+    backend="gloo",
+)
+
+CATALOG: dict[str, Cluster] = {
+    # DGX A100 user guide (320 GB system): 8x A100-SXM4-40GB, 1 TB RAM, 4x 3.84 TB NVMe (15 TB),
+    # 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute = 25 GB/s per GPU per direction.
+    # 40960 MiB is the capacity nvidia-smi reports; HBM2 1,555 GB/s (A100 datasheet).
+    # NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction (600 GB/s total, A100 datasheet).
+    # PCIe Gen4 x16: 32 GB/s raw, ~25 GB/s achieved for pinned copies (CUDA bandwidthTest).
+    "a100-40g": _dgx("a100-40g", _a100("a100-40g", 40960 * MiB, 1555), nvlink_gbps=300, ib_gbps=25,
+                     pcie_gbps=25, host_memory_bytes=1 * TB, nvme_drives=4),
+    # DGX A100 user guide (640 GB system): 8x A100-SXM4-80GB, 2 TB RAM, 8x 3.84 TB NVMe (30 TB), same fabric.
+    # 81920 MiB as nvidia-smi reports; HBM2e 2,039 GB/s (A100 80GB datasheet).
+    "a100-80g": _dgx("a100-80g", _a100("a100-80g", 81920 * MiB, 2039), nvlink_gbps=300, ib_gbps=25,
+                     pcie_gbps=25, host_memory_bytes=2 * TB, nvme_drives=8),
+    # DGX H100 user guide: 8x H100 SXM5 80GB, 2 TB RAM, 8x 3.84 TB NVMe U.2 (30 TB), 8x ConnectX-7 single-port
+    # 400 Gb/s NDR InfiniBand = 50 GB/s per GPU per direction. 81559 MiB as nvidia-smi reports; HBM3 3.35 TB/s
+    # (H100 datasheet). NVLink 4: 18 links, 900 GB/s total = 450 GB/s per direction.
+    # PCIe Gen5 x16: 64 GB/s raw, ~50 GB/s achieved for pinned copies.
+    "h100-sxm": _dgx("h100-sxm", _hopper("h100-sxm", 81559 * MiB, 3350), nvlink_gbps=450, ib_gbps=50,
+                     pcie_gbps=50, host_memory_bytes=2 * TB, nvme_drives=8),
+    # DGX H200 user guide: 8x H200 SXM 141GB, 2 TB RAM, 8x 3.84 TB NVMe U.2, 8x ConnectX-7 400 Gb/s NDR.
+    # 143771 MiB as nvidia-smi reports; HBM3e 4.8 TB/s (H200 datasheet); NVLink 4 900 GB/s total; PCIe Gen5.
+    "h200": _dgx("h200", _hopper("h200", 143771 * MiB, 4800), nvlink_gbps=450, ib_gbps=50,
+                 pcie_gbps=50, host_memory_bytes=2 * TB, nvme_drives=8),
+    "local-cpu": _LOCAL_CPU,
+}
+
+# Entries whose ranks all live on the one machine they describe and share its RAM: `4xlocal-cpu` is one node of
+# 4 ranks (oversubscribed cores), each with host RAM / 4 as its "device" memory.
+_LOCAL = frozenset({"local-cpu"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Efficiency and peaks
+
+
+def efficiency(device: Device, flops: float) -> float:
+    """Achieved fraction of peak for a kernel of `flops` FLOPs: the device's points interpolated linearly in
+    log(flops), clamped to the first / last point outside their range."""
+    points = device.efficiency
+    if not flops > points[0][0]:  # also catches NaN and 0
+        return points[0][1]
+    if flops >= points[-1][0]:
+        return points[-1][1]
+    i = bisect.bisect_right([f for f, _ in points], flops)  # points[i-1].flops <= flops < points[i].flops
+    (f0, e0), (f1, e1) = points[i - 1], points[i]
+    t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+    return e0 + t * (e1 - e0)
+
+
+def peak_flops(device: Device, dtype: str) -> float:
+    """The device's dense peak FLOP/s for a compute dtype, or a clear error when it has none."""
+    try:
+        return device.peak_flops[dtype]
+    except KeyError:
+        raise MmplanError(f"device {device.name} has no peak FLOP/s for dtype {dtype}; it lists "
+                          f"{', '.join(device.peak_flops)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cluster specs: shorthand or TOML
+
+_SHORTHAND = re.compile(r"(?:(\d+)\s*x\s*)?([a-z][a-z0-9._-]*)")
+
+
+def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
+    """A cluster from a catalog shorthand (`64xh100-sxm`: 64 GPUs, 8 per node; bare `h200`: one node) or from the
+    path of a cluster TOML file. gpus_per_node regroups the same GPUs into nodes of that size."""
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                      or gpus_per_node < 1):
+        raise FormatError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
+    if not isinstance(spec, str) or not spec.strip():
+        raise FormatError("empty cluster spec: give a catalog shorthand such as 64xh100-sxm or a path to a .toml file")
+    spec = spec.strip()
+    if spec.lower().endswith(".toml") or "/" in spec or "\\" in spec or Path(spec).is_file():
+        cluster = load_cluster_toml(spec)
+        return cluster if gpus_per_node is None else _regroup(cluster, gpus_per_node, spec)
+    return catalog_cluster(spec, gpus_per_node)
+
+
+def catalog_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
+    """`[N x]name` from CATALOG: N GPUs (default: one node) in nodes of the entry's size or gpus_per_node."""
+    match = _SHORTHAND.fullmatch(spec.strip().lower())
+    if match is None:
+        raise FormatError(f"cluster spec {spec!r} is neither a catalog shorthand like 64xh100-sxm nor a path to a "
+                          f".toml file")
+    count, name = match.group(1), match.group(2)
+    if name not in CATALOG:
+        raise FormatError(f"unknown device {name!r} in cluster spec {spec!r}; known: {', '.join(CATALOG)} "
+                          f"(or give a path to a cluster .toml file)")
+    base = CATALOG[name]
+    total = int(count) if count is not None else None
+    if total == 0:
+        raise FormatError(f"GPU count in cluster spec {spec!r} must be >= 1")
+    if gpus_per_node is not None:
+        per_node = gpus_per_node
+    elif total is not None and (name in _LOCAL or total < base.gpus_per_node):
+        per_node = total  # all local ranks on the one machine; fewer GPUs than a node: one partial node
+    else:
+        per_node = base.gpus_per_node
+    total = per_node if total is None else total
+    if total % per_node:
+        raise FormatError(f"cluster spec {spec!r}: {total} GPUs do not fill whole nodes of {per_node}; use a "
+                          f"multiple of {per_node} or another gpus_per_node")
+    cluster = replace(base, name=f"{total}x{name}" if count is not None else name,
+                      nodes=total // per_node, gpus_per_node=per_node)
+    return _share_local_memory(cluster) if name in _LOCAL else cluster
+
+
+def _share_local_memory(cluster: Cluster) -> Cluster:
+    """On a local machine each rank's "device" memory is its share of the node's RAM."""
+    share = cluster.host_memory_bytes // cluster.gpus_per_node
+    return replace(cluster, device=replace(cluster.device, memory_bytes=share))
+
+
+def _regroup(cluster: Cluster, gpus_per_node: int, source: str) -> Cluster:
+    total = cluster.world_size
+    if total % gpus_per_node:
+        raise FormatError(f"cluster {source}: its {total} GPUs do not fill whole nodes of gpus_per_node = "
+                          f"{gpus_per_node}")
+    return replace(cluster, nodes=total // gpus_per_node, gpus_per_node=gpus_per_node)
+
+
+def load_cluster_toml(path: str | Path) -> Cluster:
+    """Read a cluster TOML file (format: cost_models/CLUSTER_TOML.md); every problem is one FormatError."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise FormatError(f"cluster file {path} not found") from None
+    except IsADirectoryError:
+        raise FormatError(f"cluster file {path} is a directory, not a .toml file") from None
+    except OSError as e:
+        raise FormatError(f"cannot read cluster file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise FormatError(f"cluster file {path} is not UTF-8 text") from None
+    return cluster_from_toml(text, source=str(path))
+
+
+def cluster_from_toml(text: str, source: str = "cluster TOML") -> Cluster:
+    """Parse cluster TOML text. Floats are read as decimals so that cluster_to_toml's output reads back exactly."""
+    try:
+        data = tomllib.loads(text, parse_float=Decimal)
+    except tomllib.TOMLDecodeError as e:
+        raise FormatError(f"{source} is not valid TOML ({e})") from None
+    return _cluster_from_data(data, source)
+
+
+_TOP_KEYS = ("name", "base", "nodes", "gpus_per_node", "device", "links", "host_memory_gb", "nvme_gb", "backend")
+_DEVICE_KEYS = ("name", "peak_tflops", "memory_gb", "memory_bandwidth_gbps", "efficiency")
+_LINKS = ("intra_node", "inter_node", "host_to_device", "nvme")
+_LINK_KEYS = ("bandwidth_gbps", "latency_us")
+
+
+def _cluster_from_data(data: dict[str, Any], source: str) -> Cluster:
+    _check_keys(data, _TOP_KEYS, "the top level", source)
+    device_value = data.get("device")
+    base_name = data.get("base")
+    if isinstance(device_value, str):
+        if base_name is not None:
+            raise FormatError(f"{source}: give the base entry once, either base = \"...\" or device = \"...\"")
+        base_name, device_table = device_value, {}
+    elif isinstance(device_value, dict) or device_value is None:
+        device_table = device_value or {}
+    else:
+        raise FormatError(f"{source}: device must be a catalog name (device = \"h100-sxm\") or a [device] table, "
+                          f"got {device_value!r}")
+    base = None
+    if base_name is not None:
+        if not isinstance(base_name, str) or base_name.lower() not in CATALOG:
+            raise FormatError(f"{source}: unknown base device {base_name!r}; known: {', '.join(CATALOG)}")
+        base_name = base_name.lower()
+        base = CATALOG[base_name]
+
+    gpus_per_node = _count(data, "gpus_per_node", base.gpus_per_node if base else None, source)
+    nodes = _count(data, "nodes", 1, source)
+    host_memory = _bytes(data, "host_memory_gb", base.host_memory_bytes if base else None, source)
+    nvme_bytes = _bytes(data, "nvme_gb", base.nvme_bytes if base else None, source)
+    backend = data.get("backend", base.backend if base else "nccl")
+    if backend not in BACKENDS:
+        raise FormatError(f"{source}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    name = data.get("name", base_name or "cluster")
+    if not isinstance(name, str) or not name:
+        raise FormatError(f"{source}: name must be a non-empty string, got {name!r}")
+
+    device = _device(device_table, base.device if base else None, source)
+    if base_name in _LOCAL and "memory_gb" not in device_table:
+        device = replace(device, memory_bytes=host_memory // gpus_per_node)  # a rank's share of RAM
+    links_table = data.get("links", {})
+    if not isinstance(links_table, dict):
+        raise FormatError(f"{source}: links must be a table ([links.intra_node] ...), got {links_table!r}")
+    _check_keys(links_table, _LINKS, "[links]", source)
+    links = {k: _link(links_table.get(k), getattr(base, k) if base else None, f"[links.{k}]", source) for k in _LINKS}
+    return Cluster(name=name, nodes=nodes, gpus_per_node=gpus_per_node, device=device, **links,
+                   host_memory_bytes=host_memory, nvme_bytes=nvme_bytes, backend=backend)
+
+
+def _check_keys(table: dict[str, Any], allowed: tuple[str, ...], where: str, source: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise FormatError(f"{source}: unknown key {key!r} in {where}; allowed: {', '.join(allowed)}")
+
+
+def _missing(field: str, source: str) -> FormatError:
+    return FormatError(f"{source}: {field} is required when no base device is given (base = \"h100-sxm\")")
+
+
+def _decimal(value: Any, field: str, source: str) -> Decimal:
+    """A TOML number as an exact decimal; must be finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, Decimal)):
+        raise FormatError(f"{source}: {field} must be a number, got {value!r}")
+    number = Decimal(value)
+    if not number.is_finite() or number <= 0:
+        raise FormatError(f"{source}: {field} must be a finite number > 0, got {value}")
+    return number
+
+
+def _count(table: dict[str, Any], key: str, default: int | None, source: str) -> int:
+    if key not in table:
+        if default is None:
+            raise _missing(key, source)
+        return default
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FormatError(f"{source}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _bytes(table: dict[str, Any], key: str, default: int | None, source: str, where: str = "") -> int:
+    """A size in GB (1e9 bytes) -> whole bytes."""
+    if key not in table:
+        if default is None:
+            raise _missing(where + key, source)
+        return default
+    nbytes = int(_decimal(table[key], where + key, source).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
+    if nbytes < 1:
+        raise FormatError(f"{source}: {where}{key} must be at least one byte, got {table[key]}")
+    return nbytes
+
+
+def _scaled(value: Any, exponent: int, field: str, source: str) -> float:
+    """value x 10**exponent, rounded once (so decimals written by _number() read back bit-exactly)."""
+    return float(_decimal(value, field, source).scaleb(exponent))
+
+
+def _device(table: dict[str, Any], base: Device | None, source: str) -> Device:
+    _check_keys(table, _DEVICE_KEYS, "[device]", source)
+    name = table.get("name", base.name if base else None)
+    if name is None:
+        raise _missing("[device] name", source)
+    if not isinstance(name, str) or not name:
+        raise FormatError(f"{source}: [device] name must be a non-empty string, got {name!r}")
+    if "peak_tflops" in table:
+        peaks = table["peak_tflops"]
+        if not isinstance(peaks, dict) or not peaks:
+            raise FormatError(f"{source}: [device] peak_tflops must be a table of dtype = TFLOP/s "
+                              f"(e.g. bf16 = 989.4), got {peaks!r}")
+        for dtype in peaks:
+            if dtype not in DTYPES:
+                raise FormatError(f"{source}: unknown dtype {dtype!r} in [device.peak_tflops]; known: "
+                                  f"{', '.join(DTYPES)}")
+        given = {k: _scaled(v, 12, f"[device.peak_tflops] {k}", source) for k, v in peaks.items()}
+        peak = {**base.peak_flops, **given} if base else given
+    elif base:
+        peak = dict(base.peak_flops)
+    else:
+        raise _missing("[device] peak_tflops", source)
+    memory = _bytes(table, "memory_gb", base.memory_bytes if base else None, source, "[device] ")
+    if "memory_bandwidth_gbps" in table:
+        bandwidth = _scaled(table["memory_bandwidth_gbps"], 9, "[device] memory_bandwidth_gbps", source)
+    elif base:
+        bandwidth = base.memory_bandwidth
+    else:
+        raise _missing("[device] memory_bandwidth_gbps", source)
+    curve = _efficiency_points(table["efficiency"], source) if "efficiency" in table else (
+        base.efficiency if base else Device.__dataclass_fields__["efficiency"].default)
+    try:
+        return Device(name, peak, memory, bandwidth, curve)
+    except FormatError as e:
+        raise FormatError(f"{source}: [device] {e}") from None
+
+
+def _efficiency_points(value: Any, source: str) -> tuple[tuple[float, float], ...]:
+    if not isinstance(value, list) or not value:
+        raise FormatError(f"{source}: [device] efficiency must be a list of [flops, efficiency] pairs, "
+                          f"got {value!r}")
+    points = []
+    for point in value:
+        if not isinstance(point, list) or len(point) != 2:
+            raise FormatError(f"{source}: [device] efficiency entries must be [flops, efficiency] pairs, "
+                              f"got {point!r}")
+        flops = _scaled(point[0], 0, "[device] efficiency flops", source)
+        eff = _scaled(point[1], 0, "[device] efficiency value", source)
+        if eff > 1:
+            raise FormatError(f"{source}: [device] efficiency values must be in (0, 1], got {point[1]}")
+        points.append((flops, eff))
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+        raise FormatError(f"{source}: [device] efficiency points must be sorted by strictly increasing flops")
+    return tuple(points)
+
+
+def _link(table: Any, base: Link | None, where: str, source: str) -> Link:
+    if table is None:
+        if base is None:
+            raise _missing(where, source)
+        return base
+    if not isinstance(table, dict):
+        raise FormatError(f"{source}: {where} must be a table with bandwidth_gbps and latency_us, got {table!r}")
+    _check_keys(table, _LINK_KEYS, where, source)
+    if "bandwidth_gbps" in table:
+        bandwidth = _scaled(table["bandwidth_gbps"], 9, f"{where} bandwidth_gbps", source)
+    elif base:
+        bandwidth = base.bandwidth
+    else:
+        raise _missing(f"{where} bandwidth_gbps", source)
+    if "latency_us" in table:
+        value = table["latency_us"]
+        if isinstance(value, bool) or not isinstance(value, (int, Decimal)) or not Decimal(value).is_finite() \
+                or value < 0:
+            raise FormatError(f"{source}: {where} latency_us must be a finite number >= 0, got {value!r}")
+        latency = float(Decimal(value).scaleb(-6))
+    else:
+        latency = base.latency_s if base else 0.0
+    return Link(bandwidth, latency)
+
+
+def _number(value: float | int, exponent: int = 0) -> str:
+    """value x 10**exponent as a plain TOML number whose exact decimal reads back to value (see _scaled)."""
+    exact = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+    return format(exact.scaleb(exponent).normalize(), "f")
+
+
+def cluster_to_toml(cluster: Cluster) -> str:
+    """A self-contained cluster TOML (no base entry) that parse_cluster reads back to an equal Cluster."""
+    dev = cluster.device
+    lines = [
+        "# mmplan cluster (format: cost_models/CLUSTER_TOML.md). Units: GB = 1e9 bytes, GB/s = 1e9 bytes/s,",
+        "# us = 1e-6 s, TFLOP/s = 1e12 FLOP/s; efficiency = [[FLOPs of one kernel, fraction of peak], ...].",
+        f"name = {_string(cluster.name)}",
+        f"nodes = {cluster.nodes}",
+        f"gpus_per_node = {cluster.gpus_per_node}",
+        f"backend = {_string(cluster.backend)}",
+        f"host_memory_gb = {_number(cluster.host_memory_bytes, -9)}  # per node",
+        f"nvme_gb = {_number(cluster.nvme_bytes, -9)}  # per node",
+        "",
+        "[device]",
+        f"name = {_string(dev.name)}",
+        f"memory_gb = {_number(dev.memory_bytes, -9)}  # per rank",
+        f"memory_bandwidth_gbps = {_number(dev.memory_bandwidth, -9)}",
+        "efficiency = [" + ", ".join(f"[{_number(f)}, {_number(e)}]" for f, e in dev.efficiency) + "]",
+        "",
+        "[device.peak_tflops]  # dense",
+        *(f"{dtype} = {_number(flops, -12)}" for dtype, flops in dev.peak_flops.items()),
+    ]
+    for key in _LINKS:
+        link: Link = getattr(cluster, key)
+        lines += ["", f"[links.{key}]", f"bandwidth_gbps = {_number(link.bandwidth, -9)}",
+                  f"latency_us = {_number(link.latency_s, 6)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _string(text: str) -> str:
+    """A TOML basic string: backslash, quote and control characters (incl. DEL) escaped (TOML 1.0, "String")."""
+    escaped = "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else "\\" + c if c in '"\\' else c
+                      for c in text)
+    return f'"{escaped}"'
+
+
+__all__ = ["CATALOG", "GB", "GBps", "GiB", "MiB", "TB", "TFLOPS", "US", "catalog_cluster", "cluster_from_toml",
+           "cluster_to_toml", "efficiency", "load_cluster_toml", "parse_cluster", "peak_flops"]

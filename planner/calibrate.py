@@ -1,0 +1,537 @@
+"""`mmplan calibrate`: measure this machine (matmul, memory, gloo collectives, disk) and describe it as a Cluster."""
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from plans.cluster import Cluster, Device, Link
+from plans.errors import MmplanError
+
+Progress = Callable[[str, float], None]
+KiB, MiB = 2**10, 2**20
+
+# Steps in the order they run, with their share of the progress bar (roughly their share of the wall time).
+_STEPS = {"start": 0.04, "matmul": 0.26, "memory": 0.12, "all-reduce": 0.2, "p2p": 0.16, "host-to-device": 0.06,
+          "disk": 0.16}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What to measure: sizes and time budgets. quick=True keeps the whole run a few seconds (for tests)."""
+
+    matmul_sizes: tuple[int, ...]  # n of an (n, n) @ (n, n) fp32 matmul, 2 n^3 FLOPs
+    bf16_sizes: tuple[int, ...]  # n for the bf16 peak
+    fp16_sizes: tuple[int, ...]  # n for the fp16 peak (small: CPUs without fp16 arithmetic do ~2 GFLOP/s)
+    # Memory copy sizes: a tiny one for the latency, then sizes past the caches (L3 is 32 MiB on the reference
+    # machine) for the bandwidth -- cache-resident sizes would inflate it. The largest gives memory bandwidth.
+    copy_bytes: tuple[int, ...]
+    message_bytes: tuple[int, ...]  # all-reduce and send/recv sizes
+    disk_bytes: tuple[int, ...]  # temp-file sizes written with fsync and read back uncached
+    point_budget_s: float  # time spent per measured point (at least 3 repetitions)
+    rounds: int  # sweeps over all sizes; each point keeps its best round (other jobs come and go)
+    timeout_s: float  # process-group timeout: no single wait lasts longer
+    deadline_s: float  # hard wall-clock limit of the whole multi-process part
+
+    @staticmethod
+    def for_run(quick: bool) -> Settings:
+        if quick:
+            return Settings(
+                matmul_sizes=(64, 128, 256, 512), bf16_sizes=(256,), fp16_sizes=(128,),
+                copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB),
+                message_bytes=tuple(4**k for k in range(1, 12)),  # 4 B .. 4 MiB
+                disk_bytes=(1 * MiB, 8 * MiB, 32 * MiB),
+                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60)
+        return Settings(
+            matmul_sizes=(32, 64, 128, 256, 512, 1024, 2048), bf16_sizes=(256, 1024), fp16_sizes=(256,),
+            copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB, 256 * MiB),
+            message_bytes=tuple(4**k for k in range(1, 14)),  # 4 B .. 64 MiB
+            disk_bytes=(1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB),
+            point_budget_s=0.12, rounds=3, timeout_s=60, deadline_s=240)
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Everything `calibrate` measured, raw samples included; `to_cluster` turns it into a Cluster."""
+
+    device_name: str
+    ranks: int  # gloo ranks that ran concurrently (one thread each)
+    gpus_per_node: int  # ranks of the described node: `ranks` on CPU, the visible GPUs with CUDA
+    backend: str  # backend of the Cluster the measurements describe ("gloo" on CPU, "nccl" with CUDA)
+    matmul: tuple[tuple[int, float], ...]  # (n, FLOP/s per rank) of fp32 (CPU) or bf16 (CUDA) n x n matmuls
+    peak_flops: dict[str, float]  # best measured FLOP/s per dtype
+    memory_bandwidth: float  # bytes read + written per second per rank, largest copy, all ranks copying
+    copy: Link  # alpha-beta fit of a memory copy (bytes copied per second)
+    host_to_device: Link  # pinned host->device copies with CUDA; else the memory copy
+    all_reduce: Link  # per-hop link implied by the gloo all-reduce under the ring model (see _link_from_ring)
+    p2p: Link  # gloo send/recv between two ranks (half a ping-pong)
+    disk_write: Link  # temp file written and fsync'd
+    disk_read: Link  # the same file read back with the page cache dropped
+    host_memory_bytes: int  # /proc/meminfo MemTotal
+    device_memory_bytes: int  # per rank: CUDA device memory, else host memory / ranks
+    disk_free_bytes: int  # free space where the temp file was written
+    wall_s: float
+    samples: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> (bytes, seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure fitting helpers
+
+
+def fit_alpha_beta(sizes: Any, times: Any) -> Link:
+    """Least-squares fit of t = alpha + size / beta (Hockney's model) to measured (size, seconds) samples.
+
+    Residuals are taken relative to each time, (alpha + size * b - t) / t, so that microsecond latencies and
+    second-long transfers weigh alike. A negative intercept is clamped to 0 (refit through the origin); a
+    non-positive slope (noise only) falls back to the best observed size / time.
+    """
+    s = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if s.shape != t.shape or s.size < 2 or not np.all(t > 0) or not np.all(s >= 0):
+        raise ValueError(f"need >= 2 (size >= 0, time > 0) samples, got sizes {sizes} and times {times}")
+    a = np.stack([1 / t, s / t], axis=1)  # rows: [1/t_i, s_i/t_i] . [alpha, b] ~= 1
+    (alpha, b), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if alpha < 0:
+        alpha, b = 0.0, float(np.sum(s / t) / np.sum((s / t) ** 2))
+    if not b > 0:
+        return Link(bandwidth=float(np.max(s / t)), latency_s=float(max(np.min(t), 0.0)))
+    return Link(bandwidth=float(1 / b), latency_s=float(alpha))
+
+
+def _link_from_ring(fit: Link, ranks: int) -> Link:
+    """The per-hop link under which a ring all-reduce of S bytes over p ranks takes the measured time.
+
+    Ring all-reduce: t = 2 (p - 1) alpha + 2 (p - 1) / p * S / beta (Thakur, Rabenseifner & Gropp, "Optimization
+    of Collective Communication Operations in MPICH", IJHPCA 2005; the formula cost_models/comm.py applies).
+    The fit is t = A + S / B, so alpha = A / (2 (p - 1)) and beta = 2 (p - 1) / p * B.
+    """
+    hops = 2 * (ranks - 1)
+    return Link(bandwidth=fit.bandwidth * hops / ranks, latency_s=fit.latency_s / hops)
+
+
+def efficiency_curve(matmul: tuple[tuple[int, float], ...], peak: float) -> tuple[tuple[float, float], ...]:
+    """(FLOPs of one n x n matmul = 2 n^3, achieved / peak) points, sorted by FLOPs, each in (0, 1]."""
+    return tuple((float(2 * n**3), _round(min(1.0, rate / peak))) for n, rate in sorted(matmul))
+
+
+def _round(x: float, digits: int = 4) -> float:
+    """Keep `digits` significant digits: measurements are not more precise, and the TOML stays readable."""
+    return float(f"{x:.{digits}g}")
+
+
+def _slower(a: Link, b: Link) -> Link:
+    """A link no faster than either: the higher latency and the lower bandwidth."""
+    return Link(min(a.bandwidth, b.bandwidth), max(a.latency_s, b.latency_s))
+
+
+def _rounded(link: Link) -> Link:
+    return Link(_round(link.bandwidth), _round(link.latency_s))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def calibrate(*, ranks: int = 2, quick: bool = False, progress: Progress | None = None,
+              scratch_dir: str | os.PathLike | None = None,
+              start_method: Literal["fork", "spawn"] = "fork") -> Cluster:
+    """Measure this machine and describe it as a one-node Cluster of `ranks` ranks (see measure / to_cluster)."""
+    return to_cluster(measure(ranks=ranks, quick=quick, progress=progress, scratch_dir=scratch_dir,
+                              start_method=start_method))
+
+
+def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = None,
+            scratch_dir: str | os.PathLike | None = None,
+            start_method: Literal["fork", "spawn"] = "fork") -> Calibration:
+    """Run the measurements: `ranks` gloo processes (one thread each) for matmul, memory copy, all-reduce and
+    send/recv; then CUDA (bf16 matmul, HBM copy, pinned host<->device) when present; then the disk."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 2 <= ranks <= 64:
+        raise MmplanError(f"calibrate needs 2 <= ranks <= 64 to measure gloo collectives, got {ranks!r}")
+    settings = Settings.for_run(quick)
+    report = _Reporter(progress)
+    started = time.perf_counter()
+    report("start", 0.0)
+    scratch = Path(scratch_dir) if scratch_dir is not None else Path(tempfile.gettempdir())
+    if not scratch.is_dir():
+        raise MmplanError(f"scratch directory {scratch} for the disk measurement does not exist")
+
+    ranks_out = _run_ranks(ranks, settings, report, start_method)
+    samples: dict[str, tuple[tuple[float, float], ...]] = {}
+
+    def rate(key: str, i: int, n: int) -> float:  # FLOP/s of one n x n matmul (2 n^3), mean over the ranks
+        return statistics.fmean(2 * n**3 / r[key][i] for r in ranks_out)
+
+    matmul = tuple((n, rate("matmul", i, n)) for i, n in enumerate(settings.matmul_sizes))
+    peaks = {"fp32": max(flops for _, flops in matmul)}
+    peaks["bf16"] = max(rate("bf16", i, n) for i, n in enumerate(settings.bf16_sizes))
+    peaks["fp16"] = max(rate("fp16", i, n) for i, n in enumerate(settings.fp16_sizes))
+    copy_times = [statistics.fmean(r["copy"][i] for r in ranks_out) for i in range(len(settings.copy_bytes))]
+    samples["copy"] = tuple(zip(map(float, settings.copy_bytes), copy_times))
+    copy = fit_alpha_beta(settings.copy_bytes, copy_times)
+    memory_bandwidth = 2 * settings.copy_bytes[-1] / copy_times[-1]  # read + write (STREAM "Copy" convention)
+    ar_times = [max(r["all_reduce"][i] for r in ranks_out) for i in range(len(settings.message_bytes))]
+    samples["all_reduce"] = tuple(zip(map(float, settings.message_bytes), ar_times))
+    all_reduce = _link_from_ring(fit_alpha_beta(settings.message_bytes, ar_times), ranks)
+    p2p_times = ranks_out[0]["p2p"]
+    samples["p2p"] = tuple(zip(map(float, settings.message_bytes), p2p_times))
+    p2p = fit_alpha_beta(settings.message_bytes, p2p_times)
+
+    host_memory = _mem_total()
+    device_name, backend, gpus = _cpu_name(), "gloo", ranks
+    host_to_device, device_memory = copy, host_memory // ranks
+    if torch.cuda.is_available():
+        cuda = _measure_cuda(settings, report)
+        device_name, backend, gpus, matmul = cuda["name"], "nccl", torch.cuda.device_count(), cuda["matmul"]
+        peaks, memory_bandwidth, device_memory = cuda["peaks"], cuda["memory_bandwidth"], cuda["memory_bytes"]
+        host_to_device = cuda["host_to_device"]
+        samples["host_to_device"] = cuda["h2d_samples"]
+    report("host-to-device", 1.0)
+
+    write_times, read_times = _measure_disk(scratch, settings, report)
+    samples["disk_write"] = tuple(zip(map(float, settings.disk_bytes), write_times))
+    samples["disk_read"] = tuple(zip(map(float, settings.disk_bytes), read_times))
+    calibration = Calibration(
+        device_name=device_name, ranks=ranks, gpus_per_node=gpus, backend=backend, matmul=matmul, peak_flops=peaks,
+        memory_bandwidth=memory_bandwidth, copy=copy, host_to_device=host_to_device, all_reduce=all_reduce,
+        p2p=p2p, disk_write=fit_alpha_beta(settings.disk_bytes, write_times),
+        disk_read=fit_alpha_beta(settings.disk_bytes, read_times), host_memory_bytes=host_memory,
+        device_memory_bytes=device_memory, disk_free_bytes=shutil.disk_usage(scratch).free,
+        wall_s=time.perf_counter() - started, samples=samples)
+    report("done", 1.0)
+    return calibration
+
+
+def to_cluster(cal: Calibration) -> Cluster:
+    """A one-node Cluster from measurements: gpus_per_node = ranks (CUDA: the GPUs), achieved peaks, the
+    matmul efficiency curve relative to the best matmul, and measured links (rounded to 4 digits).
+
+    The link between ranks is the slower of the p2p fit and the link implied by the all-reduce under the
+    ring model (higher latency, lower bandwidth: the all-reduce includes gloo's reduction on the CPU, which
+    the ring formula books as transfer time), so neither pipeline sends nor gradient all-reduces are
+    under-predicted. One machine has no inter-node link: it gets the same figure. NVMe: the slower of disk
+    write and read.
+    """
+    peaks = {dtype: _round(flops) for dtype, flops in cal.peak_flops.items()}
+    compute_dtype = "bf16" if cal.backend == "nccl" else "fp32"
+    device = Device(name=cal.device_name, peak_flops=peaks, memory_bytes=cal.device_memory_bytes,
+                    memory_bandwidth=_round(cal.memory_bandwidth),
+                    efficiency=efficiency_curve(cal.matmul, peaks[compute_dtype]))
+    between_ranks = _rounded(_slower(cal.p2p, cal.all_reduce))
+    nvme = _rounded(_slower(cal.disk_write, cal.disk_read))
+    return Cluster(name=f"calibrated-{'gpu' if cal.backend == 'nccl' else 'cpu'}", nodes=1,
+                   gpus_per_node=cal.gpus_per_node,
+                   device=device, intra_node=between_ranks, inter_node=between_ranks,
+                   host_to_device=_rounded(cal.host_to_device), nvme=nvme,
+                   host_memory_bytes=cal.host_memory_bytes, nvme_bytes=max(1, cal.disk_free_bytes),
+                   backend=cal.backend)
+
+
+class _Reporter:
+    """Maps (step, fraction of that step) to the overall fraction and forwards it to the caller's callback."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.last = 0.0
+
+    def __call__(self, step: str, fraction: float) -> None:
+        if self.progress is None:
+            return
+        if step == "done":
+            overall = 1.0
+        else:
+            names = list(_STEPS)
+            before = sum(_STEPS[s] for s in names[: names.index(step)])
+            overall = before + _STEPS[step] * min(max(fraction, 0.0), 1.0)
+        self.last = max(self.last, min(overall, 1.0))  # never moves backwards
+        self.progress(step, self.last)
+
+
+def _mem_total() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return "cpu"
+
+
+def _typical(times: list[float]) -> float:
+    """The lower quartile of repeated timings: less sensitive than the median to the scheduling spikes that
+    other jobs cause on a shared machine (single gloo messages stretched 25x there), less optimistic than the
+    minimum."""
+    return sorted(times)[len(times) // 4]
+
+
+def _call_time(fn: Callable[[], Any], budget_s: float, min_reps: int = 3, max_reps: int = 2000) -> float:
+    """Typical seconds of one call, after one warm-up call, over >= min_reps calls or budget_s seconds."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return _typical(times)
+
+
+def _collective_iterations(nbytes: int, budget_s: float) -> int:
+    """Repetitions of a collective: a pure function of the size, so that every rank runs the same number."""
+    guess = 5e-4 + nbytes / 1e9  # gloo loopback: ~0.5 ms + ~1 GB/s (PLATFORM-NOTES.md)
+    return max(3, min(40, int(budget_s / guess)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rank processes (gloo, one thread each)
+
+
+def _run_ranks(ranks: int, settings: Settings, report: _Reporter, start_method: str) -> list[dict[str, Any]]:
+    """Start `ranks` processes with a unique file:// rendezvous; collect their results; bound every wait."""
+    ctx = mp.get_context(start_method)
+    messages = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="mmplan-calibrate-") as tmp:
+        init_method = f"file://{Path(tmp) / 'rendezvous'}"
+        procs = [ctx.Process(target=_rank_main, args=(rank, ranks, init_method, settings, messages), daemon=True)
+                 for rank in range(ranks)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        errors: list[tuple[float, int, str]] = []
+        step, finished = "start", False
+        deadline = time.monotonic() + settings.deadline_s
+        try:
+            while len(results) + len(errors) < ranks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 and errors:
+                    break  # the other ranks' errors would only be echoes of the first
+                if remaining <= 0:
+                    raise MmplanError(f"calibration timed out after {settings.deadline_s:g} s in step {step}")
+                try:
+                    kind, rank, *payload = messages.get(timeout=min(0.2, remaining))
+                except queue_module.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                            and r not in results and all(e[1] != r for e in errors)]
+                    if dead:
+                        errors.append((time.time(), dead[0], f"exited with code {procs[dead[0]].exitcode}"))
+                        deadline = min(deadline, time.monotonic() + 2.0)
+                    continue
+                if kind == "progress":
+                    step = payload[0]
+                    report(step, payload[1])
+                elif kind == "done":
+                    results[rank] = payload[0]
+                else:
+                    errors.append((payload[0], rank, payload[1]))
+                    deadline = min(deadline, time.monotonic() + 2.0)  # a short grace for an earlier root cause
+            if errors:
+                when, rank, message = min(errors)  # the earliest failure is the cause; later ones are echoes
+                raise MmplanError(f"calibration failed on rank {rank} in step {step}: {message}")
+            finished = True
+        finally:
+            for p in procs:  # after a failure nothing is worth waiting for: our own children, killed by handle
+                p.join(timeout=5 if finished else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            messages.close()
+    return [results[r] for r in range(ranks)]
+
+
+def _rank_main(rank: int, world: int, init_method: str, settings: Settings, messages: Any) -> None:
+    """One rank: measure with one thread, report results (or its own exception) through `messages`."""
+    failure = None
+    try:
+        torch.set_num_threads(1)  # as the runtime does: n ranks x 2 threads on 2 cores ran 5x slower
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=settings.timeout_s))
+        out = _rank_measure(rank, world, settings, messages)
+    except BaseException as e:  # noqa: BLE001 -- report the root cause to the parent, whatever it is
+        # Timestamped before tearing down the group: its peers fail only after that, as echoes.
+        failure = (time.time(), f"{type(e).__name__}: {e}")
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 -- a broken group cannot be torn down cleanly; exiting closes it
+                pass
+    messages.put(("error", rank, *failure) if failure else ("done", rank, out))
+
+
+def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> dict[str, list[float]]:
+    """Seconds per call for every point, the best of `settings.rounds` rounds (each a lower quartile)."""
+    def progress(step: str, fraction: float) -> None:
+        if rank == 0:
+            messages.put(("progress", 0, step, fraction))
+
+    budget = settings.point_budget_s
+    rounds = range(settings.rounds)
+    out: dict[str, list[float]] = {}
+
+    def keep(key: str, i: int, seconds: float) -> None:
+        values = out.setdefault(key, [])
+        if i == len(values):
+            values.append(seconds)
+        else:
+            values[i] = min(values[i], seconds)
+
+    points = [("matmul", torch.float32, j, n) for j, n in enumerate(settings.matmul_sizes)]
+    points += [("bf16", torch.bfloat16, j, n) for j, n in enumerate(settings.bf16_sizes)]
+    points += [("fp16", torch.float16, j, n) for j, n in enumerate(settings.fp16_sizes)]
+    dist.barrier()  # all ranks busy at once, as in training
+    progress("matmul", 0.0)
+    for r in rounds:
+        for i, (key, dtype, j, n) in enumerate(points):
+            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            keep(key, j, _call_time(lambda: torch.mm(a, b), budget if key == "matmul" else budget / 2))
+            progress("matmul", (r * len(points) + i + 1) / (len(points) * len(rounds)))
+
+    dist.barrier()
+    src = torch.ones(max(settings.copy_bytes), dtype=torch.uint8)  # allocated and paged in once; sizes are
+    dst = torch.empty_like(src)                                     # prefixes of it
+    for r in rounds:
+        for i, nbytes in enumerate(settings.copy_bytes):
+            to, frm = dst[:nbytes], src[:nbytes]
+            keep("copy", i, _call_time(lambda: to.copy_(frm), budget / 2))
+            progress("memory", (r * len(settings.copy_bytes) + i + 1) / (len(settings.copy_bytes) * len(rounds)))
+    src = dst = to = frm = None  # free them before the collectives
+
+    sizes = settings.message_bytes
+    for r in rounds:
+        for i, nbytes in enumerate(sizes):
+            x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+            dist.barrier()
+            dist.all_reduce(x)  # warm-up
+            times = []
+            for _ in range(_collective_iterations(nbytes, budget)):
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - t0)
+            keep("all_reduce", i, _typical(times))
+            progress("all-reduce", (r * len(sizes) + i + 1) / (len(sizes) * len(rounds)))
+
+    for r in rounds:
+        for i, nbytes in enumerate(sizes):
+            x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+            dist.barrier()
+            if rank < 2:  # ping-pong between ranks 0 and 1; one-way time = half a round trip
+                peer = 1 - rank
+                times = []
+                for it in range(_collective_iterations(nbytes, budget) + 1):
+                    t0 = time.perf_counter()
+                    if rank == 0:
+                        dist.send(x, peer)
+                        dist.recv(x, peer)
+                    else:
+                        dist.recv(x, peer)
+                        dist.send(x, peer)
+                    if it:  # the first round trip is the warm-up
+                        times.append((time.perf_counter() - t0) / 2)
+                keep("p2p", i, _typical(times))
+            progress("p2p", (r * len(sizes) + i + 1) / (len(sizes) * len(rounds)))
+    dist.barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA and disk (in the calling process)
+
+
+def _measure_cuda(settings: Settings, report: _Reporter) -> dict[str, Any]:
+    """bf16 matmul sweep, fp32 (TF32 off) and fp16 peaks, HBM copy bandwidth, pinned host->device copies."""
+    dev = torch.device("cuda", 0)
+
+    def timed(fn: Callable[[], Any], budget: float) -> float:
+        def synced() -> None:
+            fn()
+            torch.cuda.synchronize(dev)
+        return _call_time(synced, budget)
+
+    sizes = (256, 1024, 4096) if settings.point_budget_s < 0.1 else (256, 512, 1024, 2048, 4096, 8192)
+    matmul = []
+    for n in sizes:
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        matmul.append((n, 2 * n**3 / timed(lambda: torch.mm(a, b), settings.point_budget_s)))
+    peaks = {"bf16": max(rate for _, rate in matmul)}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for dtype, key in ((torch.float32, "fp32"), (torch.float16, "fp16")):
+            a = torch.randn(4096, 4096, device=dev, dtype=dtype)
+            b = torch.randn(4096, 4096, device=dev, dtype=dtype)
+            peaks[key] = 2 * 4096**3 / timed(lambda: torch.mm(a, b), settings.point_budget_s)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    src = torch.ones(512 * MiB, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    memory_bandwidth = 2 * src.numel() / timed(lambda: dst.copy_(src), settings.point_budget_s)
+    src = dst = None  # free the HBM
+    report("host-to-device", 0.5)
+    h2d_bytes = tuple(4**k * KiB for k in range(1, 10))  # 4 KiB .. 256 MiB
+    h2d_times = []
+    for nbytes in h2d_bytes:
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        h2d_times.append(timed(lambda: device.copy_(host, non_blocking=True), settings.point_budget_s / 2))
+    return {"name": torch.cuda.get_device_name(dev), "matmul": tuple(matmul), "peaks": peaks,
+            "memory_bandwidth": memory_bandwidth, "memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
+            "host_to_device": fit_alpha_beta(h2d_bytes, h2d_times),
+            "h2d_samples": tuple(zip(map(float, h2d_bytes), h2d_times))}
+
+
+def _measure_disk(directory: Path, settings: Settings, report: _Reporter) -> tuple[list[float], list[float]]:
+    """Seconds to write (with fsync) and to read back (page cache dropped) a temp file of each size."""
+    chunk = 4 * MiB
+    block = np.random.default_rng(0).bytes(chunk)  # incompressible data
+    buffer = bytearray(chunk)
+    writes, reads = [], []
+    for i, nbytes in enumerate(settings.disk_bytes):
+        w, r = [], []
+        for _ in range(3 if nbytes <= 16 * MiB else 2 if nbytes <= 64 * MiB else 1):
+            fd, name = tempfile.mkstemp(prefix=".mmplan-disk-", dir=directory)
+            try:
+                t0 = time.perf_counter()
+                left = nbytes
+                while left > 0:
+                    left -= os.write(fd, block[: min(chunk, left)])
+                os.fsync(fd)
+                w.append(time.perf_counter() - t0)
+                if hasattr(os, "posix_fadvise"):  # drop the cached pages so that the read comes from the disk
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.lseek(fd, 0, os.SEEK_SET)
+                t0 = time.perf_counter()
+                while os.readv(fd, [buffer]) > 0:
+                    pass
+                r.append(time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+                os.unlink(name)
+        writes.append(min(w))  # best repetition, as for the other measurements
+        reads.append(min(r))
+        report("disk", (i + 1) / len(settings.disk_bytes))
+    return writes, reads
+
+
+__all__ = ["Calibration", "Settings", "calibrate", "efficiency_curve", "fit_alpha_beta", "measure", "to_cluster"]

@@ -1,0 +1,136 @@
+"""Tests of `mmplan calibrate`: the pure fits, failure handling of the rank processes, and a quick real run."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import planner.calibrate as calibrate_module
+from cost_models.hardware import cluster_to_toml, efficiency, parse_cluster
+from planner.calibrate import Settings, calibrate, efficiency_curve, fit_alpha_beta
+from plans.cluster import Link
+from plans.errors import MmplanError
+
+SIZES = [4 * 4**k for k in range(12)]
+
+
+# --- pure helpers ------------------------------------------------------------------------------------------------
+
+def test_fit_recovers_alpha_beta():
+    link = fit_alpha_beta(SIZES, [2e-4 + s / 3e9 for s in SIZES])
+    assert link.latency_s == pytest.approx(2e-4) and link.bandwidth == pytest.approx(3e9)
+
+
+def test_fit_tolerates_noise_at_every_scale():
+    rng = np.random.default_rng(0)
+    times = [(5e-5 + s / 1e9) * rng.uniform(0.9, 1.1) for s in SIZES]
+    link = fit_alpha_beta(SIZES, times)
+    assert link.latency_s == pytest.approx(5e-5, rel=0.15) and link.bandwidth == pytest.approx(1e9, rel=0.15)
+
+
+def test_fit_clamps_a_negative_latency_and_survives_flat_times():
+    link = fit_alpha_beta([1e6, 2e6, 4e6], [0.9e-3, 2e-3, 4.1e-3])  # intercept slightly < 0
+    assert link.latency_s == 0 and link.bandwidth == pytest.approx(1e9, rel=0.05)
+    flat = fit_alpha_beta([1, 10, 100], [1e-3, 1e-3, 0.9e-3])  # noise only: slope <= 0
+    assert flat.bandwidth > 0 and flat.latency_s > 0
+    with pytest.raises(ValueError):
+        fit_alpha_beta([1], [1e-3])
+
+
+def test_ring_link_inverts_the_ring_all_reduce_formula():
+    # cost_models/comm.py's ring all-reduce: 2 (p - 1) alpha + 2 (p - 1) / p * S / beta
+    link, p = Link(2e9, 1e-4), 4
+    times = [2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * s / link.bandwidth for s in SIZES]
+    back = calibrate_module._link_from_ring(fit_alpha_beta(SIZES, times), p)
+    assert back.latency_s == pytest.approx(link.latency_s) and back.bandwidth == pytest.approx(link.bandwidth)
+
+
+def test_efficiency_curve_is_relative_to_peak_and_sorted():
+    curve = efficiency_curve(((256, 50e9), (64, 25e9), (1024, 100e9)), 100e9)
+    assert curve == ((2 * 64.0**3, 0.25), (2 * 256.0**3, 0.5), (2 * 1024.0**3, 1.0))
+
+
+def test_ranks_must_allow_collectives():
+    with pytest.raises(MmplanError, match="2 <= ranks"):
+        calibrate(ranks=1, quick=True)
+
+
+# --- the rank processes: failures and hangs end quickly with the root cause ---------------------------------------
+
+def _fail_on_rank_1(rank, world, settings, messages):
+    if rank == 1:
+        raise RuntimeError("disk on fire")
+    torch.distributed.barrier()  # rank 0 waits for the dead peer; its error is an echo
+    return {}
+
+
+def _hang(rank, world, settings, messages):
+    time.sleep(600)
+
+
+def test_a_failing_rank_reports_its_own_error(monkeypatch):
+    monkeypatch.setattr(calibrate_module, "_rank_measure", _fail_on_rank_1)  # inherited by forked ranks
+    start = time.monotonic()
+    with pytest.raises(MmplanError, match="calibration failed on rank 1 .*RuntimeError: disk on fire"):
+        calibrate_module._run_ranks(2, Settings.for_run(quick=True), calibrate_module._Reporter(None), "fork")
+    assert time.monotonic() - start < 20
+
+
+def test_a_hanging_rank_hits_the_deadline(monkeypatch):
+    monkeypatch.setattr(calibrate_module, "_rank_measure", _hang)
+    settings = replace(Settings.for_run(quick=True), deadline_s=1.5)
+    start = time.monotonic()
+    with pytest.raises(MmplanError, match="timed out after 1.5 s in step start"):
+        calibrate_module._run_ranks(2, settings, calibrate_module._Reporter(None), "fork")
+    assert time.monotonic() - start < 15  # the ranks were killed, not waited for
+
+
+# --- a real quick run --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # the parent's thread pool is warm before forking
+    steps: list[tuple[str, float]] = []
+    start = time.perf_counter()
+    cal = calibrate_module.measure(quick=True, progress=lambda step, f: steps.append((step, f)),
+                                   scratch_dir=tmp_path_factory.mktemp("scratch"))
+    return cal, calibrate_module.to_cluster(cal), steps, time.perf_counter() - start
+
+
+def test_quick_calibration_is_fast_and_reports_progress(quick_run):
+    cal, _, steps, wall = quick_run
+    assert wall < 20
+    fractions = [f for _, f in steps]
+    assert fractions == sorted(fractions) and fractions[0] == 0.0 and steps[-1] == ("done", 1.0)
+    assert {"matmul", "memory", "all-reduce", "p2p", "disk"} <= {s for s, _ in steps}
+    assert torch.get_num_threads() >= 1  # the parent's settings are left alone
+
+
+def test_quick_calibration_numbers_are_positive_and_finite(quick_run):
+    cal, cluster, _, _ = quick_run
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.backend) == (1, 2, "gloo")
+    d = cluster.device
+    links = [cluster.intra_node, cluster.inter_node, cluster.host_to_device, cluster.nvme]
+    numbers = [*d.peak_flops.values(), d.memory_bytes, d.memory_bandwidth, *(l.bandwidth for l in links),
+               cluster.host_memory_bytes, cluster.nvme_bytes, *(x for p in d.efficiency for x in p)]
+    assert all(math.isfinite(x) and x > 0 for x in numbers)
+    assert all(math.isfinite(l.latency_s) and l.latency_s >= 0 for l in links)
+    assert 1e8 < d.peak_flops["fp32"] < 1e13  # a CPU core, give or take
+    assert max(e for _, e in d.efficiency) == pytest.approx(1.0, abs=1e-3)  # the curve is relative to the best matmul
+    assert 0 < efficiency(d, 1e9) <= 1
+    assert cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7  # gloo on loopback
+    assert d.memory_bytes * 2 <= cluster.host_memory_bytes
+    for name, samples in cal.samples.items():
+        assert samples and all(s > 0 and t > 0 for s, t in samples), name
+
+
+def test_calibrated_cluster_round_trips_through_toml(quick_run, tmp_path):
+    _, cluster, _, _ = quick_run
+    path = tmp_path / "calibrated.toml"
+    path.write_text(cluster_to_toml(cluster))
+    assert parse_cluster(str(path)) == cluster
+    assert parse_cluster(str(path), gpus_per_node=1).nodes == 2
