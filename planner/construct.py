@@ -1,0 +1,71 @@
+"""Builds complete plans from layouts: the one place baselines, the solver and tests turn decisions into a Plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from cost_models.evaluate import Evaluation, evaluate
+from plans.boundary import derive_boundaries
+from plans.cluster import Cluster
+from plans.errors import MmplanError
+from plans.graph import Profile
+from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One module group's layout decision.
+
+    blocks: the group's blocks in execution order; cuts: indices into `blocks` where stages 1..pp-1
+    start; ranks: dp*tp*pp ranks ordered tp fastest, then dp, then pp (Megatron's convention).
+    """
+
+    name: str
+    blocks: tuple[str, ...]
+    cuts: tuple[int, ...]
+    dp: int
+    tp: int
+    ranks: tuple[int, ...]
+    zero: int = 0
+    colocated_with: str | None = None
+    memory: tuple[Memory, ...] = ()  # one per stage; empty = everything on the GPU
+
+    @property
+    def pp(self) -> int:
+        return len(self.cuts) + 1
+
+    def stage_blocks(self) -> list[tuple[str, ...]]:
+        bounds = [0, *self.cuts, len(self.blocks)]
+        return [self.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def to_group(layout: GroupLayout) -> Group:
+    per_stage = layout.dp * layout.tp
+    if len(layout.ranks) != per_stage * layout.pp:
+        raise MmplanError(f"group {layout.name}: {len(layout.ranks)} ranks for dp={layout.dp} x tp={layout.tp} x pp={layout.pp}")
+    memories = layout.memory or (Memory(),) * layout.pp
+    stages = tuple(
+        Stage(blocks=blocks, ranks=tuple(layout.ranks[i * per_stage:(i + 1) * per_stage]), memory=memories[i])
+        for i, blocks in enumerate(layout.stage_blocks())
+    )
+    return Group(name=layout.name, dp=layout.dp, tp=layout.tp, pp=layout.pp, stages=stages, zero=layout.zero,
+                 colocated_with=layout.colocated_with)
+
+
+def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],
+               solver: SolverInfo | None = None, *, predict: bool = True) -> Plan:
+    """A checked plan (boundaries derived) with the cost model's predictions attached."""
+    groups = tuple(to_group(layout) for layout in layouts)
+    plan = Plan(profile=ProfileRef(profile.model, profile.fingerprint), cluster=cluster, training=training,
+                groups=groups, boundaries=derive_boundaries(groups, profile, training), solver=solver)
+    plan = check_plan(plan, profile)
+    return with_predictions(plan, profile)[0] if predict else plan
+
+
+def with_predictions(plan: Plan, profile: Profile) -> tuple[Plan, Evaluation]:
+    ev = evaluate(plan, profile)
+    return replace(plan, predicted=ev.predicted), ev
+
+
+def megatron_ranks(dp: int, tp: int, pp: int, first: int = 0) -> tuple[int, ...]:
+    """Consecutive ranks; the tp fastest, then dp, then pp ordering is the order of the list itself."""
+    return tuple(range(first, first + dp * tp * pp))
