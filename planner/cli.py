@@ -106,6 +106,50 @@ def show(
     render_profile(load_profile(profile_path), console.out, top=top)
 
 
+
+@app.command()
+@user_errors
+def run(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json from [cyan]mmplan solve[/] (or written by hand).")],
+    steps: Annotated[int, typer.Option(help="Optimizer steps to train.")] = 20,
+    log: Annotated[Optional[Path], typer.Option(help="Write one JSON line per step (loss, step time, per-rank compute/comm/idle, peak memory).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and the built-in dataset.")] = 0,
+    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 1e-3,
+    data: Annotated[str, typer.Option(help="[cyan]builtin[/] (a learnable synthetic multimodal dataset) or [cyan]package.module:factory[/].")] = "builtin",
+    model: Annotated[Optional[str], typer.Option(help="Build the model from this spec instead of the one the plan names.")] = None,
+    timeout: Annotated[float, typer.Option(help="Wall-clock limit of the whole run, seconds.")] = 600.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Train with a plan: one process per rank here (gloo on CPU), or join a torchrun job (multi-node).
+
+    Checks the plan against the model first (fingerprint, placement, rank count). At the end prints the
+    measured step time, busy time and memory beside the cost model's prediction.
+    """
+    from planner.run import measured_summary, run_plan
+
+    if log:
+        check_writable(log)
+    result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout)
+    if result.rank != 0:
+        return
+    from cost_models.evaluate import evaluate
+
+    predicted = evaluate(result.plan, result.profile).predicted
+    summary = measured_summary(result.metrics)
+    if as_json:
+        print(json.dumps({"plan": str(plan_path), "steps": steps, "log": str(log) if log else None,
+                          "losses": [m["loss"] for m in result.metrics], **summary,
+                          "predicted_step_time_s": predicted.step_time_s}))
+        return
+    if not quiet:
+        from planner.compare import measured_table
+
+        console.out.print(measured_table(result.plan, predicted, result.metrics))
+        console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {steps} steps"
+                          + (f"; log in [bold]{log}[/]" if log else ""))
+
+
 def main() -> None:  # pragma: no cover - console-script entry
     app()
 

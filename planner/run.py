@@ -1,0 +1,85 @@
+"""`mmplan run`: check a plan against its model, launch the ranks (or join torchrun), report predicted vs measured."""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plans.errors import MmplanError
+from plans.graph import Profile
+from plans.plan import Plan, check_plan, load_plan
+
+MAX_LOCAL_RANKS = 64  # beyond this a plan is for a real cluster: start it with torchrun
+
+
+@dataclass(frozen=True)
+class RunResult:
+    plan: Plan
+    profile: Profile
+    metrics: list[dict[str, Any]]  # one row per step (rank 0's view of all ranks); empty on other torchrun ranks
+    rank: int
+
+
+def checked_plan(plan_path: Path, model: str | None) -> tuple[Plan, Profile, str]:
+    """The plan, the profile of the model it names (rebuilt now), and the model spec; refuse mismatches."""
+    from planner.profile import profile_model
+    from runtime.source import resolve
+
+    plan = load_plan(plan_path)
+    spec = model or plan.profile.model
+    profile = profile_model(resolve(spec), micro_batch=1, device="meta", dtype="fp32")
+    if profile.fingerprint != plan.profile.fingerprint:
+        raise MmplanError(
+            f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
+            f"but {spec!r} builds a model with fingerprint {profile.fingerprint}: re-profile and re-solve")
+    return check_plan(plan, profile, f"plan {plan_path}"), profile, spec
+
+
+def _backend(plan: Plan) -> str:
+    if plan.cluster.backend == "nccl" and torch.cuda.is_available():
+        return "nccl"
+    return "gloo"
+
+
+def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int = 0, lr: float = 1e-3,
+             data: str | None = None, log: Path | None = None, timeout_s: float = 600.0,
+             op_timeout_s: float = 60.0) -> RunResult:
+    """Train `steps` steps with the plan; returns rank 0's per-step metrics."""
+    from runtime.launch import launch
+    from runtime.train import Job, train_rank
+
+    if steps < 1:
+        raise MmplanError(f"--steps must be >= 1, got {steps}")
+    plan, profile, spec = checked_plan(plan_path, model)
+    world = plan.world_size
+    if "WORLD_SIZE" in os.environ:
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != world:
+            raise MmplanError(f"the plan needs {world} ranks but this job was launched with {launched}")
+    elif world > MAX_LOCAL_RANKS:
+        raise MmplanError(f"the plan needs {world} ranks; start it with torchrun on a cluster of that size "
+                          f"(at most {MAX_LOCAL_RANKS} local processes)")
+    if plan.training.schedule not in ("gpipe", "1f1b"):
+        raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
+    job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
+              log=str(log) if log else None)
+    results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
+    rank = int(os.environ.get("RANK", 0))
+    return RunResult(plan, profile, results[0]["metrics"], rank)
+
+
+def measured_summary(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median step time and per-rank busy time over the steps after the first (warm-up)."""
+    rows = metrics[1:] or metrics
+    ranks = len(rows[0]["compute_s"])
+    return {
+        "step_time_s": statistics.median(r["step_time_s"] for r in rows),
+        "busy_s": [statistics.median(r["compute_s"][k] + r["comm_s"][k] for r in rows) for k in range(ranks)],
+        "peak_memory_bytes": [max(r["peak_memory_bytes"][k] for r in metrics) for k in range(ranks)],
+        "first_loss": metrics[0]["loss"],
+        "last_loss": metrics[-1]["loss"],
+    }
