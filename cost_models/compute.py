@@ -26,8 +26,18 @@ class OpTime:
 
 
 def measured_on(profile: Profile, cluster: Cluster) -> bool:
-    """Whether the profile's fwd_ms / bwd_ms were measured on the cluster's device."""
-    return profile.measured_on is not None and profile.measured_on == cluster.device.name
+    """Whether the profile's fwd_ms / bwd_ms were measured on the cluster's device.
+
+    Names are compared by their model token: the profiler records "cpu" or CUDA's device name (e.g.
+    "NVIDIA H100 80GB HBM3"), the catalog says "local-cpu" or "h100-sxm".
+    """
+    if profile.measured_on is None:
+        return False
+    measured, device = profile.measured_on.lower(), cluster.device.name.lower()
+    if measured == device:
+        return True
+    token = device.removeprefix("local-").split("-")[0]
+    return bool(token) and token in measured.replace(" ", "-").split("-")
 
 
 def block_time(

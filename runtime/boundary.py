@@ -5,7 +5,9 @@ ranks, one encoder feeding several stages): a route's pieces say which samples o
 replica go to which consumer replica. Remote pieces travel by isend/irecv with a unique tag per
 (route, piece, tensor, direction, micro-batch); pieces between stages on the same rank are handed over
 through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
-guarantees the matching send was issued first.
+guarantees the matching send was issued first. With tensor parallelism a replica's tp ranks hold
+identical block outputs and input gradients: its tp-rank 0 sends for the replica, and every tp rank of
+the receiving replica gets its own copy — in both directions.
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ class Exchange:
     def _rank(self, stage: str, replica: int) -> int:
         return self.layout.stages[stage].rank_of(replica)
 
+    def _leads(self, stage: str, replica: int) -> bool:
+        return self.layout.stages[stage].rank_of(replica) == self.rank
+
     def _put(self, dst: int, tensor: torch.Tensor, key: tuple, tag: int) -> None:
         if dst == self.rank:
             self.mailbox[key] = tensor.detach().clone()
@@ -72,15 +77,17 @@ class Exchange:
     # forward: producer replica -> consumer replicas
     def send_forward(self, route_idx: int, replica: int, mb: int, value: Any) -> None:
         route = self.layout.routes[route_idx]
+        if not self._leads(route.src, replica):
+            return
         start0, _ = self.layout.slice(route.src, replica)
         leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
                 continue
-            dst = self._rank(route.dst, p.dst_replica)
-            for leaf, t in enumerate(leaves):
-                key = (route_idx, k, leaf, 0, mb)
-                self._put(dst, t[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
+            for dst in self.layout.stages[route.dst].tp_ranks(p.dst_replica):
+                for leaf, t in enumerate(leaves):
+                    key = (route_idx, k, leaf, 0, mb)
+                    self._put(dst, t[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
 
     def recv_forward(self, route_idx: int, replica: int, mb: int) -> tuple[Any, list[torch.Tensor]]:
         """The producer's output for this consumer replica's samples, as fresh leaves requiring grad."""
@@ -99,15 +106,17 @@ class Exchange:
     # backward: consumer replica -> producer replicas
     def send_backward(self, route_idx: int, replica: int, mb: int, leaves: list[torch.Tensor]) -> None:
         route = self.layout.routes[route_idx]
+        if not self._leads(route.dst, replica):
+            return
         start0, _ = self.layout.slice(route.dst, replica)
         for k, p in self._pieces_into(route, replica):
-            src = self._rank(route.src, p.src_replica)
-            for leaf, t in enumerate(leaves):
-                if not t.is_floating_point():
-                    continue
-                grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                key = (route_idx, k, leaf, 1, mb)
-                self._put(src, grad[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
+            for src in self.layout.stages[route.src].tp_ranks(p.src_replica):
+                for leaf, t in enumerate(leaves):
+                    if not t.is_floating_point():
+                        continue
+                    grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                    key = (route_idx, k, leaf, 1, mb)
+                    self._put(src, grad[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
         """Add the gradients of this producer replica's output that the route's consumers send back."""

@@ -29,7 +29,14 @@ class StageInfo:
         return self.ranks.index(rank) // self.tp
 
     def rank_of(self, replica: int) -> int:
+        """The replica's tp-rank 0: it sends the replica's outputs (and input gradients) for all its tp ranks."""
         return self.ranks[replica * self.tp]
+
+    def tp_ranks(self, replica: int) -> tuple[int, ...]:
+        return self.ranks[replica * self.tp:(replica + 1) * self.tp]
+
+    def tp_index(self, rank: int) -> int:
+        return self.ranks.index(rank) % self.tp
 
     def replicas_on(self, rank: int) -> list[int]:
         return [self.replica_of(rank)] if rank in self.ranks else []
@@ -81,8 +88,6 @@ def build_layout(plan: Plan, program: Program) -> Layout:
     stages: dict[str, StageInfo] = {}
     stage_of_block: dict[str, str] = {}
     for g in plan.groups:
-        if g.tp != 1:
-            raise MmplanError(f"group {g.name}: tensor parallelism (tp={g.tp}) is not supported by the runtime yet; use tp=1")
         for i, s in enumerate(g.stages):
             key = f"{g.name}/{i}"
             stages[key] = StageInfo(key, g.name, i, g.dp, g.tp, tuple(s.blocks), tuple(s.ranks))

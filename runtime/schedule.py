@@ -2,9 +2,11 @@
 
 Every rank computes the same list-scheduling simulation of the whole step (all stages of all groups,
 all replicas, unit-cost tasks) under the schedule's policy, then runs its own tasks in simulated
-order with blocking receives and non-blocking sends. Because the orders come from one valid global
-execution, every receive waits for a send issued by a task that comes earlier: no deadlock, for
-linear pipelines, encoders feeding an LLM, colocated groups and cross-attention fan-out alike.
+order with blocking receives and non-blocking sends. A task of a tensor-parallel replica occupies
+all its tp ranks at once (they run it together, with collectives inside). Because the orders come
+from one valid global execution, every receive and every tp collective waits only for work that
+comes earlier on the ranks involved: no deadlock, for linear pipelines, encoders feeding an LLM,
+colocated groups with different tp, and cross-attention fan-out alike.
 
 Policies (per stage replica; d = the stage's distance to the loss stage):
 - gpipe: all forwards in micro-batch order, then all backwards;
@@ -57,12 +59,13 @@ def task_orders(layout: Layout, schedule: str) -> dict[int, list[Task]]:
             tasks += [Task("F", key, r, j) for j in range(m)]
             if has_backward(layout, key):
                 tasks += [Task("B", key, r, j) for j in range(m)]
-    rank_of = {t: layout.stages[t.stage].rank_of(t.replica) for t in tasks}
+    rank_of = {t: layout.stages[t.stage].rank_of(t.replica) for t in tasks}  # the task's leading rank
+    ranks_of = {t: layout.stages[t.stage].tp_ranks(t.replica) for t in tasks}
     deps = {t: _deps(layout, t) for t in tasks}
     done: dict[Task, float] = {}
     fwd_done: dict[tuple[str, int], int] = {}
     bwd_done: dict[tuple[str, int], int] = {}
-    free_at: dict[int, float] = {r: 0.0 for r in rank_of.values()}
+    free_at: dict[int, float] = {r: 0.0 for rs in ranks_of.values() for r in rs}
     order: dict[int, list[Task]] = {r: [] for r in free_at}
     pending = set(tasks)
     clock = 0.0
@@ -72,13 +75,14 @@ def task_orders(layout: Layout, schedule: str) -> dict[int, list[Task]]:
             if free_at[rank] > clock:
                 continue
             choice = _pick(layout, schedule, rank, pending, rank_of, deps, done, clock, fwd_done, bwd_done)
-            if choice is None:
+            if choice is None or any(free_at[r] > clock for r in ranks_of[choice]):
                 continue
             pending.discard(choice)
             cost = 1.0 if choice.kind == "F" else 2.0
             done[choice] = clock + cost
-            free_at[rank] = clock + cost
-            order[rank].append(choice)
+            for r in ranks_of[choice]:
+                free_at[r] = clock + cost
+                order[r].append(choice)
             counter = fwd_done if choice.kind == "F" else bwd_done
             counter[(choice.stage, choice.replica)] = counter.get((choice.stage, choice.replica), 0) + 1
             progressed = True

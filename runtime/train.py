@@ -87,20 +87,43 @@ class RankTrainer:
         self.tasks: list[Task] = task_orders(self.layout, self.plan.training.schedule)[ctx.rank] \
             if self.layout.stages_on(ctx.rank) else []
         self.exchange = Exchange(self.layout, ctx.rank, self.rm.specs, ctx.device)
-        self.dp_groups = self._dp_groups()
+        self.dp_groups, tp_groups = self._process_groups()
+        self._apply_tensor_parallel(tp_groups)
         self.params = self.rm.parameters()
         self.optimizer = torch.optim.Adam(self.params, lr=job.lr) if self.params else None
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
 
-    def _dp_groups(self) -> dict[str, Any]:
-        """One process group per stage with dp > 1 — created on every rank in the same order."""
-        groups = {}
+    def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's data-parallel group (same tp index across replicas) and tensor-parallel group of each
+        of its stages. new_group is collective: every rank creates every group, in the same order."""
+        dp_groups, tp_groups = {}, {}
         for key, st in self.layout.stages.items():
             if st.dp > 1:
-                g = dist.new_group(list(st.ranks))
-                if self.ctx.rank in st.ranks:
-                    groups[key] = g
-        return groups
+                for k in range(st.tp):
+                    ranks = [st.ranks[r * st.tp + k] for r in range(st.dp)]
+                    g = dist.new_group(ranks)
+                    if self.ctx.rank in ranks:
+                        dp_groups[key] = g
+            if st.tp > 1:
+                for r in range(st.dp):
+                    g = dist.new_group(list(st.tp_ranks(r)))
+                    if self.ctx.rank in st.tp_ranks(r):
+                        tp_groups[key] = g
+        return dp_groups, tp_groups
+
+    def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
+        """Shard the blocks that support it across their replica's tp ranks; the others stay replicated."""
+        if not tp_groups:
+            return
+        from runtime.tensor_parallel import apply_tp, check_tp, supports_tp
+
+        for key, group in tp_groups.items():
+            st = self.layout.stages[key]
+            for b in st.blocks:
+                block = self.rm.local[b]
+                if supports_tp(block):
+                    check_tp(block, st.tp)
+                    apply_tp(block, group, st.tp_index(self.ctx.rank), st.tp)
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
@@ -207,7 +230,8 @@ class RankTrainer:
             outputs[route.block] = value
         if grad:
             state[(task.stage, task.replica, task.mb)] = (outputs, leaves_in, loss)
-        return float(loss.detach()) if loss is not None else 0.0
+        counts = loss is not None and st.rank_of(task.replica) == self.ctx.rank  # once per replica, not per tp rank
+        return float(loss.detach()) if counts else 0.0
 
     def backward(self, task: Task, state: dict) -> None:
         outputs, leaves_in, loss = state.pop((task.stage, task.replica, task.mb))
