@@ -40,6 +40,14 @@ def measured_on(profile: Profile, cluster: Cluster) -> bool:
     return bool(token) and token in measured.replace(" ", "-").split("-")
 
 
+def measured_ms(ms: float, per_sample: float | None, samples: float, measured_micro_batch: int) -> float:
+    """Measured time at `samples`: affine in the batch when the profile measured a slope (two batch sizes),
+    else proportional to it. Never below a tenth of the measured time (noise can make a slope negative)."""
+    if per_sample is None:
+        return ms * samples / measured_micro_batch
+    return max(ms + per_sample * (samples - measured_micro_batch), 0.1 * ms * min(1.0, samples / measured_micro_batch))
+
+
 def block_time(
     block: Block,
     samples: float,
@@ -54,7 +62,7 @@ def block_time(
     """Forward and backward of `block` for `samples` samples on one of its `tp` shards.
 
     Compute: with `measured_micro_batch` (the profile's micro-batch, when it was measured on this
-    device) the measured fwd_ms / bwd_ms scaled by samples / measured_micro_batch; else
+    device) the measured fwd_ms / bwd_ms at `samples` (measured_ms: affine in the batch); else
     FLOPs x samples / tp / (peak[dtype] x efficiency(FLOPs of the shard)). tp divides only blocks that
     support it; both paths assume compute splits evenly over the tp shards.
     TP communication: Megatron's f/g operators all-reduce the layer's output twice in the forward and
@@ -64,8 +72,8 @@ def block_time(
     """
     t = tp if block.supports_tp else 1
     if measured_micro_batch is not None and block.fwd_ms is not None and block.bwd_ms is not None:
-        scale = samples / measured_micro_batch / t / 1e3  # ms of the profiled micro-batch -> s of this shard
-        fwd, bwd = block.fwd_ms * scale, block.bwd_ms * scale
+        fwd = measured_ms(block.fwd_ms, block.fwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
+        bwd = measured_ms(block.bwd_ms, block.bwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
     else:
         peak = peak_flops(cluster.device, dtype)
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard

@@ -345,11 +345,14 @@ def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
     return block.to(device)
 
 
-def _make_inputs(in_spec: Any, device: torch.device) -> tuple[tuple, dict]:
+def _make_inputs(in_spec: Any, device: torch.device, batch_scale: int = 1) -> tuple[tuple, dict]:
+    """Random inputs of the recorded shapes; batch_scale multiplies dim 0 (the batch) of every tensor."""
     leaves, spec = in_spec
     out = []
     for x in leaves:
         if isinstance(x, _TensorSpec):
+            if batch_scale != 1 and x.shape:
+                x = _TensorSpec((x.shape[0] * batch_scale, *x.shape[1:]), x.dtype, x.requires_grad)
             if x.dtype.is_floating_point:
                 t = torch.randn(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
             elif x.dtype == torch.bool:
@@ -363,10 +366,11 @@ def _make_inputs(in_spec: Any, device: torch.device) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: int = 5) -> tuple[float, float]:
+def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: int = 5,
+                  batch_scale: int = 1) -> tuple[float, float]:
     """Median forward and backward milliseconds of one block on a real device."""
     block = _materialise(module, device)
-    args, kwargs = _make_inputs(in_spec, device)
+    args, kwargs = _make_inputs(in_spec, device, batch_scale)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fwd, bwd = [], []
     for i in range(reps + 2):  # two warm-up repetitions
@@ -427,13 +431,15 @@ def profile_model(
         raise
     except Exception as e:
         raise MmplanError(f"profiling {source.name} failed in its forward/backward: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-    timings: dict[str, tuple[float, float]] = {}
+    timings: dict[str, tuple[float, ...]] = {}
     if measure:
         target = torch.device(device)
         distinct = list({r.signature: r for r in records}.values())
         for i, rec in enumerate(distinct):
             note(f"measuring {rec.name}", 0.3 + 0.7 * i / len(distinct))
-            timings[rec.signature] = measure_block(rec.module, rec.in_spec, target, reps)
+            f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
+            f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
+            timings[rec.signature] = (f1, b1, (f2 - f1) / micro_batch, (b2 - b1) / micro_batch)
     note("done", 1.0)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
                      _device_name(torch.device(device)) if measure else None)
@@ -451,13 +457,13 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) 
         counted.update(id(p) for p in own)
         params = sum(p.numel() for p in own)
         pbytes = sum(p.numel() * p.element_size() for p in own)
-        fwd_ms, bwd_ms = timings.get(rec.signature, (None, None))
+        fwd_ms, bwd_ms, fwd_slope, bwd_slope = timings.get(rec.signature, (None, None, None, None))
         blocks.append(Block(
             name=rec.name, group=group, kind=type(rec.module).__name__, params=params, param_bytes=pbytes,
             fwd_flops=_per_sample(rec.fwd_flops, mb), bwd_flops=_per_sample(rec.bwd_flops, mb),
             activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
             supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
-            fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+            fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,
         ))
     order = {r.name: r.order for r in records}
     edges = tuple(

@@ -36,6 +36,10 @@ class Block:
     signature: str = ""  # equal for blocks of identical structure and input shapes
     fwd_ms: float | None = None  # measured median forward time at the profile's micro-batch
     bwd_ms: float | None = None  # measured median backward time at the profile's micro-batch
+    # measured extra milliseconds per additional sample (from a second measurement at twice the micro-batch):
+    # time(b samples) = fwd_ms + fwd_ms_per_sample * (b - micro_batch); small blocks are overhead-bound
+    fwd_ms_per_sample: float | None = None
+    bwd_ms_per_sample: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
