@@ -88,6 +88,7 @@ class RankTrainer:
             if self.layout.stages_on(ctx.rank) else []
         self.exchange = Exchange(self.layout, ctx.rank, self.rm.specs, ctx.device)
         self.dp_groups, tp_groups = self._process_groups()
+        self.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
         self.params = self.rm.parameters()
         self.optimizer = torch.optim.Adam(self.params, lr=job.lr) if self.params else None
@@ -176,8 +177,7 @@ class RankTrainer:
         self.reduce_gradients()
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
-            names = {id(p): n for n, p in self.rm.model.named_parameters()}
-            results["grads"] = {names[id(p)]: p.grad.detach().clone() for p in self.params if p.grad is not None}
+            results["grads"] = self.full_tensors(lambda p: p.grad)
         c0 = time.perf_counter()
         if self.optimizer:
             self.optimizer.step()
@@ -255,6 +255,31 @@ class RankTrainer:
             torch.autograd.backward(roots, grads)
         for i, leaves in leaves_in.items():
             self.exchange.send_backward(i, task.replica, task.mb, leaves)
+
+    def full_tensors(self, get) -> dict[str, torch.Tensor]:
+        """`get(param)` for every local parameter, unsharded (tensor-parallel shards gathered), by its name in
+        the model — the layout-independent view. Returned by each stage's tp-rank 0; collective over tp groups."""
+        out: dict[str, torch.Tensor] = {}
+        for st in self.layout.stages_on(self.ctx.rank):
+            group = self.tp_groups.get(st.key)
+            shards = {}
+            if group is not None:
+                from runtime.tensor_parallel import full_parameter_names, supports_tp
+
+                shards = {b: full_parameter_names(self.rm.local[b]) for b in st.blocks if supports_tp(self.rm.local[b])}
+            for b in st.blocks:
+                for name, p in self.rm.local[b].named_parameters():
+                    value = get(p)
+                    if value is None:
+                        continue
+                    info = shards.get(b, {}).get(name)
+                    if info is not None and info.dim is not None:
+                        parts = [torch.empty_like(value) for _ in range(info.parts)]
+                        dist.all_gather(parts, value.detach().contiguous(), group=group)
+                        value = torch.cat(parts, dim=info.dim)
+                    if st.tp_index(self.ctx.rank) == 0:
+                        out[f"{b}.{name}"] = value.detach().clone()
+        return out
 
     def reduce_gradients(self) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage)."""

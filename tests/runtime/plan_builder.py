@@ -36,7 +36,7 @@ def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_ba
         stages = tuple(
             Stage(blocks=tuple(b.name for b in prof.blocks if assigned.get(b.name) == (gi, si)), ranks=tuple(ranks))
             for si, (_, ranks) in enumerate(g["stages"]))
-        built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=1, pp=len(stages), stages=stages,
+        built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=g.get("tp", 1), pp=len(stages), stages=stages,
                            colocated_with=g.get("colocated_with")))
     world = len({r for g in built for r in g.ranks})
     plan = Plan(profile=ProfileRef(prof.model, prof.fingerprint), cluster=local_cluster(world),

@@ -39,6 +39,24 @@ PLANS = {
         {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
         {"name": "llm", "stages": [(["llm.embed", "llm.layers.0", "llm.layers.1"], [1]), (["llm"], [2])]},
     ], {"micro_batches": 2}),
+    "tp2": ("tiny-vlm", [
+        {"name": "all", "tp": 2, "stages": [(VLM_ALL, [0, 1])]},
+    ], {}),
+    "tp2xpp2": ("tiny-vlm", [
+        {"name": "all", "tp": 2, "stages": [(["vision", "vision_proj", "llm.embed"], [0, 1]), (["llm"], [2, 3])]},
+    ], {"micro_batches": 2}),
+    "encoder-tp2-llm-tp1": ("tiny-vlm", [
+        {"name": "vision", "tp": 2, "stages": [(["vision", "vision_proj"], [0, 1])]},
+        {"name": "llm", "stages": [(["llm"], [2])]},
+    ], {}),
+    "encoder-tp1-llm-tp2": ("tiny-vlm", [
+        {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
+        {"name": "llm", "tp": 2, "stages": [(["llm"], [1, 2])]},
+    ], {}),
+    "colocated-encoder-dp2-llm-tp2": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "stages": [(["vision", "vision_proj"], [0, 1])]},
+        {"name": "llm", "tp": 2, "colocated_with": "vision", "stages": [(["llm"], [0, 1])]},
+    ], {}),
     "clip-disjoint-towers": ("tiny-clip", [
         {"name": "image", "stages": [(["image_tower", "image_proj"], [0])]},
         {"name": "text", "stages": [(["text_tower", "text_proj", "head"], [1])]},
