@@ -86,6 +86,7 @@ class _BlockRecord:
     order: int = -1
     activation_bytes: int = 0
     output_bytes: int = 0
+    reduces_batch: bool = False
     in_spec: Any = None  # (args, kwargs) with tensors replaced by _TensorSpec, for measuring
     signature: str = ""
     fwd_flops: float = 0.0
@@ -231,7 +232,9 @@ def _install_hooks(trace: _Trace) -> list:
             trace.seq_ranges[-1] = tuple(trace.seq_ranges[-1])
             trace.current = None
             trace.last_finished = rec.name
-            for i, leaf in enumerate(x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)):
+            leaves = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
+            rec.reduces_batch = bool(leaves) and all(x.dim() == 0 for x in leaves)
+            for i, leaf in enumerate(leaves):
                 rec.output_bytes += _nbytes(leaf)
                 trace.provenance.pop(id(leaf), None)
                 trace.tag(leaf, frozenset({(rec.name, i, _nbytes(leaf))}))
@@ -463,6 +466,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) 
             fwd_flops=_per_sample(rec.fwd_flops, mb), bwd_flops=_per_sample(rec.bwd_flops, mb),
             activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
             supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
+            reduces_batch=rec.reduces_batch,
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,
         ))
     order = {r.name: r.order for r in records}

@@ -33,6 +33,7 @@ class Block:
     activation_bytes: float  # bytes autograd saves for backward, per sample (saved-tensor hooks)
     output_bytes: float  # bytes of the block's outputs, per sample
     supports_tp: bool = False  # Megatron-style tensor parallelism applies
+    reduces_batch: bool = False  # its output has no batch dimension (e.g. a contrastive loss): needs dp = 1
     signature: str = ""  # equal for blocks of identical structure and input shapes
     fwd_ms: float | None = None  # measured median forward time at the profile's micro-batch
     bwd_ms: float | None = None  # measured median backward time at the profile's micro-batch

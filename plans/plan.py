@@ -338,6 +338,12 @@ def _check_profile(plan: Plan, profile: Profile, what: str) -> None:
             idx = [order[b] for b in s.blocks]
             if idx != sorted(idx):
                 raise FormatError(f"{what}: group {g.name!r} stage {i} lists its blocks out of the profile's execution order; sort them as in the profile")
+    reducing = {b.name for b in profile.blocks if b.reduces_batch}
+    for g in plan.groups:
+        if g.dp > 1 and reducing & set(g.blocks):
+            block = sorted(reducing & set(g.blocks))[0]
+            raise FormatError(f"{what}: block {block!r} reduces over the batch (e.g. a contrastive loss) and must see whole "
+                              f"micro-batches, but group {g.name!r} has dp={g.dp}; give it dp=1")
 
 
 def _with_boundaries(plan: Plan, profile: Profile, what: str) -> Plan:

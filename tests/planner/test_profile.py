@@ -158,3 +158,17 @@ def test_group_overrides(tmp_path):
     p = profile_model(resolve("tiny-vlm"), groups=[("llm.head", "head"), ("vision_proj", "vision")])
     assert p.block("llm.head").group == "head" and p.block("vision_proj").group == "vision"
     assert "vision_proj" not in p.groups
+
+
+def test_a_contrastive_head_reduces_the_batch_and_plans_must_give_it_dp1(profiles):
+    from planner.construct import GroupLayout, build_plan
+    from cost_models.hardware import parse_cluster
+    from plans.errors import FormatError
+    from plans.plan import Training
+
+    p = profiles["tiny-clip"]
+    assert [b.name for b in p.blocks if b.reduces_batch] == ["head"]
+    assert not any(b.reduces_batch for b in profiles["tiny-vlm"].blocks)
+    layout = GroupLayout("all", tuple(b.name for b in p.blocks), (), dp=2, tp=1, ranks=(0, 1))
+    with pytest.raises(FormatError, match="reduces over the batch"):
+        build_plan(p, parse_cluster("2xlocal-cpu"), Training(global_batch=8, micro_batches=2, dtype="fp32"), [layout])
