@@ -1,4 +1,5 @@
-"""Times one cost-model evaluation of realistic multimodal plans on 128 and 1024 H100s against the 50 ms target.
+"""Times one cost-model evaluation of realistic multimodal plans on 128 and 1024 H100s (target 50 ms), and the
+search of the homogeneous (Megatron-style) grid for the best baseline (target 10 s at 1024 GPUs).
 
 Run: python bench/cost_model_bench.py [--profiles DIR]  (DIR/<model>.json written by `mmplan profile <model> -o ...`
 is used when present; otherwise a synthetic profile of the same shape is built here).
@@ -15,10 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import catalog_cluster  # noqa: E402
+from planner.baselines import best_homogeneous  # noqa: E402
 from plans import plan as P  # noqa: E402
 from plans.graph import Block, Edge, InputEdge, Profile, fingerprint, load_profile  # noqa: E402
 
 TARGET_S = 0.050  # one evaluation of a 1024-GPU plan
+GRID_TARGET_S = 10.0  # searching the homogeneous grid at 1024 GPUs (planner/baselines.py best_homogeneous)
+# Homogeneous grid search: model -> (cluster, global batch); 4 samples per GPU.
+GRID = {"vit22b-llama70b": ("128xh100-sxm", 512), "qwen2-vl-72b": ("1024xh100-sxm", 4096)}
+# The default grid (1f1b; recompute none | full; ZeRO 0 | 1) and a wide one (every schedule and option).
+GRID_OPTIONS = {"default": {}, "wide": {"schedules": ("1f1b", "gpipe", "interleaved:2"),
+                                        "recomputes": ("none", "selective", "full"), "zeros": (0, 1, 2, 3)}}
 BF16 = 2  # bytes
 
 
@@ -161,6 +169,23 @@ def main(argv: list[str] | None = None) -> None:
             target = f"<= {TARGET_S * 1e3:.0f}" if plan.world_size >= 1024 else "-"
             print(f"{model:<16} {'profiled' if real else 'synthetic':<9} {plan.world_size:>5} {name:<43} {wall * 1e3:>8.1f} {cpu * 1e3:>7.1f} "
                   f"{target:>7} {p.step_time_s:>7.2f} {p.mfu:>6.1%} {p.bubble_fraction:>6.1%} {'yes' if p.fits else 'no'}")
+    print()
+    print(f"{'model':<16} {'GPUs':>5} {'batch':>6} {'grid':<8} {'layouts':>7} {'fit':>5} {'simulated':>9} {'search s':>8} "
+          f"{'cpu s':>6} {'target':>7}  best layout (step s, MFU)")
+    for model, (cluster_name, batch) in GRID.items():
+        path = args.profiles / f"{model}.json" if args.profiles else None
+        profile = load_profile(path) if path is not None and path.exists() else synthetic_profile(model)
+        cluster = catalog_cluster(cluster_name)
+        for grid, options in GRID_OPTIONS.items():
+            t, c = time.perf_counter(), time.process_time()
+            best = best_homogeneous(profile, cluster, batch, **options)
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            layout, counts = best.solver.notes.split("; ", 1)
+            fit, simulated = counts.split(", ")[1].split()[0], counts.split(", ")[2].split()[0]
+            target = f"<= {GRID_TARGET_S:.0f}" if cluster.world_size >= 1024 else "-"
+            print(f"{model:<16} {cluster.world_size:>5} {batch:>6} {grid:<8} {best.solver.candidates:>7} {fit:>5} {simulated:>9} "
+                  f"{wall:>8.2f} {cpu:>6.2f} {target:>7}  {layout.removeprefix('layout ')} "
+                  f"({best.predicted.step_time_s:.2f} s, {best.predicted.mfu:.1%}{'' if best.predicted.fits else ', DOES NOT FIT'})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Time of a block's forward and backward for a micro-batch and tp degree, and of the optimizer step."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from cost_models.comm import all_reduce_time
@@ -36,8 +38,8 @@ def measured_on(profile: Profile, cluster: Cluster) -> bool:
     measured, device = profile.measured_on.lower(), cluster.device.name.lower()
     if measured == device:
         return True
-    token = device.removeprefix("local-").split("-")[0]
-    return bool(token) and token in measured.replace(" ", "-").split("-")
+    token = re.match(r"[a-z0-9]*", device.removeprefix("local-")).group()  # "h100", "cpu", "a100"
+    return bool(token) and token in re.findall(r"[a-z0-9]+", measured)
 
 
 def measured_ms(ms: float, per_sample: float | None, samples: float, measured_micro_batch: int) -> float:

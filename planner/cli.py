@@ -135,7 +135,8 @@ def run(
         return
     from cost_models.evaluate import evaluate
 
-    predicted = evaluate(result.plan, result.profile).predicted
+    evaluation = evaluate(result.plan, result.profile)
+    predicted = evaluation.predicted
     summary = measured_summary(result.metrics)
     if as_json:
         print(json.dumps({"plan": str(plan_path), "steps": steps, "log": str(log) if log else None,
@@ -145,9 +146,98 @@ def run(
     if not quiet:
         from planner.compare import measured_table
 
-        console.out.print(measured_table(result.plan, predicted, result.metrics))
+        console.out.print(measured_table(result.plan, evaluation, result.metrics))
         console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {steps} steps"
                           + (f"; log in [bold]{log}[/]" if log else ""))
+
+
+@app.command()
+@user_errors
+def compare(
+    plans: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="plan.json files (from [cyan]mmplan solve[/] or written by hand).")],
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="The profile.json the plans are for: evaluate every plan with the current cost model. Without it the figures stored in the plans are shown (a plan without them is an error).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list on stdout, one object per plan in argument order.")] = False,
+    trace: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Write [cyan]<plan stem>.trace.json[/] per plan into DIR (open in ui.perfetto.dev); needs --profile.")] = None,
+    measured: Annotated[Optional[Path], typer.Option(metavar="RUN.jsonl", help="A run's metrics log ([cyan]mmplan run --log[/]): show the plan's prediction beside it (one plan only).")] = None,
+) -> None:
+    """Compare plans offline: step time, throughput, MFU, memory per tier, bubble, communication; best highlighted.
+
+    The best plan is the fastest one that fits in memory. With [cyan]--measured[/] also predicted vs measured
+    step time, per-rank busy time and memory (medians over the steps after the first).
+    """
+    from planner.compare import compare_table, measured_table, run_compare
+
+    result = run_compare(plans, profile_path=profile_path, trace_dir=trace, measured_path=measured)
+    if as_json:
+        print(json.dumps(result.as_json(), allow_nan=False))
+        return
+    console.out.print(compare_table(result.items))
+    if result.measured is not None:
+        c = result.items[0]
+        console.out.print(measured_table(c.plan, c.evaluation or c.predicted, result.measured))
+    for path in result.traces:
+        console.out.print(f"wrote [bold]{path}[/]", soft_wrap=True)
+
+
+@app.command()
+@user_errors
+def calibrate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the cluster TOML (give it to [cyan]--cluster[/]).")] = Path("cluster.toml"),
+    ranks: Annotated[int, typer.Option(help="gloo ranks to launch for the collectives (one thread each).")] = 2,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and repetitions: a few seconds instead of about a minute.")] = False,
+) -> None:
+    """Measure this machine (matmul throughput, memory bandwidth, gloo all-reduce and p2p, host<->device, disk)
+    and write it as a cluster TOML."""
+    from cost_models.hardware import cluster_to_toml
+    from planner.calibrate import measure, to_cluster
+    from plans.serial import write_atomic
+
+    check_writable(output)
+    with console.progress("calibrating") as note:
+        cal = measure(ranks=ranks, quick=quick, progress=note)
+    cluster = to_cluster(cal)
+    write_atomic(output, cluster_to_toml(cluster))
+    console.out.print(_calibration_table(cal, cluster))
+    console.out.print(f"wrote [bold]{output}[/] (use it as [cyan]--cluster {output}[/])", soft_wrap=True)
+
+
+def _calibration_table(cal, cluster):
+    """What calibrate measured, beside the catalog entry of the same kind of device when there is one."""
+    from rich.table import Table
+
+    from cost_models.hardware import CATALOG, GBps
+
+    name = cal.device_name.lower()
+    ref_name = "local-cpu" if cluster.backend == "gloo" else next(
+        (k for k, hint in (("h200", "h200"), ("h100-sxm", "h100"), ("a100-80g", "a100-sxm4-80"), ("a100-40g", "a100"))
+         if hint in name), None)
+    ref = CATALOG.get(ref_name) if ref_name else None
+    table = Table(title=f"{cal.device_name}: {cal.ranks} ranks, {cal.wall_s:.0f} s", title_justify="left", header_style="bold")
+    table.add_column("measured")
+    table.add_column("this machine", justify="right")
+    if ref:
+        table.add_column(f"catalog {ref_name}", justify="right")
+
+    def link(l) -> str:
+        return f"{l.bandwidth / GBps:.3g} GB/s, {l.latency_s * 1e6:.3g} us"
+
+    rows = [(f"matmul {dtype} peak", f"{cluster.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s",
+             f"{ref.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s" if ref and dtype in ref.device.peak_flops else "-")
+            for dtype in cluster.device.peak_flops]
+    rows += [(f"matmul n={n}", f"{rate / 1e9:,.1f} GFLOP/s", "") for n, rate in cal.matmul]
+    rows += [
+        ("memory bandwidth", f"{cluster.device.memory_bandwidth / GBps:.3g} GB/s", f"{ref.device.memory_bandwidth / GBps:.3g} GB/s" if ref else ""),
+        ("host <-> device", link(cluster.host_to_device), link(ref.host_to_device) if ref else ""),
+        ("all-reduce (per ring hop)", link(cal.all_reduce), ""),
+        ("p2p send/recv", link(cal.p2p), ""),
+        ("link between ranks", link(cluster.intra_node), link(ref.intra_node) if ref else ""),
+        ("disk write", link(cal.disk_write), ""),
+        ("disk read", link(cal.disk_read), ""),
+        ("nvme (slower of the two)", link(cluster.nvme), link(ref.nvme) if ref else ""),
+    ]
+    for row in rows:
+        table.add_row(*(row if ref else row[:2]))
+    return table
 
 
 def main() -> None:  # pragma: no cover - console-script entry

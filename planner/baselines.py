@@ -1,0 +1,492 @@
+"""The plans we must beat: Megatron-style homogeneous layouts (one given, or the best of a grid), ZeRO-3 and even GPipe."""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+from cost_models.comm import all_gather_time, all_reduce_time, link_for, reduce_scatter_time
+from cost_models.compute import block_time, measured_on, optimizer_step_time
+from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
+from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
+from plans.cluster import Cluster
+from plans.errors import MmplanError
+from plans.graph import Block, Profile
+from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
+
+# Vocabulary: a "layer" is a transformer layer, i.e. a block that supports tensor parallelism (the profiler
+# marks exactly those); "units" are what a pipeline split counts: each layer together with the non-layer
+# blocks (embeddings, norms, projector, head) that follow it, the blocks before the first layer joining it.
+# When a model has fewer layers than the split needs parts, every block is its own unit.
+
+Schedule = Literal["1f1b", "gpipe", "interleaved"]
+Recompute = Literal["none", "selective", "full"]
+Baseline = Literal["homogeneous", "zero3", "gpipe-even"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+RECOMPUTES: tuple[str, ...] = get_args(Recompute)
+BASELINES: tuple[str, ...] = get_args(Baseline)
+GROUP = "model"  # the one group of a homogeneous plan: every block in one pipeline
+
+_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero")
+_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch"}
+_EXAMPLE = "tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1]"
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSpec:
+    """One layout for every module: degrees, per-replica micro-batch size, schedule, recomputation, ZeRO stage."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int = 1  # samples per micro-batch on one data-parallel replica
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1  # model chunks per rank; > 1 only with the interleaved schedule
+    recompute: Recompute = "none"
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MmplanError(f"layout: {key.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise MmplanError(f"layout: schedule must be one of 1f1b, gpipe, interleaved:V, got {self.schedule!r}")
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise MmplanError(f"layout: the interleaved schedule needs virtual_stages >= 2 and the others 1, got "
+                              f"{self.schedule} with virtual_stages={self.virtual_stages}")
+        if self.recompute not in RECOMPUTES:
+            raise MmplanError(f"layout: recompute must be one of {', '.join(RECOMPUTES)}, got {self.recompute!r}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise MmplanError(f"layout: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        """Canonical text that parse_layout reads back to an equal spec."""
+        schedule = f"interleaved:{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
+        return (f"tp={self.tp},pp={self.pp},dp={self.dp},micro-batch={self.micro_batch},schedule={schedule},"
+                f"recompute={self.recompute},zero={self.zero}")
+
+
+def parse_layout(text: str) -> LayoutSpec:
+    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1]`.
+
+    Bare `interleaved` means 2 model chunks per rank. Every problem is one MmplanError naming the item."""
+    if not isinstance(text, str) or not text.strip():
+        raise MmplanError(f"empty layout; write it as {_EXAMPLE}")
+    values: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        key, eq, value = item.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        key = _ALIASES.get(key, key)
+        if not item or not eq or not key or not value:
+            raise MmplanError(f"layout item {item!r} is not key=value; write the layout as {_EXAMPLE}")
+        if key not in _KEYS:
+            raise MmplanError(f"unknown layout key {key!r} in {item!r}; known keys: {', '.join(_KEYS)}")
+        if key in values:
+            raise MmplanError(f"layout key {key!r} is given twice ({key}={values[key]} and {item})")
+        values[key] = value
+    missing = [k for k in ("tp", "pp", "dp") if k not in values]
+    if missing:
+        raise MmplanError(f"layout {text.strip()!r} lacks {', '.join(missing)}; tp, pp and dp are required ({_EXAMPLE})")
+    schedule, chunks = _parse_schedule(values.get("schedule", "1f1b"))
+    recompute = values.get("recompute", "none").lower()
+    if recompute not in RECOMPUTES:
+        raise MmplanError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {values['recompute']!r}")
+    zero = _positive_int(values.get("zero", "0"), "zero", allow_zero=True)
+    if zero > 3:
+        raise MmplanError(f"zero must be 0, 1, 2 or 3, got {values['zero']!r}")
+    return LayoutSpec(tp=_positive_int(values["tp"], "tp"), pp=_positive_int(values["pp"], "pp"),
+                      dp=_positive_int(values["dp"], "dp"), micro_batch=_positive_int(values.get("micro-batch", "1"), "micro-batch"),
+                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero)  # type: ignore[arg-type]
+
+
+def _positive_int(value: str, key: str, *, allow_zero: bool = False) -> int:
+    if not value.isdigit() or (int(value) == 0 and not allow_zero):
+        kind = "a non-negative integer" if allow_zero else "a positive integer"
+        raise MmplanError(f"{key} must be {kind}, got {value!r}")
+    return int(value)
+
+
+def _parse_schedule(value: str) -> tuple[Schedule, int]:
+    name, colon, v = value.lower().partition(":")
+    if name == "interleaved":
+        if not colon:
+            return "interleaved", 2
+        if not v.isdigit() or int(v) < 2:
+            raise MmplanError(f"schedule interleaved:V needs V >= 2 model chunks per rank, got {value!r}")
+        return "interleaved", int(v)
+    if name in ("1f1b", "gpipe") and not colon:
+        return name, 1  # type: ignore[return-value]
+    raise MmplanError(f"schedule must be 1f1b, gpipe or interleaved:V, got {value!r}")
+
+
+# --- the Megatron-style split ------------------------------------------------------------------------------
+
+
+def layer_count(profile: Profile) -> int:
+    """Transformer layers of the model (blocks that support tensor parallelism)."""
+    return sum(1 for b in profile.blocks if b.supports_tp)
+
+
+def split_blocks(profile: Profile, parts: int) -> list[tuple[str, ...]]:
+    """The model's blocks in `parts` contiguous chunks of (nearly) equal layer count, Megatron-style.
+
+    Each non-layer block goes with the layer before it (the blocks before the first layer with the first
+    layer), so embeddings land in the first chunk and the final norm and head in the last. When the layer
+    count does not divide evenly, the last chunks get one layer more (the first pipeline stage holds the
+    most micro-batches in flight under 1F1B). Fewer layers than parts: every block counts as a layer.
+    """
+    blocks = profile.blocks
+    if parts < 1 or parts > len(blocks):
+        raise MmplanError(f"cannot split the {len(blocks)} blocks of {profile.model!r} into {parts} pipeline chunks; "
+                          f"use at most {len(blocks)} (pp x virtual stages)")
+    starts = [i for i, b in enumerate(blocks) if b.supports_tp]
+    if len(starts) < parts:
+        starts = list(range(len(blocks)))
+    starts[0] = 0  # the blocks before the first layer join it
+    units = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
+    q, r = divmod(len(units), parts)
+    sizes = [q] * (parts - r) + [q + 1] * r
+    out, i = [], 0
+    for n in sizes:
+        out.append(tuple(b.name for u in units[i:i + n] for b in u))
+        i += n
+    return out
+
+
+def _stage_blocks(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
+    """Blocks of each pipeline stage; with v chunks per rank stage i holds chunks i, i+pp, ... (Megatron)."""
+    chunks = split_blocks(profile, spec.pp * spec.virtual_stages)
+    return [tuple(b for k in range(i, len(chunks), spec.pp) for b in chunks[k]) for i in range(spec.pp)]
+
+
+def _recomputed(profile: Profile, blocks: Iterable[str], recompute: Recompute) -> dict[str, str]:
+    """Activation tiers for `recompute`: full = every block; selective = the transformer layers only.
+
+    Simplification: Megatron's selective recomputation re-runs only the attention core inside each layer
+    (Korthikanti et al. 2022, section 5); plans place activations per block, so here it recomputes whole
+    transformer layers and keeps the activations of embeddings, norms, projector and head.
+    """
+    if recompute == "none":
+        return {}
+    by_name = {b.name: b for b in profile.blocks}
+    return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
+
+
+def _training(profile: Profile, spec: LayoutSpec, global_batch: int) -> Training:
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+    return Training(global_batch=global_batch, micro_batches=global_batch // (spec.dp * spec.micro_batch),
+                    schedule=spec.schedule, virtual_stages=spec.virtual_stages, dtype=dtype)
+
+
+def check_layout(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec) -> None:
+    """Raise MmplanError when `spec` cannot be laid out on `cluster` for `profile` at `global_batch`."""
+    _check_batch(global_batch)
+    if spec.world_size != cluster.world_size:
+        raise MmplanError(f"layout {spec} uses tp*pp*dp = {spec.tp}*{spec.pp}*{spec.dp} = {spec.world_size} GPUs but "
+                          f"cluster {cluster.name} has {cluster.world_size}; make tp*pp*dp equal {cluster.world_size}")
+    if cluster.gpus_per_node % spec.tp:
+        raise MmplanError(f"tp={spec.tp} does not divide the {cluster.gpus_per_node} GPUs per node of cluster "
+                          f"{cluster.name}; a tensor-parallel group must fill whole slots of one node")
+    if global_batch % (spec.dp * spec.micro_batch):
+        raise MmplanError(f"global batch {global_batch} is not divisible by dp*micro-batch = {spec.dp}*{spec.micro_batch} "
+                          f"= {spec.dp * spec.micro_batch}; choose a global batch that is a multiple of it")
+    if spec.schedule == "interleaved" and spec.pp < 2:
+        raise MmplanError(f"the interleaved schedule needs pp >= 2, got pp={spec.pp}")
+    parts = spec.pp * spec.virtual_stages
+    if parts > len(profile.blocks):
+        raise MmplanError(f"pp*virtual stages = {parts} exceeds the {len(profile.blocks)} blocks of {profile.model!r}; "
+                          f"every pipeline chunk needs a block")
+
+
+def _check_batch(global_batch: int) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise MmplanError(f"global batch must be a positive integer, got {global_batch!r}")
+
+
+def homogeneous_plan(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec | str, *,
+                     solver: SolverInfo | None = None, predict: bool = True) -> Plan:
+    """The Megatron-style plan for exactly `spec`: one group ("model") holding every block in one pipeline,
+    encoders in the first stage(s), layers split evenly over pp stages, one tp and dp for all, predictions attached."""
+    spec = parse_layout(spec) if isinstance(spec, str) else spec
+    check_layout(profile, cluster, global_batch, spec)
+    solver = solver or SolverInfo(method="baseline:homogeneous", notes=f"layout {spec}")
+    return _build(profile, cluster, global_batch, spec, solver, predict=predict)
+
+
+def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, solver: SolverInfo,
+           *, predict: bool = True) -> Plan:
+    training = _training(profile, spec, global_batch)
+    stages = _stage_blocks(profile, spec)
+    memory = tuple(Memory(activations=_recomputed(profile, blocks, spec.recompute)) for blocks in stages)
+    ranks = megatron_ranks(spec.dp, spec.tp, spec.pp)
+    if spec.virtual_stages == 1:
+        names = tuple(b for s in stages for b in s)
+        cuts = tuple(sum(len(s) for s in stages[:i]) for i in range(1, spec.pp))
+        layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory)
+        return build_plan(profile, cluster, training, [layout], solver, predict=predict)
+    # GroupLayout describes contiguous stages only; an interleaved stage holds v chunks, so build the Group here
+    # and finish as build_plan does (check with the profile, then attach predictions).
+    per = spec.dp * spec.tp
+    group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, stages=tuple(
+        Stage(blocks, ranks[i * per:(i + 1) * per], memory[i]) for i, blocks in enumerate(stages)))
+    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile)
+    return with_predictions(plan, profile)[0] if predict else plan
+
+
+# --- the grid of homogeneous layouts ---------------------------------------------------------------------
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
+                 micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
+                 recomputes: Sequence[Recompute] = ("none", "full")) -> list[LayoutSpec]:
+    """Every valid homogeneous layout: tp a power of two dividing gpus_per_node (1 only when no block supports
+    tp), pp dividing the layer count (Megatron's uniform split) with tp*pp dividing the world, dp = world/(tp*pp),
+    micro-batch sizes `micro_batches` (default 1, 2, 4, ...) with dp*micro-batch dividing the global batch,
+    each ZeRO stage of `zeros` (0 and 1 are the same plan at dp = 1) and recompute option; schedules are
+    `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count)."""
+    _check_batch(global_batch)
+    world, units = cluster.world_size, layer_count(profile) or len(profile.blocks)
+    parsed = [_parse_schedule(s) for s in schedules]
+    tps = [t for t in _powers_of_two(cluster.gpus_per_node) if cluster.gpus_per_node % t == 0]
+    if not any(b.supports_tp for b in profile.blocks):
+        tps = [1]
+    specs = []
+    for tp in tps:
+        for pp in (p for p in range(1, units + 1) if units % p == 0 and world % (tp * p) == 0):
+            dp = world // (tp * pp)
+            sizes = micro_batches if micro_batches is not None else _powers_of_two(global_batch // dp)
+            for mb in (s for s in sizes if global_batch % (dp * s) == 0):
+                for schedule, v in parsed:
+                    if v > 1 and (pp < 2 or units % (pp * v)):
+                        continue
+                    for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
+                        for rec in recomputes:
+                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero))
+    return specs
+
+
+def homogeneous_grid(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
+                     micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
+                     recomputes: Sequence[Recompute] = ("none", "full")) -> list[Plan]:
+    """Every layout of grid_layouts as a plan with predictions (fitting or not, in grid order). Evaluates them all:
+    use best_homogeneous for large clusters."""
+    specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches,
+                         zeros=zeros, recomputes=recomputes)
+    if not specs:
+        raise _no_layout(profile, cluster, global_batch)
+    return [_build(profile, cluster, global_batch, s, SolverInfo("baseline:homogeneous", notes=f"layout {s}")) for s in specs]
+
+
+def best_homogeneous(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
+                     micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
+                     recomputes: Sequence[Recompute] = ("none", "full")) -> Plan:
+    """The fastest homogeneous plan that fits (as homogeneous_grid would find it, without evaluating every layout);
+    when none fits, the one with the least memory overflow, flagged in its predictions and solver notes."""
+    specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches,
+                         zeros=zeros, recomputes=recomputes)
+    if not specs:
+        raise _no_layout(profile, cluster, global_batch)
+    return search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
+
+
+def _no_layout(profile: Profile, cluster: Cluster, global_batch: int) -> MmplanError:
+    return MmplanError(f"no homogeneous layout of {profile.model!r} on {cluster.world_size} GPUs divides global batch "
+                       f"{global_batch} (dp*micro-batch must divide it); use a global batch with more factors of 2")
+
+
+# --- ZeRO-3 and even GPipe -----------------------------------------------------------------------------------
+
+
+def zero3_plan(profile: Profile, cluster: Cluster, global_batch: int, *, micro_batch: int | None = None,
+               recompute: Recompute | None = None) -> Plan:
+    """Pure sharded data parallelism (ZeRO-3 / FSDP): pp = tp = 1, dp = every GPU. Without `micro_batch` /
+    `recompute`, the fastest fitting choice of micro-batch size (powers of two) and recompute none | full."""
+    world = cluster.world_size
+    if global_batch % world:
+        raise MmplanError(f"global batch {global_batch} is not divisible by the {world} data-parallel ranks of ZeRO-3; "
+                          f"use a multiple of {world}")
+    return _family(profile, cluster, global_batch, "baseline:zero3", tp=1, pp=1, dp=world, zero=3, schedule="1f1b",
+                   micro_batch=micro_batch, recompute=recompute)
+
+
+def gpipe_even_plan(profile: Profile, cluster: Cluster, global_batch: int, *, micro_batch: int | None = None,
+                    recompute: Recompute | None = None) -> Plan:
+    """GPipe (Huang et al. 2019): the GPipe schedule with pp = min(world, blocks) -- the largest such pp dividing
+    the world -- layers split evenly, tp = 1, dp = world / pp. Without `micro_batch` / `recompute`, the fastest
+    fitting micro-batch size and recompute none | full (GPipe itself re-materialises: full)."""
+    world = cluster.world_size
+    pp = max(p for p in range(1, min(world, len(profile.blocks)) + 1) if world % p == 0)
+    return _family(profile, cluster, global_batch, "baseline:gpipe-even", tp=1, pp=pp, dp=world // pp, zero=0,
+                   schedule="gpipe", micro_batch=micro_batch, recompute=recompute)
+
+
+def _family(profile: Profile, cluster: Cluster, global_batch: int, method: str, *, tp: int, pp: int, dp: int, zero: int,
+            schedule: Schedule, micro_batch: int | None, recompute: Recompute | None) -> Plan:
+    _check_batch(global_batch)
+    if global_batch % dp:
+        raise MmplanError(f"global batch {global_batch} is not divisible by dp={dp}; use a multiple of {dp}")
+    sizes = [micro_batch] if micro_batch is not None else \
+        [s for s in _powers_of_two(global_batch // dp) if global_batch % (dp * s) == 0]
+    specs = [LayoutSpec(tp, pp, dp, mb, schedule, 1, rec, zero)
+             for mb in sizes for rec in ((recompute,) if recompute else ("none", "full"))]
+    for s in specs:
+        check_layout(profile, cluster, global_batch, s)
+    return search(profile, cluster, global_batch, specs, method=method)
+
+
+def baseline_plan(kind: Baseline, profile: Profile, cluster: Cluster, global_batch: int, *,
+                  layout: LayoutSpec | str | None = None) -> Plan:
+    """One entry for `mmplan solve --baseline KIND [--layout ...]`: the given homogeneous layout, else the best
+    of the kind's search."""
+    if layout is not None and kind != "homogeneous":
+        raise MmplanError(f"--layout applies to --baseline homogeneous only, not {kind!r}")
+    if kind == "homogeneous":
+        return homogeneous_plan(profile, cluster, global_batch, layout) if layout is not None \
+            else best_homogeneous(profile, cluster, global_batch)
+    if kind == "zero3":
+        return zero3_plan(profile, cluster, global_batch)
+    if kind == "gpipe-even":
+        return gpipe_even_plan(profile, cluster, global_batch)
+    raise MmplanError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
+
+
+# --- search: memory first, then branch and bound on a step-time lower bound -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Screened:
+    """A layout before simulation: its peak GPU bytes on the fullest rank and a lower bound of its step time."""
+
+    spec: LayoutSpec
+    gpu_bytes: float
+    overflow: float  # gpu_bytes - device memory (> 0: does not fit)
+    lower_bound_s: float
+
+
+def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str) -> Plan:
+    """The fastest fitting plan among `specs`, exactly as evaluating every one would find it, simulating few.
+
+    1. Memory first: each layout's per-rank memory is computed with the cost model's own stage_memory and
+       in-flight counts (cost_models/memory.py), which is exactly what evaluate() reports for these plans.
+    2. Dominance: recomputation only adds compute time, so a layout with recomputation is dropped when the
+       same layout without it fits.
+    3. Branch and bound: fitting layouts are simulated in order of a lower bound of their step time
+       (see screen); the search stops when the next bound is no better than the best simulated step.
+    None fits: the layout with the least overflow is built; its predictions say fits = false and the solver
+    notes say by how much.
+    """
+    started = time.perf_counter()
+    costs = _Costs(profile, cluster)
+    screened = [screen(profile, cluster, global_batch, s, costs=costs) for s in specs]
+    fitting = {s.spec for s in screened if s.overflow <= 0}
+    keep = [s for s in screened if s.overflow <= 0
+            and not (s.spec.recompute != "none" and replace(s.spec, recompute="none") in fitting)]
+    best: tuple[Plan, LayoutSpec] | None = None
+    simulated = 0
+    for s in sorted(keep, key=lambda s: s.lower_bound_s):
+        if best is not None and s.lower_bound_s * (1 - 1e-9) >= best[0].predicted.step_time_s:
+            break
+        try:
+            plan = _build(profile, cluster, global_batch, s.spec, SolverInfo(method))
+        except MmplanError:  # e.g. an interleaved order that deadlocks: not a candidate
+            continue
+        simulated += 1
+        if plan.predicted.fits and (best is None or plan.predicted.step_time_s < best[0].predicted.step_time_s):
+            best = plan, s.spec
+    if best is not None:
+        plan, spec = best
+        note = (f"layout {spec}; {len(specs)} layouts, {len(fitting)} fit in memory, {simulated} simulated "
+                f"(the rest pruned by memory, dominance or a step-time lower bound)")
+    else:
+        least = min(screened, key=lambda s: (s.overflow, s.lower_bound_s))
+        plan, spec = _build(profile, cluster, global_batch, least.spec, SolverInfo(method)), least.spec
+        simulated += 1
+        note = (f"layout {spec}; no layout fits: of {len(specs)} layouts this one needs the least memory, "
+                f"{least.gpu_bytes / 1e9:.1f} GB on its fullest GPU of {cluster.device.memory_bytes / 1e9:.1f} GB")
+    return replace(plan, solver=SolverInfo(method, objective=plan.predicted.step_time_s, time_s=time.perf_counter() - started,
+                                           candidates=len(specs), notes=note))
+
+
+def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, *, costs: _Costs | None = None) -> Screened:
+    """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan.
+
+    Lower bound (each term is a part of what cost_models/pipeline.py simulates, so the bound never exceeds
+    the simulated step; tests check it on whole grids): stage i runs m forwards of f_i and m backwards of b_i
+    seconds (block_time compute plus blocking TP all-reduces; exposed transfers and p2p sends left out) on
+    one compute lane, after micro-batch 0 went through the forwards of the stages before it; its last
+    backward is micro-batch m-1's, whose gradient then goes back through the stages before it; every stage
+    ends with its gradient sync, optimizer step and ZeRO all-gather in sequence (the simulator's stage tail).
+    With v > 1 chunks per rank only the per-stage sum is used.
+    """
+    costs = costs or _Costs(profile, cluster)
+    m = global_batch // (spec.dp * spec.micro_batch)
+    training = _training(profile, spec, global_batch)
+    per = spec.dp * spec.tp
+    width = DTYPE_BYTES[training.dtype]
+    samples = float(spec.micro_batch)
+    fwd, bwd, tail, gpu = [], [], [], []
+    for i, names in enumerate(_stage_blocks(profile, spec)):
+        stage = [costs.blocks[n] for n in names]
+        acts = _recomputed(profile, names, spec.recompute)
+        warmup = warmup_forwards(spec.schedule, m, spec.pp - i - 1, spec.virtual_stages, spec.pp)
+        mem = stage_memory(stage, samples=samples, tp=spec.tp, dp=spec.dp, zero=spec.zero,
+                           memory=Memory(activations=acts),
+                           in_flight_micro_batches=in_flight(spec.schedule, m, warmup, spec.virtual_stages),
+                           input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer)
+        gpu.append(mem.gpu)
+        f = b = 0.0
+        for blk in stage:
+            bf, bb = costs.block_time(blk, samples, spec.tp, training.dtype, blk.name in acts)
+            f += bf
+            b += bb
+        fwd.append(f)
+        bwd.append(b)
+        params = sum(blk.params / (spec.tp if blk.supports_tp else 1) for blk in stage)
+        nbytes = params * width
+        link = link_for(cluster, range(i * per, (i + 1) * per, spec.tp))  # the dp group of tp rank 0
+        sync = all_reduce_time(nbytes, spec.dp, link) if spec.zero == 0 else \
+            reduce_scatter_time(nbytes, spec.dp, link) if spec.zero == 1 else 0.0
+        gather = all_gather_time(nbytes, spec.dp, link) if spec.zero in (1, 2) else 0.0
+        opt = optimizer_step_time(params / spec.dp if spec.zero else params, Memory(), cluster,
+                                  dtype=training.dtype, optimizer=training.optimizer)
+        tail.append(sync + opt + gather)
+    bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
+    if spec.virtual_stages == 1:
+        fill = [sum(fwd[:i]) for i in range(spec.pp)]
+        drain = [sum(bwd[:i]) for i in range(spec.pp)]
+        busy = [fill[i] + m * (fwd[i] + bwd[i]) for i in range(spec.pp)]
+        bound = max(bound, max(x + t for x, t in zip(busy, tail)), max(x + d for x, d in zip(busy, drain)) + tail[0])
+    peak = max(gpu)
+    return Screened(spec, peak, peak - cluster.device.memory_bytes, bound)
+
+
+class _Costs:
+    """Per-search caches of what screening needs from the profile: blocks by name, block inputs, block times."""
+
+    def __init__(self, profile: Profile, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.blocks = {b.name: b for b in profile.blocks}
+        self.inputs = block_input_bytes(profile)
+        self.measured = profile.micro_batch if measured_on(profile, cluster) else None
+        self._times: dict[tuple, tuple[float, float]] = {}
+
+    def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool) -> tuple[float, float]:
+        """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""
+        key = (block.name, samples, tp, dtype, recompute)
+        if key not in self._times:
+            t = block_time(block, samples, tp, self.cluster, dtype=dtype, measured_micro_batch=self.measured,
+                           recompute=recompute)
+            self._times[key] = (t.fwd + t.fwd_comm, t.bwd + t.bwd_comm)
+        return self._times[key]

@@ -1,0 +1,218 @@
+"""Baselines: layout parsing, the Megatron-style homogeneous plan, the pruned grid search, ZeRO-3 and even GPipe."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from cost_models.evaluate import evaluate
+from cost_models.hardware import parse_cluster
+from planner.baselines import (
+    LayoutSpec,
+    baseline_plan,
+    best_homogeneous,
+    gpipe_even_plan,
+    grid_layouts,
+    homogeneous_grid,
+    homogeneous_plan,
+    parse_layout,
+    screen,
+    split_blocks,
+    zero3_plan,
+)
+from plans.errors import MmplanError
+from plans.plan import check_plan, load_plan, save_plan
+
+ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved:2")
+ALL_RECOMPUTES = ("none", "selective", "full")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from planner.profile import profile_model
+    from runtime.source import resolve
+
+    return profile_model(resolve("tiny-vlm"))  # 10 blocks, 4 transformer layers (2 vision, 2 LLM)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return parse_cluster("4xlocal-cpu")
+
+
+# --- parse_layout ----------------------------------------------------------------------------------------------
+
+def test_parse_layout_reads_every_key_and_defaults():
+    assert parse_layout("tp=8,pp=2,dp=32") == LayoutSpec(8, 2, 32)
+    spec = parse_layout(" TP=2 , pp=4, dp=1, micro-batch=3, schedule=interleaved:3, recompute=selective, zero=1 ")
+    assert spec == LayoutSpec(2, 4, 1, micro_batch=3, schedule="interleaved", virtual_stages=3, recompute="selective", zero=1)
+    assert parse_layout("tp=1,pp=2,dp=2,schedule=interleaved").virtual_stages == 2
+    assert parse_layout("tp=1,pp=1,dp=4,schedule=gpipe,micro_batch=2").micro_batch == 2
+    assert parse_layout(str(spec)) == spec  # the canonical text reads back
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("tp=x,pp=2,dp=32", "tp must be a positive integer, got 'x'"),
+    ("tp=0,pp=2,dp=32", "tp must be a positive integer, got '0'"),
+    ("tp=1,pp=-2,dp=32", "pp must be a positive integer, got '-2'"),
+    ("tp=1,pp=2", "lacks dp"),
+    ("tp=1,pp=2,dp=4,micro-batch=1.5", "micro-batch must be a positive integer, got '1.5'"),
+    ("tp=1,pp=2,dp=4,speed=3", "unknown layout key 'speed'"),
+    ("tp=1,pp=2,dp=4,tp=2", "'tp' is given twice"),
+    ("tp=1,,pp=2,dp=4", "layout item '' is not key=value"),
+    ("tp=1,pp=2,dp", "layout item 'dp' is not key=value"),
+    ("tp=1,pp=2,dp=4,schedule=zigzag", "schedule must be 1f1b, gpipe or interleaved:V, got 'zigzag'"),
+    ("tp=1,pp=2,dp=4,schedule=interleaved:1", "needs V >= 2"),
+    ("tp=1,pp=2,dp=4,recompute=most", "recompute must be one of none, selective, full, got 'most'"),
+    ("tp=1,pp=2,dp=4,zero=4", "zero must be 0, 1, 2 or 3, got '4'"),
+    ("   ", "empty layout"),
+])
+def test_parse_layout_names_the_bad_item(text, needle):
+    with pytest.raises(MmplanError) as e:
+        parse_layout(text)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# --- homogeneous_plan ------------------------------------------------------------------------------------------
+
+def test_homogeneous_plan_is_one_pipeline_split_evenly(tiny, four):
+    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2")
+    (group,) = plan.groups
+    assert (group.name, group.tp, group.pp, group.dp, group.zero) == ("model", 1, 2, 2, 0)
+    assert [s.ranks for s in group.stages] == [(0, 1), (2, 3)]
+    layers = [[b for b in s.blocks if tiny.block(b).supports_tp] for s in group.stages]
+    assert layers == [["vision.layers.0", "vision.layers.1"], ["llm.layers.0", "llm.layers.1"]]  # 2 + 2 layers
+    assert group.stages[0].blocks[0] == "vision.patch_embed" and group.stages[1].blocks[-1] == "llm.head"
+    assert group.blocks == tuple(b.name for b in tiny.blocks)  # every block once, in execution order
+    assert plan.training.micro_batches == 4 and plan.training.micro_batch == 2  # 8 / (dp 2 x micro-batch 1)
+    assert check_plan(plan, tiny) == plan and not plan.boundaries
+    assert plan.predicted is not None and plan.predicted.step_time_s > 0 and plan.predicted.fits
+    assert plan.predicted == evaluate(plan, tiny).predicted
+    assert plan.solver.method == "baseline:homogeneous" and "tp=1,pp=2,dp=2" in plan.solver.notes
+
+
+def test_homogeneous_plan_round_trips_through_plan_json(tiny, four, tmp_path):
+    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=4,dp=1,micro-batch=2,schedule=gpipe,recompute=full")
+    save_plan(plan, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json", profile=tiny) == plan
+
+
+def test_recompute_and_zero_options_reach_the_plan(tiny, four):
+    full = homogeneous_plan(tiny, four, 8, "tp=2,pp=2,dp=1,recompute=full,zero=1").groups[0]
+    assert full.zero == 1 and all(s.memory.activations == {b: "recompute" for b in s.blocks} for s in full.stages)
+    selective = homogeneous_plan(tiny, four, 8, "tp=2,pp=2,dp=1,recompute=selective").groups[0]
+    recomputed = {b for s in selective.stages for b in s.memory.activations}
+    assert recomputed == {b.name for b in tiny.blocks if b.supports_tp}  # the transformer layers only
+    none = homogeneous_plan(tiny, four, 8, "tp=2,pp=2,dp=1").groups[0]
+    assert all(not s.memory.activations for s in none.stages)
+
+
+def test_interleaved_stages_hold_every_pp_th_chunk(tiny, four):
+    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2,schedule=interleaved:2")
+    layers = [[b for b in s.blocks if tiny.block(b).supports_tp] for s in plan.groups[0].stages]
+    assert layers == [["vision.layers.0", "llm.layers.0"], ["vision.layers.1", "llm.layers.1"]]
+    assert plan.training.virtual_stages == 2 and plan.predicted.step_time_s > 0
+
+
+def test_split_is_even_in_layers_with_extras_last_and_falls_back_to_blocks(tiny):
+    def layer_counts(parts):
+        return [sum(tiny.block(b).supports_tp for b in chunk) for chunk in parts]
+
+    assert layer_counts(split_blocks(tiny, 3)) == [1, 1, 2]
+    per_block = split_blocks(tiny, 10)  # more parts than layers: every block is a unit
+    assert [len(c) for c in per_block] == [1] * 10
+    with pytest.raises(MmplanError, match="into 11 pipeline chunks"):
+        split_blocks(tiny, 11)
+
+
+@pytest.mark.parametrize("layout,cluster,needle", [
+    ("tp=1,pp=1,dp=2", "4xlocal-cpu", "= 2 GPUs but cluster 4xlocal-cpu has 4"),
+    ("tp=4,pp=1,dp=1", "4xlocal-cpu:2", "tp=4 does not divide the 2 GPUs per node"),
+    ("tp=1,pp=1,dp=4,micro-batch=4", "4xlocal-cpu", "global batch 8 is not divisible by dp*micro-batch = 4*4 = 16"),
+    ("tp=1,pp=1,dp=4,schedule=interleaved:2", "4xlocal-cpu", "interleaved schedule needs pp >= 2"),
+])
+def test_homogeneous_plan_rejects_impossible_layouts(tiny, layout, cluster, needle):
+    name, _, per_node = cluster.partition(":")
+    with pytest.raises(MmplanError, match=needle.replace("*", r"\*")):
+        homogeneous_plan(tiny, parse_cluster(name, int(per_node) if per_node else None), 8, layout)
+
+
+# --- the grid and its pruned search ----------------------------------------------------------------------------
+
+def test_best_homogeneous_is_no_slower_than_any_fitting_plan_of_the_grid(tiny, four):
+    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES)
+    grid = homogeneous_grid(tiny, four, 8, **kw)
+    best = best_homogeneous(tiny, four, 8, **kw)
+    assert len(grid) == best.solver.candidates > 50
+    assert best.predicted.fits
+    assert all(best.predicted.step_time_s <= p.predicted.step_time_s for p in grid if p.predicted.fits)
+    assert "simulated" in best.solver.notes and best.solver.objective == best.predicted.step_time_s
+    assert check_plan(best, tiny) == best
+
+
+@pytest.mark.parametrize("cluster,batch", [("4xlocal-cpu", 8), ("16xh100-sxm", 32)])
+def test_screening_memory_is_exact_and_its_bound_never_exceeds_the_simulated_step(tiny, cluster, batch):
+    # What makes the pruning safe: the memory the search filters on is evaluate()'s, and the step-time bound
+    # it stops on is below every simulated step (across nodes, with tp, every schedule and recompute option).
+    c = parse_cluster(cluster)
+    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES, zeros=(0, 1, 2, 3))
+    specs = grid_layouts(tiny, c, batch, **kw)
+    plans = homogeneous_grid(tiny, c, batch, **kw)
+    assert len(specs) == len(plans) and {s.tp for s in specs} == ({1, 2, 4} if c.gpus_per_node == 4 else {1, 2, 4, 8})
+    for spec, plan in zip(specs, plans):
+        s = screen(tiny, c, batch, spec)
+        gpu = max(m.gpu for m in plan.predicted.memory)
+        assert s.gpu_bytes == pytest.approx(gpu, rel=1e-9), spec
+        assert s.lower_bound_s <= plan.predicted.step_time_s * (1 + 1e-9), spec
+        assert (s.overflow <= 0) == plan.predicted.fits
+
+
+def test_grid_respects_the_layout_rules(tiny, four):
+    specs = grid_layouts(tiny, four, 8, schedules=ALL_SCHEDULES)
+    assert all(s.tp * s.pp * s.dp == 4 and 8 % (s.dp * s.micro_batch) == 0 for s in specs)
+    assert {s.pp for s in specs} == {1, 2, 4}  # divisors of the 4 layers
+    assert all(s.zero == 0 for s in specs if s.dp == 1)  # ZeRO is a no-op without data parallelism
+    assert all(s.pp >= 2 for s in specs if s.schedule == "interleaved")
+    with pytest.raises(MmplanError, match="divides global batch 3"):
+        best_homogeneous(tiny, parse_cluster("2xlocal-cpu"), 3, micro_batches=(2,))
+
+
+def test_when_nothing_fits_the_least_overflowing_plan_is_flagged(tiny, four):
+    small = replace(four, device=replace(four.device, memory_bytes=100_000))
+    plan = best_homogeneous(tiny, small, 8)
+    assert not plan.predicted.fits and "no layout fits" in plan.solver.notes
+    least = min(max(m.gpu for m in p.predicted.memory) for p in homogeneous_grid(tiny, small, 8))
+    assert max(m.gpu for m in plan.predicted.memory) == pytest.approx(least)
+
+
+# --- ZeRO-3, even GPipe, the dispatcher --------------------------------------------------------------------------
+
+def test_zero3_plan_is_pure_sharded_data_parallelism(tiny, four):
+    plan = zero3_plan(tiny, four, 8)
+    (g,) = plan.groups
+    assert (g.tp, g.pp, g.dp, g.zero) == (1, 1, 4, 3) and plan.solver.method == "baseline:zero3"
+    assert check_plan(plan, tiny) == plan and plan.predicted.fits
+    assert zero3_plan(tiny, four, 8, micro_batch=1).training.micro_batches == 2
+    assert zero3_plan(tiny, four, 24).training.micro_batch in (4, 8)  # 6 per rank: micro-batches of 1 or 2 (not 4)
+    with pytest.raises(MmplanError, match="global batch must be a positive integer, got 0"):
+        zero3_plan(tiny, four, 0)
+    with pytest.raises(MmplanError, match="not divisible by the 4 data-parallel ranks"):
+        zero3_plan(tiny, four, 6)
+
+
+def test_gpipe_even_plan_uses_the_gpipe_schedule_over_all_ranks(tiny, four):
+    plan = gpipe_even_plan(tiny, four, 8)
+    (g,) = plan.groups
+    assert (g.tp, g.pp, g.dp, plan.training.schedule) == (1, 4, 1, "gpipe")
+    assert check_plan(plan, tiny) == plan and plan.solver.method == "baseline:gpipe-even"
+    eight = gpipe_even_plan(tiny, parse_cluster("8xlocal-cpu"), 8)
+    assert (eight.groups[0].pp, eight.groups[0].dp) == (8, 1)  # min(world 8, 10 blocks), dividing the world
+
+
+def test_baseline_plan_dispatches_and_rejects_layout_for_other_kinds(tiny, four):
+    assert baseline_plan("homogeneous", tiny, four, 8, layout="tp=1,pp=2,dp=2").groups[0].pp == 2
+    assert baseline_plan("zero3", tiny, four, 8).groups[0].zero == 3
+    with pytest.raises(MmplanError, match="--layout applies to --baseline homogeneous only"):
+        baseline_plan("zero3", tiny, four, 8, layout="tp=1,pp=1,dp=4")
+    with pytest.raises(MmplanError, match="unknown baseline 'megatron'"):
+        baseline_plan("megatron", tiny, four, 8)  # type: ignore[arg-type]
