@@ -117,6 +117,7 @@ def run(
     lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 1e-3,
     data: Annotated[str, typer.Option(help="[cyan]builtin[/] (a learnable synthetic multimodal dataset) or [cyan]package.module:factory[/].")] = "builtin",
     model: Annotated[Optional[str], typer.Option(help="Build the model from this spec instead of the one the plan names.")] = None,
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Profile to predict with (e.g. one with measured block times); default: the plan's stored predictions.")] = None,
     timeout: Annotated[float, typer.Option(help="Wall-clock limit of the whole run, seconds.")] = 600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
@@ -130,13 +131,20 @@ def run(
 
     if log:
         check_writable(log)
+    if profile_path and not profile_path.is_file():
+        raise MmplanError(f"profile {profile_path} does not exist")
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout)
     if result.rank != 0:
         return
     from cost_models.evaluate import evaluate
 
-    evaluation = evaluate(result.plan, result.profile)
-    predicted = evaluation.predicted
+    from plans.graph import load_profile
+
+    if profile_path:
+        evaluation = evaluate(result.plan, load_profile(profile_path))
+    else:  # the plan's own predictions (from the profile it was solved with), else the model's FLOPs
+        evaluation = result.plan.predicted or evaluate(result.plan, result.profile)
+    predicted = getattr(evaluation, "predicted", evaluation)
     summary = measured_summary(result.metrics)
     if as_json:
         print(json.dumps({"plan": str(plan_path), "steps": steps, "log": str(log) if log else None,

@@ -91,7 +91,7 @@ class RankTrainer:
         self.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
         self.params = self.rm.parameters()
-        self.optimizer = torch.optim.Adam(self.params, lr=job.lr) if self.params else None
+        self.optimizer = torch.optim.Adam(self.params, lr=job.lr, foreach=True) if self.params else None
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
 
     def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
