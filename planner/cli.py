@@ -139,9 +139,11 @@ def run(
     from cost_models.evaluate import evaluate
 
     from plans.graph import load_profile
+    from plans.plan import check_plan
 
     if profile_path:
-        evaluation = evaluate(result.plan, load_profile(profile_path))
+        measured_profile = load_profile(profile_path)
+        evaluation = evaluate(check_plan(result.plan, measured_profile, f"plan {plan_path}"), measured_profile)
     else:  # the plan's own predictions (from the profile it was solved with), else the model's FLOPs
         evaluation = result.plan.predicted or evaluate(result.plan, result.profile)
     predicted = getattr(evaluation, "predicted", evaluation)
