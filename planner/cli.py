@@ -131,19 +131,19 @@ def run(
 
     if log:
         check_writable(log)
-    if profile_path and not profile_path.is_file():
-        raise MmplanError(f"profile {profile_path} does not exist")
+    from plans.graph import load_profile
+    from plans.plan import check_plan, load_plan
+
+    measured_profile = load_profile(profile_path) if profile_path else None
+    if measured_profile:  # refuse before training, not after
+        check_plan(load_plan(plan_path), measured_profile, f"plan {plan_path}")
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout)
     if result.rank != 0:
         return
     from cost_models.evaluate import evaluate
 
-    from plans.graph import load_profile
-    from plans.plan import check_plan
-
-    if profile_path:
-        measured_profile = load_profile(profile_path)
-        evaluation = evaluate(check_plan(result.plan, measured_profile, f"plan {plan_path}"), measured_profile)
+    if measured_profile:
+        evaluation = evaluate(result.plan, measured_profile)
     else:  # the plan's own predictions (from the profile it was solved with), else the model's FLOPs
         evaluation = result.plan.predicted or evaluate(result.plan, result.profile)
     predicted = getattr(evaluation, "predicted", evaluation)
