@@ -14,7 +14,7 @@ def reference_run(job: Job) -> dict[str, Any]:
     training = job.plan.training
     model, example = build_model(job)
     dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=job.lr, foreach=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=job.lr)
     losses, grads = [], {}
     m = training.micro_batches
     for step in range(job.steps):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from plans.plan import Plan
 from runtime.boundary import Exchange
 from runtime.data import Prefetcher, open_dataset
 from runtime.launch import RankContext
+from runtime.memory import RankTiers
 from runtime.layout import Layout, build_layout
 from runtime.program import evaluate, tensor_leaves, trace_program
 from runtime.schedule import Task, has_backward, task_orders
@@ -42,6 +42,12 @@ class Job:
     log: str | None = None  # JSONL path written by rank 0
     probe_grads: bool = False  # return the first step's gradients (parity tests)
     fail_at: tuple[int, int] | None = None  # (rank, step): raise there (failure-handling tests)
+    device_budget: float | None = None  # bytes each rank's device tier may hold (None: unbounded)
+    nvme_dir: str | None = None  # where the nvme tier's files go
+    prefetch: bool = True  # bring offloaded activations / parameters back ahead of use
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    checkpoint_dir: str | None = None
+    resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
 
 
 @dataclass
@@ -91,8 +97,13 @@ class RankTrainer:
         self.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
         self.params = self.rm.parameters()
-        self.optimizer = torch.optim.Adam(self.params, lr=job.lr, foreach=True) if self.params else None
+        mine = self.layout.stages_on(ctx.rank)
+        # the plan's memory tiers: device budget, activation tiers, parameter/gradient/optimizer placement, Adam
+        self.tiers = RankTiers([(st.blocks, self.plan.group(st.group).stages[st.index].memory) for st in mine],
+                               self.rm.local, limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device,
+                               lr=job.lr, prefetch=job.prefetch)
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
+        self.start_step = self._resume(job.resume) if job.resume else 0
 
     def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's data-parallel group (same tp index across replicas) and tensor-parallel group of each
@@ -144,9 +155,12 @@ class RankTrainer:
         results: dict[str, Any] = {"metrics": [], "grads": {}}
         log = open(self.job.log, "w") if self.job.log and self.ctx.rank == 0 else None
         try:
-            with Prefetcher(self._batches(s) for s in range(self.job.steps)) as batches:
-                for step in range(self.job.steps):
+            steps = range(self.start_step, self.job.steps)
+            with Prefetcher(self._batches(s) for s in steps) as batches:
+                for step in steps:
                     metrics = self.step(step, next(batches), results)
+                    if self.job.checkpoint_every and (step + 1) % self.job.checkpoint_every == 0:
+                        self.save_checkpoint(step + 1)
                     if self.ctx.rank == 0:
                         results["metrics"].append(metrics.__dict__)
                         if log:
@@ -162,6 +176,7 @@ class RankTrainer:
             raise RuntimeError(f"injected failure at step {step}")
         t0 = time.perf_counter()
         self.exchange.wait_s = 0.0
+        self.tiers.budget.reset_peak()
         state: dict[tuple, Any] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
         compute = 0.0
@@ -173,20 +188,17 @@ class RankTrainer:
                 self.backward(task, state)
             compute += time.perf_counter() - c0 - (self.exchange.wait_s - w0)
         self.exchange.finish()
+        self.tiers.before_reduce()
         c0 = time.perf_counter()
         self.reduce_gradients()
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
             results["grads"] = self.full_tensors(lambda p: p.grad)
         c0 = time.perf_counter()
-        if self.optimizer:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.tiers.step()
         compute += time.perf_counter() - c0
         step_time = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-        if self.ctx.device.type == "cuda":
-            peak = float(torch.cuda.max_memory_allocated(self.ctx.device))
+        peak = float(self.tiers.budget.measured_peak())  # device tier: accounted on CPU, allocated on CUDA
         row = torch.tensor([float(loss_sum), step_time, compute, comm, peak], dtype=torch.float64)
         gathered = [torch.zeros_like(row) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, row)
@@ -215,9 +227,10 @@ class RankTrainer:
             return received[str(node.target)]
 
         env: dict = {}
-        mine = {b: rm.local[b] for b in st.blocks}  # blocks of other stages arrive through routes
+        # this stage's blocks (with their memory tiers); blocks of other stages arrive through routes
+        mine = self.tiers.blocks(st.blocks, rm.local)
         grad = has_backward(lay, task.stage)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self.tiers.glue():
             for b in st.blocks:
                 evaluate(rm.program.blocks[b], env, fetch, mine)
             loss = None
@@ -229,12 +242,13 @@ class RankTrainer:
             self.exchange.send_forward(self.route_index[id(route)], task.replica, task.mb, value)
             outputs[route.block] = value
         if grad:
-            state[(task.stage, task.replica, task.mb)] = (outputs, leaves_in, loss)
+            state[(task.stage, task.replica, task.mb)] = (outputs, leaves_in, loss, mine)
         counts = loss is not None and st.rank_of(task.replica) == self.ctx.rank  # once per replica, not per tp rank
         return float(loss.detach()) if counts else 0.0
 
     def backward(self, task: Task, state: dict) -> None:
-        outputs, leaves_in, loss = state.pop((task.stage, task.replica, task.mb))
+        outputs, leaves_in, loss, mine = state.pop((task.stage, task.replica, task.mb))
+        mine.prefetch_backward()  # offloaded activations / parameters start coming back while we wait
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if loss is not None:
@@ -253,33 +267,91 @@ class RankTrainer:
                     grads.append(gt)
         if roots:
             torch.autograd.backward(roots, grads)
+        self.tiers.after_backward()
         for i, leaves in leaves_in.items():
             self.exchange.send_backward(i, task.replica, task.mb, leaves)
+
+    def _shards(self, st) -> dict[str, Any]:
+        """'block.param' -> ShardInfo for this stage's tensor-parallel parameters (empty without tp)."""
+        if st.key not in self.tp_groups:
+            return {}
+        from runtime.tensor_parallel import full_parameter_names, supports_tp
+
+        return {f"{b}.{n}": info for b in st.blocks if supports_tp(self.rm.local[b])
+                for n, info in full_parameter_names(self.rm.local[b]).items()}
+
+    def _unshard(self, st, shards: dict, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a tp-sharded parameter-shaped value (collective over the stage's tp group)."""
+        info = shards.get(name)
+        if info is None or info.dim is None or value.dim() == 0:
+            return value
+        parts = [torch.empty_like(value) for _ in range(info.parts)]
+        dist.all_gather(parts, value.detach().contiguous(), group=self.tp_groups[st.key])
+        return torch.cat(parts, dim=info.dim)
+
+    def _reshard(self, shards: dict, name: str, full: torch.Tensor) -> torch.Tensor:
+        info = shards.get(name)
+        if info is None or info.dim is None or full.dim() == 0:
+            return full
+        return full[info.full_slice()]
 
     def full_tensors(self, get) -> dict[str, torch.Tensor]:
         """`get(param)` for every local parameter, unsharded (tensor-parallel shards gathered), by its name in
         the model — the layout-independent view. Returned by each stage's tp-rank 0; collective over tp groups."""
         out: dict[str, torch.Tensor] = {}
         for st in self.layout.stages_on(self.ctx.rank):
-            group = self.tp_groups.get(st.key)
-            shards = {}
-            if group is not None:
-                from runtime.tensor_parallel import full_parameter_names, supports_tp
-
-                shards = {b: full_parameter_names(self.rm.local[b]) for b in st.blocks if supports_tp(self.rm.local[b])}
+            shards = self._shards(st)
             for b in st.blocks:
                 for name, p in self.rm.local[b].named_parameters():
                     value = get(p)
-                    if value is None:
-                        continue
-                    info = shards.get(b, {}).get(name)
-                    if info is not None and info.dim is not None:
-                        parts = [torch.empty_like(value) for _ in range(info.parts)]
-                        dist.all_gather(parts, value.detach().contiguous(), group=group)
-                        value = torch.cat(parts, dim=info.dim)
-                    if st.tp_index(self.ctx.rank) == 0:
-                        out[f"{b}.{name}"] = value.detach().clone()
+                    if value is not None:
+                        full = self._unshard(st, shards, f"{b}.{name}", value)
+                        if st.tp_index(self.ctx.rank) == 0:
+                            out[f"{b}.{name}"] = full.detach().clone()
         return out
+
+    def save_checkpoint(self, done: int) -> None:
+        """Every block once (dp replica 0, tp rank 0), unsharded and keyed by full names; rank 0 writes the
+        manifest last, after everyone's files are on disk."""
+        from runtime.checkpoint import rng_state, write_block_files, write_manifest
+
+        optimizer = self.tiers.state_by_name()
+        blocks, states = {}, {}
+        for st in self.layout.stages_on(self.ctx.rank):
+            shards = self._shards(st)
+            writes = st.replica_of(self.ctx.rank) == 0 and st.tp_index(self.ctx.rank) == 0
+            for b in st.blocks:
+                params = {n: self._unshard(st, shards, n, t) for n, t in self.tiers.block_params(b, self.rm.local[b]).items()}
+                opt = {n: {k: self._unshard(st, shards, n, t) for k, t in optimizer.get(n, {}).items()} for n in params}
+                if writes:
+                    blocks[b] = params
+                    states.update(opt)
+        files = write_block_files(self.job.checkpoint_dir, done, blocks, states) if blocks else {}
+        gathered: list = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, (files, rng_state()))  # also the barrier before the manifest
+        if self.ctx.rank == 0:
+            write_manifest(self.job.checkpoint_dir, done, {b: f for fs, _ in gathered for b, f in fs.items()},
+                           rng={r: state for r, (_, state) in enumerate(gathered)}, data_position=done)
+        dist.barrier()
+
+    def _resume(self, directory: str) -> int:
+        """Load the latest complete checkpoint into this rank's blocks, whatever plan wrote it; returns its step."""
+        from plans.errors import MmplanError
+        from runtime.checkpoint import latest_checkpoint, load_block, set_rng_state
+
+        manifest = latest_checkpoint(directory)
+        if manifest is None:
+            raise MmplanError(f"no complete checkpoint in {directory} to resume from")
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for st in self.layout.stages_on(self.ctx.rank):
+            shards = self._shards(st)
+            for b in st.blocks:
+                params, opt = load_block(manifest, b)
+                self.tiers.load_block_params(b, self.rm.local[b], {n: self._reshard(shards, n, t) for n, t in params.items()})
+                state.update({n: {k: self._reshard(shards, n, t) for k, t in s.items()} for n, s in opt.items()})
+        self.tiers.load_state_by_name(state)
+        set_rng_state(manifest.rng_for(self.ctx.rank))
+        return manifest.step
 
     def reduce_gradients(self) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage)."""
@@ -300,7 +372,7 @@ class RankTrainer:
                 offset += n
 
     def close(self) -> None:
-        self.optimizer = None
+        self.tiers.close()  # removes the nvme tier's files
         self.rm = None
         gc.collect()
 

@@ -1,7 +1,9 @@
 """Builds plans for runtime tests from a compact description (groups -> stages -> ranks)."""
 from __future__ import annotations
 
-from plans.plan import Group, Plan, ProfileRef, Stage, Training, check_plan
+from dataclasses import replace
+
+from plans.plan import Group, Memory, Plan, ProfileRef, Stage, Training, check_plan
 from runtime.source import resolve
 from planner.profile import profile_model
 
@@ -22,20 +24,26 @@ def local_cluster(world: int):
 
 def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_batches: int = 2,
               schedule: str = "1f1b") -> Plan:
-    """groups: [{"name", "dp", "stages": [(block prefixes or names, ranks)], "colocated_with"}] — a block
-    belongs to the first stage whose patterns match it (prefix match)."""
+    """groups: [{"name", "dp", "tp", "stages": [(block prefixes or names, ranks[, Memory])], "colocated_with"}] —
+    a block belongs to the first stage whose patterns match it (prefix match); a Memory's activation tier
+    given for the key "*" applies to every block of the stage."""
     prof = profile(model)
     assigned: dict[str, tuple[int, int]] = {}
     for gi, g in enumerate(groups):
-        for si, (patterns, _) in enumerate(g["stages"]):
+        for si, (patterns, *_) in enumerate(g["stages"]):
             for b in prof.blocks:
                 if b.name not in assigned and any(b.name == p or b.name.startswith(p + ".") for p in patterns):
                     assigned[b.name] = (gi, si)
     built = []
     for gi, g in enumerate(groups):
-        stages = tuple(
-            Stage(blocks=tuple(b.name for b in prof.blocks if assigned.get(b.name) == (gi, si)), ranks=tuple(ranks))
-            for si, (_, ranks) in enumerate(g["stages"]))
+        stages = []
+        for si, (_, ranks, *memory) in enumerate(g["stages"]):
+            blocks = tuple(b.name for b in prof.blocks if assigned.get(b.name) == (gi, si))
+            mem = memory[0] if memory else Memory()
+            if "*" in mem.activations:
+                mem = replace(mem, activations={b: mem.activations["*"] for b in blocks})
+            stages.append(Stage(blocks=blocks, ranks=tuple(ranks), memory=mem))
+        stages = tuple(stages)
         built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=g.get("tp", 1), pp=len(stages), stages=stages,
                            colocated_with=g.get("colocated_with")))
     world = len({r for g in built for r in g.ranks})
