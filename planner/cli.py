@@ -119,6 +119,12 @@ def run(
     model: Annotated[Optional[str], typer.Option(help="Build the model from this spec instead of the one the plan names.")] = None,
     profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Profile to predict with (e.g. one with measured block times); default: the plan's stored predictions.")] = None,
     timeout: Annotated[float, typer.Option(help="Wall-clock limit of the whole run, seconds.")] = 600.0,
+    device_budget: Annotated[Optional[float], typer.Option(help="Bytes each rank's device tier may hold; the run fails loudly beyond (on CPU the device tier is an accounted budget).")] = None,
+    nvme_dir: Annotated[Optional[Path], typer.Option(help="Directory for the nvme tier's files (needed when the plan uses it; cleaned up at the end).")] = None,
+    prefetch: Annotated[bool, typer.Option(help="Bring offloaded activations and parameters back ahead of use.")] = True,
+    checkpoint_every: Annotated[int, typer.Option(help="Write a checkpoint every K steps (0: never).")] = 0,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -137,7 +143,9 @@ def run(
     measured_profile = load_profile(profile_path) if profile_path else None
     if measured_profile:  # refuse before training, not after
         check_plan(load_plan(plan_path), measured_profile, f"plan {plan_path}")
-    result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout)
+    result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
+                      device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
+                      checkpoint_dir=checkpoint_dir, resume=resume)
     if result.rank != 0:
         return
     from cost_models.evaluate import evaluate
@@ -153,11 +161,15 @@ def run(
                           "losses": [m["loss"] for m in result.metrics], **summary,
                           "predicted_step_time_s": predicted.step_time_s}))
         return
+    if not result.metrics:
+        if not quiet:
+            console.out.print(f"nothing to train: the checkpoint is already at step {steps} or later")
+        return
     if not quiet:
         from planner.compare import measured_table
 
         console.out.print(measured_table(result.plan, evaluation, result.metrics))
-        console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {steps} steps"
+        console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {len(result.metrics)} steps"
                           + (f"; log in [bold]{log}[/]" if log else ""))
 
 

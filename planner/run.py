@@ -47,8 +47,10 @@ def _backend(plan: Plan) -> str:
 
 def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int = 0, lr: float = 1e-3,
              data: str | None = None, log: Path | None = None, timeout_s: float = 600.0,
-             op_timeout_s: float = 60.0) -> RunResult:
-    """Train `steps` steps with the plan; returns rank 0's per-step metrics."""
+             op_timeout_s: float = 60.0, device_budget: float | None = None, nvme_dir: Path | None = None,
+             prefetch: bool = True, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
+             resume: Path | None = None) -> RunResult:
+    """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics."""
     from runtime.launch import launch
     from runtime.train import Job, train_rank
 
@@ -65,15 +67,44 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
                           f"(at most {MAX_LOCAL_RANKS} local processes)")
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
+    nvme_dir = _nvme_dir(plan, nvme_dir)
+    if checkpoint_every < 0:
+        raise MmplanError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
+    if checkpoint_every and checkpoint_dir is None:
+        raise MmplanError("--checkpoint-every needs --checkpoint-dir")
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    if resume is not None and not resume.is_dir():
+        raise MmplanError(f"--resume {resume}: no such checkpoint directory")
     job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
-              log=str(log) if log else None)
+              log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_dir) if nvme_dir else None,
+              prefetch=prefetch, checkpoint_every=checkpoint_every,
+              checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None)
     results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
     rank = int(os.environ.get("RANK", 0))
     return RunResult(plan, profile, results[0]["metrics"], rank)
 
 
+def _nvme_dir(plan: Plan, nvme_dir: Path | None) -> Path | None:
+    """The directory for the nvme tier: required when the plan uses it, and it must have the space."""
+    from runtime.memory import check_nvme_space
+
+    uses = any(s.memory.params == "nvme" or s.memory.grads == "nvme" or s.memory.optimizer == "nvme"
+               or "offload-nvme" in s.memory.activations.values() for g in plan.groups for s in g.stages)
+    if not uses:
+        return nvme_dir
+    if nvme_dir is None:
+        raise MmplanError("the plan places state in the nvme tier: give a directory for it with --nvme-dir")
+    nvme_dir.mkdir(parents=True, exist_ok=True)
+    needed = sum(m.nvme for m in plan.predicted.memory) if plan.predicted else 0.0
+    check_nvme_space(nvme_dir, needed)
+    return nvme_dir
+
+
 def measured_summary(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """Median step time and per-rank busy time over the steps after the first (warm-up)."""
+    if not metrics:
+        return {"step_time_s": None, "busy_s": [], "peak_memory_bytes": [], "first_loss": None, "last_loss": None}
     rows = metrics[1:] or metrics
     ranks = len(rows[0]["compute_s"])
     return {

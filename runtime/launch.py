@@ -163,7 +163,9 @@ def _child_main(
     worker: Worker, payload: Any, rank: int, world_size: int, backend: str, run_dir: str, op_timeout_s: float
 ) -> None:
     """One local rank: own process group (so the parent can kill its descendants too), run, record, _exit."""
+    parent = os.getppid()
     os.setpgid(0, 0)
+    _die_with_parent(parent)
     torch.set_num_threads(1)
     run = Path(run_dir)
     code = 0
@@ -185,6 +187,19 @@ def _child_main(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _die_with_parent(parent: int) -> None:
+    """If the launching process dies (even by SIGKILL), its ranks die too: no orphans (Linux prctl)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's own cleanup still kills its ranks
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _teardown(code: int) -> int:
