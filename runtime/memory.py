@@ -1093,6 +1093,7 @@ class RankTiers:
         self._store_of: dict[str, ParamStore] = {}  # block -> the store holding its parameters
         self.optimizers: list[TieredAdam] = []
         self.grads: list[GradTier] = []
+        self._persistent_grads: list[bool] = []  # per optimizer: keep gradient buffers across steps
         by_tiers: dict[tuple[str, str, str], list[str]] = {}
         seen: set[int] = set()  # a parameter tied between blocks belongs to the first (as in the profiler)
         for blocks, memory in stages:
@@ -1124,6 +1125,7 @@ class RankTiers:
                 self._store_of.update(dict.fromkeys(blocks, store))
             self.grads.append(GradTier(named.values(), grads_tier, self.budget))
             self.optimizers.append(TieredAdam(named, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
+            self._persistent_grads.append(grads_tier == "gpu" and params_tier == "gpu")
         for m in modules.values():
             self.budget.ignore_module(m)
 
@@ -1148,9 +1150,11 @@ class RankTiers:
             g.collect()
 
     def step(self) -> None:
-        for opt in self.optimizers:
+        """Optimizer step; device-tier gradients stay allocated and are zeroed in place, like Megatron's
+        persistent gradient buffer (so every step after the first holds them, as the cost model counts)."""
+        for opt, persistent in zip(self.optimizers, self._persistent_grads):
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not persistent)
 
     def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         return {n: s for opt in self.optimizers for n, s in opt.state_by_name().items()}
