@@ -257,7 +257,7 @@ def _regroup(cluster: Cluster, gpus_per_node: int, source: str) -> Cluster:
 
 
 def load_cluster_toml(path: str | Path) -> Cluster:
-    """Read a cluster TOML file (format: cost_models/CLUSTER_TOML.md); every problem is one FormatError."""
+    """Read a cluster TOML file (format: docs/cluster-toml.md); every problem is one FormatError."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -468,7 +468,7 @@ def cluster_to_toml(cluster: Cluster) -> str:
     """A self-contained cluster TOML (no base entry) that parse_cluster reads back to an equal Cluster."""
     dev = cluster.device
     lines = [
-        "# mmplan cluster (format: cost_models/CLUSTER_TOML.md). Units: GB = 1e9 bytes, GB/s = 1e9 bytes/s,",
+        "# mmplan cluster (format: docs/cluster-toml.md). Units: GB = 1e9 bytes, GB/s = 1e9 bytes/s,",
         "# us = 1e-6 s, TFLOP/s = 1e12 FLOP/s; efficiency = [[FLOPs of one kernel, fraction of peak], ...].",
         f"name = {_string(cluster.name)}",
         f"nodes = {cluster.nodes}",

@@ -141,10 +141,10 @@ def test_device_string_names_the_base(tmp_path):
 
 
 def test_documented_examples_parse():
-    doc = (Path(__file__).parents[2] / "cost_models" / "CLUSTER_TOML.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "cluster-toml.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", doc, flags=re.S)
     assert len(blocks) >= 3
-    clusters = [cluster_from_toml(b, source="CLUSTER_TOML.md") for b in blocks]
+    clusters = [cluster_from_toml(b, source="docs/cluster-toml.md") for b in blocks]
     assert clusters[0].inter_node.bandwidth == 6.25 * GBps and clusters[1].device.memory_bytes == 20 * GB
     assert clusters[2].device.name == "l40s" and clusters[2].world_size == 8
 
