@@ -172,3 +172,10 @@ def test_a_contrastive_head_reduces_the_batch_and_plans_must_give_it_dp1(profile
     layout = GroupLayout("all", tuple(b.name for b in p.blocks), (), dp=2, tp=1, ranks=(0, 1))
     with pytest.raises(FormatError, match="reduces over the batch"):
         build_plan(p, parse_cluster("2xlocal-cpu"), Training(global_batch=8, micro_batches=2, dtype="fp32"), [layout])
+
+
+def test_fingerprint_describes_the_model_not_the_profiling_run():
+    a = profile_model(resolve("tiny-vlm"), micro_batch=1, device="meta", dtype="fp32")
+    b = profile_model(resolve("tiny-vlm"), micro_batch=3, device="cpu", dtype="bf16")
+    assert a.fingerprint == b.fingerprint
+    assert a.fingerprint != profile_model(resolve("tiny-avlm")).fingerprint
