@@ -65,6 +65,10 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     elif world > MAX_LOCAL_RANKS:
         raise MmplanError(f"the plan needs {world} ranks; start it with torchrun on a cluster of that size "
                           f"(at most {MAX_LOCAL_RANKS} local processes)")
+    sharded = [g.name for g in plan.groups if g.zero]
+    if sharded:
+        raise MmplanError(f"group {sharded[0]} uses ZeRO stage {plan.group(sharded[0]).zero}: the cost model plans ZeRO, "
+                          "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
     nvme_dir = _nvme_dir(plan, nvme_dir)
