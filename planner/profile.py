@@ -11,6 +11,10 @@ How each figure is obtained (one forward + backward of the model at `micro_batch
   tensors saved by glue code between blocks count for the last block that ran);
 - edges: a TorchFunctionMode propagates, through the glue code between blocks, which block outputs each
   tensor derives from; a block's inputs then name the blocks (and batch inputs) that feed it.
+With `measure`, each distinct block is timed alone on the device at the micro-batch and at twice it (an
+affine fit: small blocks are overhead-bound); when the whole model is on the device (`device="cpu"`) the
+block times are then scaled so they add up to the measured forward + backward of the whole model — what a
+block costs in context (caches, glue), not in a tight loop.
 On `device="meta"` the model is built on the meta device and run on FakeTensors with CPU dispatch, so no
 memory is allocated and the kernels (hence FLOPs and saved tensors) are exactly those a real CPU run uses.
 """
@@ -402,6 +406,37 @@ def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: i
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _in_context(timings: dict, records: list, model: nn.Module, batch: dict[str, Any], device: torch.device,
+                micro_batch: int, reps: int) -> dict:
+    """Scale each block's (fixed, per-sample) times so that, summed over the blocks, they give the whole
+    model's measured forward + backward at the micro-batch and at twice it (two factors, one per term)."""
+    doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+    at_1 = measure_model(model, batch, device, reps)
+    at_2 = measure_model(model, doubled, device, reps)
+    fixed = sum(timings[r.signature][0] + timings[r.signature][1] for r in records)
+    slope = sum(timings[r.signature][2] + timings[r.signature][3] for r in records)
+    k_fixed = at_1 / fixed if fixed > 0 else 1.0
+    k_slope = (at_2 - at_1) / micro_batch / slope if slope > 0 and at_2 > at_1 else k_fixed
+    return {k: (f * k_fixed, b * k_fixed, fs * k_slope, bs * k_slope) for k, (f, b, fs, bs) in timings.items()}
+
+
+def measure_model(model: nn.Module, batch: dict[str, Any], device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of one forward + backward of the whole model (glue, caches and all)."""
+    model = model.to(device)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(reps + 2):
+        sync()
+        t0 = time.perf_counter()
+        _scalar_loss(model(**batch)).backward()
+        sync()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -449,6 +484,8 @@ def profile_model(
             f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
             f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
             timings[rec.signature] = (f1, b1, (f2 - f1) / micro_batch, (b2 - b1) / micro_batch)
+        if not fake:  # the whole model is on the device: fit the block times to the in-context times
+            timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
     note("done", 1.0)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
                      _device_name(torch.device(device)) if measure else None)
