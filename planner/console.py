@@ -6,15 +6,16 @@ import sys
 from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, emoji=False)
+err = Console(stderr=True, highlight=False, emoji=False)
 
 
 def fail(message: str) -> None:
     """The one way a command reports a user error: one line on stderr (exit code set by the caller)."""
-    err.print(f"[bold red]error:[/] {' '.join(message.split())}", markup=True, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}", markup=True, soft_wrap=True)
 
 
 @contextlib.contextmanager

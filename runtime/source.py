@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +50,8 @@ def resolve(spec: str) -> ModelSource:
 
 def _import_factory(spec: str) -> Factory:
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules import from where they stand
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an import error of any kind is the user's to fix
