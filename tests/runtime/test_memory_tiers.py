@@ -171,6 +171,63 @@ def test_budget_counts_storages_once_until_freed():
     assert not budget.hold("activations", w.t())
 
 
+def test_budget_tells_a_new_storage_from_a_freed_one_at_the_same_address():
+    """Storage keys (addresses) are reused after a free: each new storage is counted, each free released."""
+    budget = DeviceBudget()
+    for i in range(200):
+        t = torch.zeros(25 + i % 3)
+        assert budget.hold("grads" if i % 2 else "activations", t)
+        assert budget.total == t.numel() * 4
+        del t
+        assert budget.total == 0
+    report = budget.report()
+    assert report["peak_total"] == 27 * 4 == sum(report["at_peak"].values())
+
+
+def test_budget_counts_holds_from_two_threads():
+    """The I/O thread counts the copies it brings back while the main thread counts what autograd saves."""
+    import threading
+
+    budget = DeviceBudget()
+    mine = [torch.zeros(8) for _ in range(500)]
+    theirs = [torch.zeros(4) for _ in range(500)]
+    shared = torch.zeros(16)
+    def count(tensors):
+        for t in tensors:
+            budget.hold("buffers", t)
+
+    other = threading.Thread(target=count, args=([*theirs, shared],))
+    other.start()
+    held = [budget.hold("activations", t) for t in [*mine, shared]]
+    other.join()
+    assert all(held[:-1])
+    assert budget.total == 500 * 8 * 4 + 500 * 4 * 4 + 16 * 4  # the shared storage counted once, by either thread
+    del mine, theirs, shared
+    report = budget.report()
+    assert report["total"] == 0 and report["current"] == dict.fromkeys(report["current"], 0)
+
+
+def test_keep_after_offload_still_prefetches_and_totals_add_up(stack, tmp_path):
+    """A keep block's first unpack starts bringing back the offloaded block before it; gradients stay bitwise."""
+    module, x0 = stack
+    want = plain_grads(module, x0)
+    m = copy.deepcopy(module)
+    budget = DeviceBudget()
+    with ActivationTiers(budget, nvme_dir=tmp_path) as tiers:
+        x = x0.clone().requires_grad_()
+        h, saved = x, None
+        for i, (b, tier) in enumerate(zip(m, ["offload-cpu", "keep", "offload-nvme", "keep"])):
+            h, saved = tiers.run_block(b, (h,), {}, tier, block=f"layers.{i}", previous=saved)
+        h.pow(2).mean().backward()
+        assert tiers.stats["on_demand"] == 0 and tiers.stats["prefetched"] > 0
+    got = [p.grad for p in m.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    report = budget.report()
+    assert report["total"] == sum(report["current"].values())
+    assert report["peak_total"] == sum(report["at_peak"].values())
+    assert all(report["peak"][c] >= report["at_peak"][c] for c in report["peak"])
+
+
 def test_standalone_activation_context_cleans_up(tmp_path):
     budget = DeviceBudget()
     lin = nn.Linear(8, 8)

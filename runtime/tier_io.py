@@ -1,0 +1,108 @@
+"""Moving bytes between tiers: one background I/O thread, a scratch directory, and raw file reads and writes."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from plans.errors import MmplanError
+from runtime.budget import format_bytes
+
+ALIGN = 64  # bytes; alignment of tensors packed into one NVMe file
+
+
+def check_nvme_space(directory: str | os.PathLike, needed_bytes: float) -> None:
+    """Refuse (MmplanError) when `directory` does not exist or has less free space than `needed_bytes`."""
+    if not os.path.isdir(directory):
+        raise MmplanError(f"NVMe tier directory {os.fspath(directory)} does not exist; create it or choose another with --nvme-dir")
+    free = shutil.disk_usage(directory).free
+    if free < needed_bytes:
+        raise MmplanError(
+            f"NVMe tier directory {os.fspath(directory)} has {format_bytes(free)} free but the plan needs "
+            f"{format_bytes(needed_bytes)}; free space there or choose another directory"
+        )
+
+
+class TierIO:
+    """One background thread (FIFO, so a file's read never overtakes its write) and a scratch directory."""
+
+    def __init__(self, name: str, nvme_dir: str | os.PathLike | None, device: torch.device) -> None:
+        self.name, self.root, self.device = name, nvme_dir, device
+        self.dir: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._names = itertools.count()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cleanup: weakref.finalize | None = None
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mmplan-{self.name}-io")
+        return self._pool.submit(fn, *args)
+
+    def path(self) -> str:
+        """A fresh file name in this component's NVMe directory (made on first use)."""
+        if self.dir is None:
+            if self.root is None:
+                raise MmplanError(f"the NVMe tier ({self.name}) needs a directory; pass --nvme-dir")
+            check_nvme_space(self.root, 0)
+            self.dir = tempfile.mkdtemp(prefix=f"mmplan-{self.name}-", dir=self.root)
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)  # when dropped without close()
+        return os.path.join(self.dir, f"{next(self._names)}.bin")
+
+    def unlink_later(self, path: str) -> None:
+        """Delete `path` after the writes already queued (called from finalizers; never raises)."""
+        try:
+            if self._pool is not None:
+                self._pool.submit(_unlink, path)
+                return
+        except RuntimeError:  # pool shut down: the directory is removed by close()
+            pass
+        _unlink(path)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._cleanup is not None:
+            self._cleanup()  # removes the directory, once
+            self.dir = None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over a whole storage (shares its memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    """A writable buffer over a contiguous CPU tensor's bytes (ctypes, not .numpy(): that would make the
+    storage non-resizable for good, and parameter storages are resized)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
+def write_file(path: str, data: torch.Tensor, offset: int = 0) -> None:
+    with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+        f.seek(offset)
+        f.write(_buffer(data))
+
+
+def read_file(path: str, into: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        n = f.readinto(_buffer(into))
+    if n != into.numel() * into.element_size():
+        raise MmplanError(f"NVMe tier file {path} is short: read {n} of {into.numel() * into.element_size()} bytes")
+    return into
