@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import typer
 
@@ -34,6 +34,9 @@ def user_errors(fn: Callable) -> Callable:
         except MmplanError as e:
             console.fail(str(e))
             raise typer.Exit(code=2) from None
+        except OSError as e:  # the file system refused a path the user gave: a name too long, a file as directory
+            console.fail(f"cannot use {e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}")
+            raise typer.Exit(code=2) from None
         except KeyboardInterrupt:
             console.fail("interrupted")
             raise typer.Exit(code=130) from None
@@ -44,12 +47,15 @@ def user_errors(fn: Callable) -> Callable:
 def check_writable(path: Path) -> None:
     """Fail before any work when the output cannot be written (nothing is left behind)."""
     parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise MmplanError(f"output path {path} is a directory")
-    if not parent.is_dir():
-        raise MmplanError(f"cannot write {path}: directory {parent} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".mmplan-probe-")
+        if path.is_dir():
+            raise MmplanError(f"output path {path} is a directory")
+        if parent.exists() and not parent.is_dir():
+            raise MmplanError(f"cannot write {path}: {parent} is a file, not a directory")
+        if not parent.is_dir():
+            raise MmplanError(f"cannot write {path}: directory {parent} does not exist")
+        # the temporary file plans.serial.write_atomic will write, by the same pattern (so a name too long fails now)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
         raise MmplanError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
@@ -103,7 +109,47 @@ def show(
     from planner.show import render_profile
     from plans.graph import load_profile
 
+    if top < 0:
+        raise MmplanError(f"--top must be >= 0, got {top}")
     render_profile(load_profile(profile_path), console.out, top=top)
+
+
+@app.command()
+@user_errors
+def solve(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile.json written by [cyan]mmplan profile[/].")],
+    cluster: Annotated[str, typer.Option(help="[cyan]64xh100-sxm[/], [cyan]4xlocal-cpu[/] (catalog: a100-40g, a100-80g, h100-sxm, h200, local-cpu) or a cluster [cyan].toml[/].")],
+    global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the plan.")] = Path("plan.json"),
+    placement: Annotated[Literal["auto", "colocated", "non-colocated"], typer.Option(help="Groups on the same ranks ([cyan]colocated[/]), on disjoint ones ([cyan]non-colocated[/]), or the best of both and of one shared layout ([cyan]auto[/]).")] = "auto",
+    schedule: Annotated[Literal["1f1b", "gpipe"], typer.Option(help="Pipeline schedule of every group.")] = "1f1b",
+    micro_batch: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (over a group's data-parallel replicas); default: searched.")] = None,
+    time_limit: Annotated[Optional[float], typer.Option(help="Seconds: return the best plan found so far when they are up.")] = None,
+    solver: Annotated[Literal["highs", "cbc"], typer.Option(help="ILP solver (HiGHS in-process; CBC is the fallback).")] = "highs",
+    memory_tiers: Annotated[bool, typer.Option(help="Place state and activations in CPU / NVMe tiers or recompute them when that fits or is faster.")] = True,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="Regroup the cluster's GPUs into nodes of this size.")] = None,
+    baseline: Annotated[Optional[Literal["homogeneous", "zero3", "gpipe-even"]], typer.Option(help="Write a baseline plan instead of solving: the best of its kind, or exactly [cyan]--layout[/].")] = None,
+    layout: Annotated[Optional[str], typer.Option(help="With [cyan]--baseline homogeneous[/]: tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (plan path, step times, speed-up, solve time, fits).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Solve for the fastest plan: cut points (DP), per-group layouts, GPUs per modality (ILP), memory tiers (ILP).
+
+    Compared, in the same run, with the best homogeneous (Megatron-style) plan, which is written instead if it
+    is faster. Exit code 2 with the shortfall (bytes or GPUs) when nothing can fit.
+    """
+    from planner.solve import render_solution, run_solve, solution_json
+
+    check_writable(output)
+    with console.progress("solving", enabled=not quiet and not as_json) as note:
+        solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
+                                   gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
+                                   time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, baseline=baseline,
+                                   layout=layout, progress=note)
+    if as_json:
+        print(json.dumps(solution_json(solution, output), allow_nan=False))
+    elif not quiet:
+        console.out.print(render_solution(solution, prof, output))
 
 
 
@@ -260,6 +306,31 @@ def _calibration_table(cal, cluster):
     for row in rows:
         table.add_row(*(row if ref else row[:2]))
     return table
+
+
+
+@app.command()
+@user_errors
+def demo(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, both plans, run logs and traces.")] = Path("mmplan-demo"),
+    model: Annotated[str, typer.Option(help="The model (zoo name, .toml or package.module:factory).")] = "tiny-vlm-heavy",
+    cluster: Annotated[str, typer.Option(help="The local ranks to plan for and run on.")] = "2xlocal-cpu",
+    global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 16,
+    steps: Annotated[int, typer.Option(help="Training steps per plan.")] = 30,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    """The whole loop on this machine: profile -> solve -> train the solved and the best homogeneous plan ->
+    compare predicted with measured. Takes a couple of minutes on 2 CPU cores."""
+    from planner.demo import dumps, render, run_demo
+
+    if output.exists() and not output.is_dir():
+        raise MmplanError(f"--output {output} is a file; give a directory")
+    with console.progress("mmplan demo", enabled=not as_json) as note:
+        result = run_demo(output, model=model, cluster=cluster, global_batch=global_batch, steps=steps, progress=note)
+    if as_json:
+        print(dumps(result))
+    else:
+        console.out.print(render(result))
 
 
 def main() -> None:  # pragma: no cover - console-script entry

@@ -1,0 +1,121 @@
+"""`mmplan solve`: writes a checked plan, prints the summary or one JSON object, exit 2 with the shortfall."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from plans.graph import save_profile
+from plans.plan import load_plan
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory) -> dict[str, Path]:
+    from planner.profile import profile_model
+    from runtime.source import resolve
+
+    root = tmp_path_factory.mktemp("profiles")
+    out = {}
+    for name in ("tiny-vlm-heavy", "tiny-avlm", "llava-1.5-7b"):
+        out[name] = root / f"{name}.json"
+        save_profile(profile_model(resolve(name)), out[name])
+    return out
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["solve", *map(str, args)])
+
+
+def test_json_has_the_promised_fields_and_the_plan_is_written(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "-o", out, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)  # one object, nothing else on stdout
+    for key in ("plan", "step_time_s", "baseline_step_time_s", "speedup_vs_homogeneous", "solve_time_s", "fits"):
+        assert key in data
+    assert data["plan"] == str(out) and data["fits"] is True
+    assert data["step_time_s"] <= data["baseline_step_time_s"] * (1 + 1e-12) and data["speedup_vs_homogeneous"] >= 1 - 1e-12
+    plan = load_plan(out)
+    assert plan.predicted.step_time_s == pytest.approx(data["step_time_s"])
+    assert plan.solver.time_s > 0 and plan.solver.candidates > 0
+    assert all(g.tp == 1 for g in plan.groups)  # local-cpu: tensor parallelism not used
+
+
+def test_summary_table(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "64xh100-sxm", "--global-batch", 64, "-o", out,
+               "--placement", "non-colocated")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    for phrase in ("GPUs per modality", "predicted step", "peak memory per rank", "best homogeneous plan", "speed-up",
+                   "candidate layouts", f"wrote {out}"):
+        assert phrase in text, phrase
+    plan = load_plan(out)
+    assert {g.name for g in plan.groups} in ({"vision", "llm"}, {"model"})
+
+
+def test_colocated_and_gpipe(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["tiny-avlm"], "--cluster", "2xlocal-cpu", "--global-batch", 4, "-o", out, "--placement", "colocated",
+               "--schedule", "gpipe", "--no-memory-tiers", "--solver", "cbc", "--json")
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    assert plan.training.schedule == "gpipe"
+    assert json.loads(r.stdout)["structure"] in ("together", "baseline")
+
+
+def test_time_limit_says_it_stopped_early(profiles, tmp_path):
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "512xh100-sxm", "--global-batch", 1024, "-o", tmp_path / "p.json",
+               "--time-limit", "0.3")
+    assert r.exit_code == 0, r.output
+    assert "stopped early" in " ".join(r.output.split())
+
+
+def test_infeasible_exits_2_with_the_bytes_short(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "local-cpu", "--global-batch", 2, "-o", out)
+    assert r.exit_code == 2
+    assert "GB short" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_too_few_gpus_exits_2_naming_them(profiles, tmp_path):
+    r = invoke(profiles["tiny-avlm"], "--cluster", "2xlocal-cpu", "--global-batch", 4, "-o", tmp_path / "p.json",
+               "--placement", "non-colocated")
+    assert r.exit_code == 2 and "needs at least 3 GPUs" in " ".join(r.output.split())
+
+
+def test_baseline_path_writes_that_layout(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "16xh100-sxm", "--global-batch", 32, "-o", out,
+               "--baseline", "homogeneous", "--layout", "tp=4,pp=2,dp=2", "--json")
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    (g,) = plan.groups
+    assert (g.tp, g.pp, g.dp) == (4, 2, 2) and plan.solver.method == "baseline:homogeneous"
+    assert json.loads(r.stdout)["structure"] == "baseline"
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--layout", "tp=1,pp=1,dp=4"), "--baseline homogeneous"),
+    (("--micro-batch", "3"), "does not divide the global batch"),
+    (("--time-limit", "-1"), "--time-limit"),
+])
+def test_bad_options_exit_2(profiles, tmp_path, args, message):
+    r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "-o", tmp_path / "p.json", *args)
+    assert r.exit_code == 2 and message in " ".join(r.output.split())
+
+
+def test_unwritable_output_fails_before_solving(profiles, tmp_path):
+    r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "-o", tmp_path / "missing" / "p.json")
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_unknown_placement_is_a_usage_error(profiles, tmp_path):
+    r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "--placement", "sideways")
+    assert r.exit_code == 2
