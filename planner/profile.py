@@ -13,8 +13,8 @@ How each figure is obtained (one forward + backward of the model at `micro_batch
   tensor derives from; a block's inputs then name the blocks (and batch inputs) that feed it.
 With `measure`, each distinct block is timed alone on the device at the micro-batch and at twice it (an
 affine fit: small blocks are overhead-bound); when the whole model is on the device (`device="cpu"`) the
-block times are then scaled so they add up to the measured forward + backward of the whole model — what a
-block costs in context (caches, glue), not in a tight loop.
+whole model's forward + backward is measured too, at both batch sizes, and spread over the blocks in
+proportion to their isolated times — what a block costs in context (caches, glue), not in a tight loop.
 On `device="meta"` the model is built on the meta device and run on FakeTensors with CPU dispatch, so no
 memory is allocated and the kernels (hence FLOPs and saved tensors) are exactly those a real CPU run uses.
 """
@@ -408,16 +408,22 @@ def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: i
 
 def _in_context(timings: dict, records: list, model: nn.Module, batch: dict[str, Any], device: torch.device,
                 micro_batch: int, reps: int) -> dict:
-    """Scale each block's (fixed, per-sample) times so that, summed over the blocks, they give the whole
-    model's measured forward + backward at the micro-batch and at twice it (two factors, one per term)."""
+    """Spread the whole model's measured forward + backward, at the micro-batch and at twice it (an affine fit
+    in the batch), over the blocks in proportion to their isolated times (forward/backward split as measured).
+    The isolated times give the proportions only: alone, small blocks run faster than in context, and their
+    batch slopes are too noisy to use."""
     doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
     at_1 = measure_model(model, batch, device, reps)
     at_2 = measure_model(model, doubled, device, reps)
-    fixed = sum(timings[r.signature][0] + timings[r.signature][1] for r in records)
-    slope = sum(timings[r.signature][2] + timings[r.signature][3] for r in records)
-    k_fixed = at_1 / fixed if fixed > 0 else 1.0
-    k_slope = (at_2 - at_1) / micro_batch / slope if slope > 0 and at_2 > at_1 else k_fixed
-    return {k: (f * k_fixed, b * k_fixed, fs * k_slope, bs * k_slope) for k, (f, b, fs, bs) in timings.items()}
+    slope = max(at_2 - at_1, 0.0) / micro_batch  # ms per extra sample, whole model
+    total = sum(timings[r.signature][0] + timings[r.signature][1] for r in records)
+    out = {}
+    for key, (f, b, *_rest) in timings.items():
+        share = (f + b) / total if total > 0 else 0.0
+        fwd_part = f / (f + b) if f + b > 0 else 0.5
+        out[key] = (share * at_1 * fwd_part, share * at_1 * (1 - fwd_part),
+                    share * slope * fwd_part, share * slope * (1 - fwd_part))
+    return out
 
 
 def measure_model(model: nn.Module, batch: dict[str, Any], device: torch.device, reps: int = 5) -> float:
