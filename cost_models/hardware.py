@@ -207,10 +207,17 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
     if not isinstance(spec, str) or not spec.strip():
         raise FormatError("empty cluster spec: give a catalog shorthand such as 64xh100-sxm or a path to a .toml file")
     spec = spec.strip()
-    if spec.lower().endswith(".toml") or "/" in spec or "\\" in spec or Path(spec).is_file():
+    if spec.lower().endswith(".toml") or "/" in spec or "\\" in spec or _is_file(spec):
         cluster = load_cluster_toml(spec)
         return cluster if gpus_per_node is None else _regroup(cluster, gpus_per_node, spec)
     return catalog_cluster(spec, gpus_per_node)
+
+
+def _is_file(spec: str) -> bool:
+    try:
+        return Path(spec).is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
 
 
 def catalog_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
@@ -220,6 +227,8 @@ def catalog_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
         raise FormatError(f"cluster spec {spec!r} is neither a catalog shorthand like 64xh100-sxm nor a path to a "
                           f".toml file")
     count, name = match.group(1), match.group(2)
+    if count is not None and len(count.lstrip("0")) > 12:
+        raise FormatError(f"GPU count in cluster spec {spec[:20]!r}... is out of range; give at most 12 digits")
     if name not in CATALOG:
         raise FormatError(f"unknown device {name!r} in cluster spec {spec!r}; known: {', '.join(CATALOG)} "
                           f"(or give a path to a cluster .toml file)")
@@ -268,6 +277,8 @@ def load_cluster_toml(path: str | Path) -> Cluster:
         raise FormatError(f"cannot read cluster file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise FormatError(f"cluster file {path} is not UTF-8 text") from None
+    except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
+        raise FormatError(f"cannot read cluster file {path!r}: {e}") from None
     return cluster_from_toml(text, source=str(path))
 
 
@@ -277,6 +288,12 @@ def cluster_from_toml(text: str, source: str = "cluster TOML") -> Cluster:
         data = tomllib.loads(text, parse_float=Decimal)
     except tomllib.TOMLDecodeError as e:
         raise FormatError(f"{source} is not valid TOML ({e})") from None
+    except ValueError as e:  # valid TOML Python refuses to read: an integer of more digits than it converts
+        raise FormatError(f"{source} is not usable TOML: {str(e).split('; use sys.set_int_max_str_digits')[0]}") from None
+    except ArithmeticError:  # a float whose exponent does not fit a Decimal (e.g. 1e99999999999999999999)
+        raise FormatError(f"{source} is not usable TOML: a number is out of range") from None
+    except RecursionError:
+        raise FormatError(f"{source} is not usable TOML: arrays or tables nest too deeply") from None
     return _cluster_from_data(data, source)
 
 
@@ -346,7 +363,24 @@ def _decimal(value: Any, field: str, source: str) -> Decimal:
     number = Decimal(value)
     if not number.is_finite() or number <= 0:
         raise FormatError(f"{source}: {field} must be a finite number > 0, got {value}")
+    return _in_range(number, field, source)
+
+
+# Numbers of a cluster file lie within 1e-400 .. 1e400 (floats span 5e-324 .. 1.8e308, and a field is scaled by
+# at most 1e12); beyond, the decimal arithmetic that turns them into bytes and seconds overflows or stalls.
+_MAX_EXPONENT = 400
+_MAX_BYTES = 10**24  # no tier holds a yottabyte; larger integers overflow float arithmetic downstream
+
+
+def _in_range(number: Decimal, field: str, source: str) -> Decimal:
+    if number and not -_MAX_EXPONENT <= number.adjusted() <= _MAX_EXPONENT:
+        raise FormatError(f"{source}: {field} is out of range, got {_brief(number)}")
     return number
+
+
+def _brief(number: Decimal) -> str:
+    text = str(number)
+    return text if len(text) <= 32 else f"{text[:16]}...{text[-8:]}"
 
 
 def _count(table: dict[str, Any], key: str, default: int | None, source: str) -> int:
@@ -369,6 +403,9 @@ def _bytes(table: dict[str, Any], key: str, default: int | None, source: str, wh
     nbytes = int(_decimal(table[key], where + key, source).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
     if nbytes < 1:
         raise FormatError(f"{source}: {where}{key} must be at least one byte, got {table[key]}")
+    if nbytes > _MAX_BYTES:
+        raise FormatError(f"{source}: {where}{key} is out of range (at most {_MAX_BYTES // GB:.0e} GB), "
+                          f"got {_brief(Decimal(table[key]))}")
     return nbytes
 
 
@@ -452,10 +489,13 @@ def _link(table: Any, base: Link | None, where: str, source: str) -> Link:
         if isinstance(value, bool) or not isinstance(value, (int, Decimal)) or not Decimal(value).is_finite() \
                 or value < 0:
             raise FormatError(f"{source}: {where} latency_us must be a finite number >= 0, got {value!r}")
-        latency = float(Decimal(value).scaleb(-6))
+        latency = float(_in_range(Decimal(value), f"{where} latency_us", source).scaleb(-6))
     else:
         latency = base.latency_s if base else 0.0
-    return Link(bandwidth, latency)
+    try:
+        return Link(bandwidth, latency)
+    except FormatError as e:  # a finite decimal too large for a float
+        raise FormatError(f"{source}: {where} {e}") from None
 
 
 def _number(value: float | int, exponent: int = 0) -> str:

@@ -216,6 +216,8 @@ def read_metrics(path: str | os.PathLike) -> tuple[MeasuredStep, ...]:
         raise FormatError(f"cannot read {what}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise FormatError(f"{what} is not UTF-8 text") from None
+    except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
+        raise FormatError(f"cannot read {what!r}: {e}") from None
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -224,6 +226,9 @@ def read_metrics(path: str | os.PathLike) -> tuple[MeasuredStep, ...]:
             rows.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
             raise FormatError(f"{what} line {n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
+        except (ValueError, RecursionError):  # an integer of too many digits, nesting too deep
+            raise FormatError(f"{what} line {n} is not usable JSON (a number too long or nesting too deep); "
+                              "each line must be one JSON object") from None
     if not rows:
         raise _no_steps(what)
     return tuple(_step(row, f"{what} line {n}") for n, row in rows)
@@ -258,8 +263,8 @@ def _step(row: Any, where: str) -> MeasuredStep:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise FormatError(f"{where}: field 'step' must be an integer >= 0, got {step!r}")
     loss = row.get("loss")
-    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
-        raise FormatError(f"{where}: field 'loss' must be a number, got {loss!r}")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or abs(loss) > 1e308):
+        raise FormatError(f"{where}: field 'loss' must be a number, got {_brief(loss)}")
     return MeasuredStep(
         step=step,
         step_time_s=_number(row["step_time_s"], "step_time_s", where),
@@ -272,9 +277,15 @@ def _step(row: Any, where: str) -> MeasuredStep:
 
 
 def _number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise FormatError(f"{where}: field {key!r} must be a finite number >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e308 \
+            or not math.isfinite(value):  # (compared before isfinite: a huge int does not convert to float)
+        raise FormatError(f"{where}: field {key!r} must be a finite number >= 0, got {_brief(value)}")
     return float(value)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
 
 
 def _per_rank(value: Any, key: str, where: str) -> PerRank:

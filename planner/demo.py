@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from planner.console import human_bytes
+from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
 
@@ -46,22 +48,45 @@ class DemoResult:
 def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = "2xlocal-cpu", global_batch: int = 16,
              steps: int = 30, progress: Callable[[str, float], None] | None = None) -> DemoResult:
     from cost_models.hardware import parse_cluster
+    from runtime.source import resolve
+
+    note = progress or (lambda step, fraction: None)
+    started = time.perf_counter()
+    # refuse bad options before anything is written, and leave no half-filled directory behind on a later refusal
+    if steps < 1:
+        raise MmplanError(f"--steps must be >= 1, got {steps}")
+    if global_batch < 1:
+        raise MmplanError(f"--global-batch must be >= 1, got {global_batch}")
+    source, spec = resolve(model), parse_cluster(cluster)
+    if out.exists() and not out.is_dir():
+        raise MmplanError(f"--output {out} is a file; give a directory")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MmplanError(f"cannot create the output directory {out}: {e.strerror or e}") from None
+    try:
+        return _run_demo(out, source, spec, global_batch, steps, note, started)
+    except MmplanError:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run_demo(out: Path, source, spec, global_batch: int, steps: int, note: Callable[[str, float], None],
+              started: float) -> DemoResult:
     from planner.compare import load_compared, write_traces
     from planner.profile import profile_model
     from planner.run import run_plan
     from planner.solve import solve
     from plans.graph import save_profile
     from plans.plan import save_plan
-    from runtime.source import resolve
 
-    note = progress or (lambda step, fraction: None)
-    started = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    note(f"profiling {model} (measuring each distinct block on the CPU)", 0.02)
-    profile = profile_model(resolve(model), micro_batch=4, device="cpu", measure=True, reps=5)
+    note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.02)
+    profile = profile_model(source, micro_batch=4, device="cpu", measure=True, reps=5)
     save_profile(profile, out / "profile.json")
     note("solving", 0.15)
-    solution = solve(profile, parse_cluster(cluster), global_batch)
+    solution = solve(profile, spec, global_batch)
     baseline_plan = solution.baseline or solution.plan
     paths = {"solved": out / "plan.json", "homogeneous": out / "homogeneous.json"}
     save_plan(solution.plan, paths["solved"])
@@ -85,12 +110,12 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
     table.add_column("plan")
     table.add_column("group")
     table.add_column("dp x tp x pp", justify="right")
-    table.add_column("stages (first..last block) @ ranks")
+    table.add_column("stages")
     table.add_column("placement")
     table.add_column("tiers")
     for name, plan in plans:
         for g in plan.groups:
-            stages = "; ".join(f"{s.blocks[0]}..{s.blocks[-1]} @ {','.join(map(str, s.ranks))}" for s in g.stages)
+            stages = "; ".join(f"{len(s.blocks)} blocks @ rank {','.join(map(str, s.ranks))}" for s in g.stages)
             tiers = sorted({_tiers(s.memory) for s in g.stages})
             table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages,
                           f"with {g.colocated_with}" if g.colocated_with else "own ranks", " | ".join(tiers))
@@ -100,8 +125,10 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
 
 
 def _tiers(memory) -> str:
-    acts = sorted(set(memory.activations.values())) or ["keep"]
-    return f"params {memory.params}, grads {memory.grads}, optimizer {memory.optimizer}, activations {'/'.join(acts)}"
+    acts = "/".join(sorted(set(memory.activations.values())) or ["keep"])
+    states = {memory.params, memory.grads, memory.optimizer}
+    where = f"state {states.pop()}" if len(states) == 1 else f"p {memory.params}, g {memory.grads}, opt {memory.optimizer}"
+    return f"{where}, act {acts}"
 
 
 def results_table(result: DemoResult) -> Table:

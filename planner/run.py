@@ -56,10 +56,16 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
 
     if steps < 1:
         raise MmplanError(f"--steps must be >= 1, got {steps}")
+    if checkpoint_every < 0:
+        raise MmplanError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
+    if checkpoint_every and checkpoint_dir is None:
+        raise MmplanError("--checkpoint-every needs --checkpoint-dir")
+    if device_budget is not None and not device_budget > 0:
+        raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
+    launched = _launched_world_size()
     plan, profile, spec = checked_plan(plan_path, model)
     world = plan.world_size
-    if "WORLD_SIZE" in os.environ:
-        launched = int(os.environ["WORLD_SIZE"])
+    if launched is not None:
         if launched != world:
             raise MmplanError(f"the plan needs {world} ranks but this job was launched with {launched}")
     elif world > MAX_LOCAL_RANKS:
@@ -71,25 +77,31 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
                           "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
-    nvme_dir = _nvme_dir(plan, nvme_dir)
-    if checkpoint_every < 0:
-        raise MmplanError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
-    if checkpoint_every and checkpoint_dir is None:
-        raise MmplanError("--checkpoint-every needs --checkpoint-dir")
-    if checkpoint_dir is not None:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
     if resume is not None and not resume.is_dir():
         raise MmplanError(f"--resume {resume}: no such checkpoint directory")
-    job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
-              log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_dir) if nvme_dir else None,
-              prefetch=prefetch, checkpoint_every=checkpoint_every,
-              checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None)
-    results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
+    if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        raise MmplanError(f"--checkpoint-dir {checkpoint_dir} is a file, not a directory")
+    # every refusal above leaves nothing behind; from here on directories are created, and removed again when
+    # the run is refused after all (no space for the nvme tier, a dataset or budget the ranks refuse) while empty
+    created: list[Path] = []
+    try:
+        nvme_dir = _nvme_dir(plan, nvme_dir, created)
+        if checkpoint_dir is not None:
+            _make_dir(checkpoint_dir, "--checkpoint-dir", created)
+        job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
+                  log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_dir) if nvme_dir else None,
+                  prefetch=prefetch, checkpoint_every=checkpoint_every,
+                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None)
+        results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
+    except BaseException:
+        for top in created:
+            _remove_empty_dirs(top)
+        raise
     rank = int(os.environ.get("RANK", 0))
     return RunResult(plan, profile, results[0]["metrics"], rank)
 
 
-def _nvme_dir(plan: Plan, nvme_dir: Path | None) -> Path | None:
+def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path]) -> Path | None:
     """The directory for the nvme tier: required when the plan uses it, and it must have the space."""
     from runtime.memory import check_nvme_space
 
@@ -99,10 +111,46 @@ def _nvme_dir(plan: Plan, nvme_dir: Path | None) -> Path | None:
         return nvme_dir
     if nvme_dir is None:
         raise MmplanError("the plan places state in the nvme tier: give a directory for it with --nvme-dir")
-    nvme_dir.mkdir(parents=True, exist_ok=True)
+    _make_dir(nvme_dir, "--nvme-dir", created)
     needed = sum(m.nvme for m in plan.predicted.memory) if plan.predicted else 0.0
     check_nvme_space(nvme_dir, needed)
     return nvme_dir
+
+
+def _launched_world_size() -> int | None:
+    """WORLD_SIZE of a torchrun launch, None when not launched by one."""
+    value = os.environ.get("WORLD_SIZE")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise MmplanError(f"the environment variable WORLD_SIZE={value!r} is not a number of ranks") from None
+
+
+def _make_dir(path: Path, option: str, created: list[Path]) -> None:
+    """Create the directory an option names; the topmost directory this made is appended to `created`."""
+    if path.exists():
+        if not path.is_dir():
+            raise MmplanError(f"{option} {path} is a file, not a directory")
+        return
+    top = path
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MmplanError(f"cannot create {option} {path}: {e.strerror or e}") from None
+    created.append(top)
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    """Remove the directories under and including `top` that nothing was written into."""
+    for d in sorted((p for p in [top, *top.rglob("*")] if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 def measured_summary(metrics: list[dict[str, Any]]) -> dict[str, Any]:

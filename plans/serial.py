@@ -59,10 +59,22 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
         raise FormatError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise FormatError(f"{what} {path} is not UTF-8 text") from None
+    except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
+        raise FormatError(f"cannot read {what} {path!r}: {e}") from None
     try:
-        return json.loads(text)
+        data = json.loads(text)
+        if "\\ud" in text.lower():  # \ud800-\udfff escapes: fine in pairs, an unpaired one is not text
+            json.dumps(data, ensure_ascii=False).encode()
+        return data
+    except UnicodeEncodeError:
+        raise FormatError(f"{what} {path} is not usable JSON: a string holds an unpaired surrogate escape "
+                          "(\\ud800-\\udfff), which is no character") from None
     except json.JSONDecodeError as e:
         raise FormatError(f"{what} {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except ValueError as e:  # valid JSON Python refuses to read: an integer of more digits than it converts
+        raise FormatError(f"{what} {path} is not usable JSON: {str(e).split('; use sys.set_int_max_str_digits')[0]}") from None
+    except RecursionError:
+        raise FormatError(f"{what} {path} is not usable JSON: arrays or objects nest too deeply") from None
 
 
 @lru_cache(maxsize=None)

@@ -33,12 +33,19 @@ def resolve(spec: str) -> ModelSource:
     from runtime.models import zoo
 
     if spec.endswith(".toml"):
-        if not Path(spec).is_file():
+        try:
+            is_dir, is_file = Path(spec).is_dir(), Path(spec).is_file()
+        except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
+            raise MmplanError(f"architecture file {spec[:80]!r}: {getattr(e, 'strerror', None) or e}") from None
+        if is_dir:
+            raise MmplanError(f"architecture file {spec} is a directory, not a .toml file")
+        if not is_file:
             raise MmplanError(f"architecture file {spec} does not exist")
         try:
             config = zoo.resolve(spec)
         except (ValueError, KeyError, OSError) as e:
-            raise MmplanError(f"architecture file {spec}: {_one_line(e)}") from None
+            message = _one_line(e)  # load_arch_toml starts its messages with the path already
+            raise MmplanError(f"architecture file {spec}: {message.removeprefix(f'{spec}: ')}") from None
         # the spec (the file's path) names the model, so a plan can rebuild it
         return ModelSource(spec, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
     if spec in zoo.names():

@@ -33,8 +33,10 @@ def load_arch_toml(path: str | os.PathLike) -> ArchConfig:
         with path.open("rb") as f:
             raw = tomllib.load(f)
         return parse_arch(raw, default_name=path.stem)
-    except (tomllib.TOMLDecodeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from e
+    except (tomllib.TOMLDecodeError, ValueError) as e:  # ValueError also: an integer of too many digits
+        raise ValueError(f"{path}: {str(e).split('; use sys.set_int_max_str_digits')[0]}") from e
+    except RecursionError:
+        raise ValueError(f"{path}: arrays or tables nest too deeply") from None
 
 
 def parse_arch(raw: dict[str, Any], *, default_name: str) -> ArchConfig:
