@@ -130,8 +130,9 @@ def stage_memory(
 
     Model states: model_state_bytes of the rank's parameters (tp-parallel blocks divided by tp), each of
     params / grads / optimizer in the tier the plan's Memory names. When params or grads live off the GPU
-    the GPU keeps a double buffer of the largest block's share (ZeRO-Infinity style streaming,
-    Rajbhandari et al. 2021); ZeRO-3 keeps a double buffer of the largest gathered block.
+    the GPU keeps a double buffer of the largest block's parameters (the one in use and the one prefetched;
+    ZeRO-Infinity style streaming, Rajbhandari et al. 2021) and one block's gradients on their way out;
+    ZeRO-3 keeps a double buffer of the largest gathered block.
     Activations (per sample, as profiled; tp-parallel blocks divided by tp, i.e. sequence parallelism,
     Korthikanti et al. 2022) times the micro-batches in flight, by each block's tier: keep = resident;
     recompute = only the block input is kept (a checkpoint) plus one block's activations transiently
@@ -147,8 +148,8 @@ def stage_memory(
     largest_block = max((b.params / shard[b.name] for b in blocks), default=0.0) * width  # bytes, one block's params
     if memory.params != "gpu":
         out = out.put("gpu", 2 * largest_block / (dp if zero >= 3 else 1))
-    if memory.grads != "gpu":
-        out = out.put("gpu", 2 * largest_block / (dp if zero >= 2 else 1))
+    if memory.grads != "gpu":  # one block's gradients exist on the GPU until they are moved out
+        out = out.put("gpu", largest_block / (dp if zero >= 2 else 1))
     if zero >= 3:
         out = out.put("gpu", 2 * largest_block)
 

@@ -427,7 +427,7 @@ class Segments:
         if policy.params != "gpu":
             tiers["gpu"][0] += 2 * self.largest / (dp if z >= 3 else 1)
         if policy.grads != "gpu":
-            tiers["gpu"][0] += 2 * self.largest / (dp if z >= 2 else 1)
+            tiers["gpu"][0] += self.largest / (dp if z >= 2 else 1)  # memory.stage_memory: one block's grads
         if z >= 3:
             tiers["gpu"][0] += 2 * self.largest
         acts = policy.activations

@@ -251,10 +251,11 @@ class GradTier:
             self.budget.hold("grads", p.grad)
             return
         g = p.grad
+        self.budget.hold("grads", g)  # on the device until moved out: counted while it is there
         p.grad = None
         host = self.host.get(id(p))
         if host is None:
-            self.host[id(p)] = g.detach().to("cpu", copy=g.device.type != "cpu")
+            self.host[id(p)] = g.detach().to("cpu", copy=True)  # a real move: the device copy is freed
             self.budget.add_host("cpu", g.numel() * g.element_size())
         else:
             host.add_(g.to("cpu"))

@@ -374,7 +374,8 @@ def test_grads_on_host_accumulate_bitwise(tmp_path):
         assert all(p.grad is None for p in m.parameters())  # moved off the device tier
     grads.collect()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(want.parameters(), m.parameters()))
-    assert budget.host["cpu"] == 0 and budget.peak["grads"] == 0
+    # each gradient is on the device only from its accumulation until it is moved: one tensor at a time
+    assert budget.host["cpu"] == 0 and 0 < budget.peak["grads"] <= max(p.numel() * p.element_size() for p in m.parameters())
     budget_gpu = DeviceBudget()
     m2 = _model()
     GradTier(m2.parameters(), "gpu", budget_gpu)

@@ -38,3 +38,34 @@ def test_tier_options_keep_loss_parity(case, tmp_path):
     for got, want in zip(losses, ref["losses"], strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
     assert not any((tmp_path / "nvme").rglob("*")), "nvme tier files left behind"
+
+
+def test_training_beyond_device_memory_with_the_solvers_tier_plan():
+    """A device tier of a quarter of tiny-vlm's training state: the solver places state off the device, the
+    run keeps parity, stays within the budget, and its measured peak is what the cost model predicted."""
+    import torch
+
+    from cost_models.hardware import cluster_from_toml
+    from planner.profile import profile_model
+    from planner.solve import solve, state_bytes
+    from runtime.source import resolve
+
+    prof = profile_model(resolve("tiny-vlm"))
+    training_state = state_bytes(prof, "fp32") + sum(b.activation_bytes for b in prof.blocks) * 4
+    budget = training_state / 4
+    cluster = cluster_from_toml(f'base = "local-cpu"\nnodes = 1\ngpus_per_node = 1\n[device]\nmemory_gb = {budget / 1e9:.9f}\n')
+    plan = solve(prof, cluster, 8).plan
+    stages = [s for g in plan.groups for s in g.stages]
+    assert any(s.memory.params != "gpu" or s.memory.optimizer != "gpu" or set(s.memory.activations.values()) - {"keep"}
+               for s in stages), "the plan should move state off the device tier"
+    predicted = max(m.gpu for m in plan.predicted.memory)
+    assert predicted <= budget
+    job = Job(plan=plan, model="tiny-vlm", steps=STEPS, device_budget=budget)
+    ref = reference_run(job)
+    res = launch(train_rank, plan.world_size, job, timeout_s=240)
+    metrics = res[0]["metrics"]
+    for got, want in zip([m["loss"] for m in metrics], ref["losses"], strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want)
+    measured = max(max(m["peak_memory_bytes"]) for m in metrics[1:])
+    assert measured <= budget
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
