@@ -266,6 +266,8 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
     for tp in tps:
         for pp in (p for p in range(1, units + 1) if units % p == 0 and world % (tp * p) == 0):
             dp = world // (tp * pp)
+            if dp > 1 and any(b.reduces_batch for b in profile.blocks):
+                continue  # one layout for every block: a contrastive head needs whole micro-batches (dp = 1)
             sizes = micro_batches if micro_batches is not None else _powers_of_two(global_batch // dp)
             for mb in (s for s in sizes if global_batch % (dp * s) == 0):
                 for schedule, v in parsed:
