@@ -7,7 +7,7 @@ from torch import nn
 
 from .configs import DecoderConfig
 from .layers import TransformerLayer
-from .llama import embeddings_or_tokens
+from .llama import DecoderStack
 
 
 class TokenPositionEmbedding(nn.Module):
@@ -23,7 +23,7 @@ class TokenPositionEmbedding(nn.Module):
         return self.tokens(tokens) + self.positions(positions)
 
 
-class GPTDecoder(nn.Module):
+class GPTDecoder(DecoderStack):
     """GPT decoder (Radford et al. 2019, Brown et al. 2020) returning logits.
 
     Learned positions cover the text tokens only (text_seq of them); encoder tokens placed before the
@@ -43,18 +43,3 @@ class GPTDecoder(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.tokens.weight
-
-    def forward(
-        self,
-        tokens: torch.Tensor | None = None,
-        *,
-        inputs_embeds: torch.Tensor | None = None,
-        logits_to_keep: int | None = None,
-    ) -> torch.Tensor:
-        """Logits (B, S_keep, V) for the last logits_to_keep positions (all when None)."""
-        x = embeddings_or_tokens(self.embed, tokens, inputs_embeds)  # (B, S, D)
-        for layer in self.layers:
-            x = layer(x)
-        if logits_to_keep is not None:
-            x = x[:, -logits_to_keep:]  # (B, S_keep, D)
-        return self.head(self.norm(x))

@@ -33,17 +33,9 @@ def embeddings_or_tokens(
     return embed(tokens) if inputs_embeds is None else inputs_embeds
 
 
-class LlamaDecoder(nn.Module):
-    """LLaMA (Touvron et al. 2023) decoder returning logits; the head can be tied to the embedding."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(llama_layer(cfg) for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
+class DecoderStack(nn.Module):
+    """A decoder's forward: embed (tokens or given embeddings), the layers, final norm, LM head.
+    Subclasses build `embed`, `layers`, `norm` and `head`."""
 
     def forward(
         self,
@@ -59,3 +51,16 @@ class LlamaDecoder(nn.Module):
         if logits_to_keep is not None:
             x = x[:, -logits_to_keep:]  # (B, S_keep, D)
         return self.head(self.norm(x))
+
+
+class LlamaDecoder(DecoderStack):
+    """LLaMA (Touvron et al. 2023) decoder returning logits; the head can be tied to the embedding."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(llama_layer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
