@@ -20,7 +20,7 @@ from planner.console import human_bytes, human_count
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, load_plan
-from plans.serial import write_atomic
+from plans.serial import read_text, write_atomic
 
 TRACE_ALL_RANKS_UP_TO = 64  # traces of larger plans show one rank per class of identical ranks ("stands for ...")
 WARMUP_STEPS = 1  # measured steps left out of the medians (the first step builds caches, warms allocators)
@@ -210,14 +210,7 @@ class MeasuredStep:
 def read_metrics(path: str | os.PathLike) -> tuple[MeasuredStep, ...]:
     """Parse a JSONL metrics log; every problem is one FormatError naming the line."""
     what = f"metrics log {path}"
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise FormatError(f"cannot read {what}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise FormatError(f"{what} is not UTF-8 text") from None
-    except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
-        raise FormatError(f"cannot read {what!r}: {e}") from None
+    text = read_text(path, "metrics log")
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -51,16 +51,21 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Load a JSON file, turning every I/O or syntax problem into one FormatError sentence."""
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """A text file's contents; every I/O or decoding problem is one FormatError naming `what` and the path."""
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except OSError as e:
         raise FormatError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise FormatError(f"{what} {path} is not UTF-8 text") from None
     except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
         raise FormatError(f"cannot read {what} {path!r}: {e}") from None
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Load a JSON file, turning every I/O or syntax problem into one FormatError sentence."""
+    text = read_text(path, what)
     try:
         data = json.loads(text)
         if "\\ud" in text.lower():  # \ud800-\udfff escapes: fine in pairs, an unpaired one is not text
