@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import types
@@ -66,8 +67,18 @@ def read_text(path: str | os.PathLike, what: str) -> str:
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Load a JSON file, turning every I/O or syntax problem into one FormatError sentence."""
     text = read_text(path, what)
+
+    def not_a_number(token: str) -> float:  # NaN / Infinity: Python accepts them, JSON (and our writer) does not
+        raise FormatError(f"{what} {path} is not valid JSON: {token} is not a JSON number")
+
+    def finite(token: str) -> float:
+        value = float(token)
+        if not math.isfinite(value):
+            not_a_number(token)
+        return value
+
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=not_a_number, parse_float=finite)
         if "\\ud" in text.lower():  # \ud800-\udfff escapes: fine in pairs, an unpaired one is not text
             json.dumps(data, ensure_ascii=False).encode()
         return data

@@ -250,3 +250,19 @@ def test_check_plan_catches_bad_literal_in_code() -> None:
         P.check_plan(plan)
     with pytest.raises(FormatError, match="training/schedule"):
         P.save_plan(plan, "/nonexistent/never-written.json")
+
+
+def test_nan_and_infinity_are_refused_on_load(tmp_path):
+    """Python's json reads NaN and 1e999, JSON does not: a plan holding them could not be written back."""
+    import json as _json
+
+    from plans.errors import FormatError
+    from plans.serial import read_json
+
+    for token in ("NaN", "Infinity", "1e999"):
+        path = tmp_path / "p.json"
+        path.write_text('{"step_time_s": ' + token + "}")
+        with pytest.raises(FormatError, match="not a JSON number"):
+            read_json(path, "plan")
+    path.write_text(_json.dumps({"x": 1.5}))
+    assert read_json(path, "plan") == {"x": 1.5}
