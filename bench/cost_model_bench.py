@@ -18,7 +18,7 @@ from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import catalog_cluster  # noqa: E402
 from planner.baselines import best_homogeneous  # noqa: E402
 from plans import plan as P  # noqa: E402
-from plans.graph import Block, Edge, InputEdge, Profile, fingerprint, load_profile  # noqa: E402
+from plans.graph import Block, Edge, InputEdge, Profile, load_profile  # noqa: E402
 
 TARGET_S = 0.050  # one evaluation of a 1024-GPU plan
 GRID_TARGET_S = 10.0  # searching the homogeneous grid at 1024 GPUs (planner/baselines.py best_homogeneous)
@@ -76,7 +76,7 @@ def synthetic_profile(model: str) -> Profile:
     inputs = (InputEdge("images", "vision.patch_embed", float(BF16 * 3 * vit["patch"] ** 2 * vit["seq"])),
               InputEdge("tokens", "llm.embed", 8.0 * llm["text"]))  # int64 token ids
     b, e = tuple(blocks), tuple(sorted(edges, key=lambda x: names.index(x.src)))
-    return Profile(model, fingerprint(b, e, inputs), "bf16", 1, b, e, inputs)
+    return Profile.build(model, "bf16", 1, b, e, inputs)
 
 
 def split(blocks: list[Block], parts: int) -> list[list[str]]:

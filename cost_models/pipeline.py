@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import functools
-import heapq
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cost_models.comm import (
@@ -13,43 +12,42 @@ from cost_models.comm import (
     all_reduce_time,
     link_for,
     p2p_time,
-    pair_link,
     reduce_scatter_time,
     ring_bytes_sent,
 )
 from cost_models.compute import OpTime, block_time, measured_on, optimizer_step_time
-from cost_models.memory import DTYPE_BYTES, in_flight, warmup_forwards
+from cost_models.memory import DTYPE_BYTES
 from cost_models.offload import exposed, transfer_time
-from plans.boundary import derive_boundaries
 from plans.cluster import Cluster
-from plans.errors import MmplanError
+from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Profile
-from plans.plan import Boundary, Plan
+from plans.plan import Group, Plan, flow_of
+from plans.schedule import Task, schedule, task_name
+from plans.trace import LANES as TRACE_LANES
+from plans.stage_graph import Chunk, Route, StageGraph, stage_graph
 
 # How the step is modelled (all times in seconds from the step's start):
-# - A group's stage is split into model chunks: maximal runs of its blocks that are consecutive in the
-#   profile's execution order. A plain stage is one chunk; for the interleaved schedule stage i lists
-#   the blocks of virtual stages i, i+pp, ..., which come out as its v chunks (Narayanan et al. 2021).
-# - Ranks that host the same set of stages are identical (all dp replicas and tp shards of a stage do
-#   the same work), so the simulation runs one representative per such "rank class" and results are
-#   expanded to every rank by symmetry; the event loop is O(ops log ops), ops = (stages x rank classes
-#   they span) x 2 micro-batches, independent of dp and tp. A class executes one compute op at a time;
-#   among the ready heads of the queues of the stages it hosts (each in its schedule's order) it starts
-#   the earliest, ties going to the one earlier in its own schedule (so a colocated encoder's forward of
-#   micro-batch j runs before the LLM's forward of j, which needs it).
-# - Dependencies: the forward of chunk k+1 (or of a block across a group boundary) on micro-batch j
-#   waits for the forward of its producer on j plus the transfer; backward gradients flow back the same
-#   way. Transfers are delays on a comm lane; they do not occupy the compute lane.
-# - After a stage's last backward: its data-parallel gradient sync (comm lane), its optimizer step
-#   (compute lane), then for ZeRO 1-2 the all-gather of the updated parameters.
-# - Not modelled (documented simplifications): overlap of the data-parallel gradient sync with the
-#   backward of earlier micro-batches (the sync starts after the stage's last backward); contention of
-#   concurrent p2p / boundary transfers on one link; Megatron's scatter-gather of p2p tensors over tp;
-#   a global gradient-norm all-reduce before the optimizer step (each stage steps when its grads are
-#   ready); receive events (a transfer shows once, on the sender's comm lane).
+# - The step runs the plan's schedule (plans/schedule.py) over its stage graph (plans/stage_graph.py): the
+#   same chunks, routes and per-rank task orders the runtime executes. Ranks of one rank class do the same
+#   work, so the simulation runs one representative per class and expands results to every rank by
+#   symmetry; its size is (chunks x micro-batches x 2), independent of dp and tp.
+# - A task (forward or backward of a chunk on a micro-batch) occupies the compute lane of every class
+#   hosting its stage; it starts when it is first in each of their orders and its inputs have arrived:
+#   the forward of a chunk waits for the forwards of the chunks it reads plus the route's transfer time,
+#   the backward for the backwards of the chunks that read it plus the transfer back. With fixed orders
+#   the step is a longest-path computation over a DAG: O(tasks + dependencies).
+# - Transfers are delays between tasks (every p2p message alpha-beta on the link between its two ranks;
+#   a rank's messages of one route go one after another; the busiest rank sets the route's time); they do
+#   not occupy a lane.
+# - After a class's last task, as in the runtime's loop: the data-parallel gradient sync of each stage it
+#   hosts (comm lane, a collective over all the stage's classes), then each stage's optimizer step
+#   (compute lane), then for ZeRO 1-2 the all-gather of the updated parameters (comm lane).
+# - Not modelled (documented simplifications): overlap of the gradient sync with backward (the runtime
+#   syncs after the last task); contention of concurrent transfers on one link; a global gradient-norm
+#   all-reduce before the optimizer step.
 
 Lane = Literal["compute", "comm", "transfer"]
-LANES: tuple[Lane, ...] = ("compute", "comm", "transfer")
+LANES: tuple[Lane, ...] = TRACE_LANES  # one lane list for predicted and measured traces
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +116,12 @@ class Simulation:
 
 
 @dataclass(slots=True)
-class _Chunk:
-    """Working record of one model chunk (filled while the simulation is built)."""
+class _Cost:
+    """What one chunk costs per micro-batch on one of its ranks (filled by _cost_chunk)."""
 
-    group: int
-    stage: int
-    position: int  # index of the chunk in its group's execution order
-    blocks: tuple[str, ...]
     params: float = 0.0  # parameters on one rank (tp-parallel blocks divided by tp)
     time: OpTime = field(default_factory=OpTime)
-    fwd: float = 0.0  # op durations per micro-batch
+    fwd: float = 0.0  # task durations per micro-batch
     bwd: float = 0.0
     transfer_fwd: float = 0.0
     transfer_bwd: float = 0.0
@@ -149,109 +143,90 @@ class _Tail:
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's)."""
     cluster = cluster or plan.cluster
+    if plan.flow is None:
+        plan = replace(plan, flow=flow_of(profile))
+    try:
+        graph = stage_graph(plan)
+        sched = schedule(graph, plan.training.schedule)
+    except FormatError as e:
+        raise MmplanError(str(e)) from None
     blocks = {b.name: b for b in profile.blocks}
-    m = plan.training.micro_batches
-    chunks, chunk_of = _chunks(plan, profile)
-    by_stage: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for c, ch in enumerate(chunks):
-        by_stage[ch.group, ch.stage].append(c)
+    for ch in graph.chunks:
+        for b in ch.blocks:
+            if b not in blocks:
+                raise MmplanError(f"block {b!r} of group {ch.group!r} is not in the profile of {profile.model!r}; re-solve the plan for this profile")
     measured = profile.micro_batch if measured_on(profile, cluster) else None
-    for ch in chunks:
-        _cost_chunk(ch, plan, blocks, cluster, measured)
-    edges, edge_bytes = _chunk_edges(chunks, chunk_of, plan, profile, blocks, cluster)
-    orders = _orders(plan, chunks, edges, by_stage)
-    class_ranks, rank_class = _rank_classes(plan)
+    group_of = {g.name: g for g in plan.groups}
+    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured) for ch in graph.chunks]
+    lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
+    m, ncls = graph.micro_batches, len(graph.classes)
 
-    ops = _Ops(num_resources=2 * len(class_ranks))  # resource 2c: compute lane of class c, 2c+1: its comm lane
-    fb_ops: dict[tuple[int, int, int], list[int]] = {}  # (chunk, micro-batch, 0 = fwd / 1 = bwd) -> op per class
-    tails: list[tuple[tuple[int, int], _Tail]] = []
-    stage_costs = []
-    for (gi, si), cs in sorted(by_stage.items()):
-        g, stage = plan.groups[gi], plan.groups[gi].stages[si]
-        order, warmup, downstream = orders[gi, si]
-        tail = _stage_tail(plan, gi, si, sum(chunks[c].params for c in cs), cluster)
-        classes = sorted({rank_class[r] for r in stage.ranks})
-        last, sync, opt, gather = [], [], [], []
-        for cls in classes:
-            q, comm_q = ops.queue(2 * cls), ops.queue(2 * cls + 1)
-            for c, j, d in order:
-                op = ops.op(q, chunks[c].bwd if d else chunks[c].fwd, ("bwd" if d else "fwd", c, j))
-                fb_ops.setdefault((c, j, d), []).append(op)
-            last.append(op)
-            sync.append(ops.op(comm_q, tail.grad_sync, ("sync", gi, si)))
-            opt.append(ops.op(q, tail.optimizer, ("optimizer", gi, si)))
-            gather.append(ops.op(comm_q, tail.param_gather, ("gather", gi, si)))
-        for a in last:  # the sync is a collective over all the stage's ranks
-            for b in sync:
-                ops.depend(a, b, 0.0)
-        for a in sync:
-            for b in opt:
-                ops.depend(a, b, 0.0)
-        for a, b in zip(opt, gather):
-            ops.depend(a, b, 0.0)
-        tails.append(((gi, si), tail))
-        stage_costs.append(StageCost(
-            group=g.name, index=si, chunks=len(cs), time=sum((chunks[c].time for c in cs), OpTime()),
-            fwd_s=sum(chunks[c].fwd for c in cs), bwd_s=sum(chunks[c].bwd for c in cs),
-            transfer_fwd_s=sum(chunks[c].transfer_fwd for c in cs), transfer_bwd_s=sum(chunks[c].transfer_bwd for c in cs),
-            grad_sync_s=tail.grad_sync, optimizer_s=tail.optimizer, param_gather_s=tail.param_gather,
-            downstream=downstream, warmup=warmup, in_flight=in_flight(plan.training.schedule, m, warmup, len(cs)),
-        ))
-    for (src, dst), lag in edges.items():
+    # the DAG: task ops (joint over the classes hosting their stage), then each class's tail ops
+    ops = _Ops()
+    stage_of = {c: s for s, cs in enumerate(graph.stages) for c in cs}
+    stage_classes = [sorted({graph.class_of[r] for r in graph.chunks[cs[0]].ranks}) for cs in graph.stages]
+    task_op: dict[Task, int] = {}
+    for k, order in enumerate(sched.orders):
+        for t in order:
+            op = task_op.get(t)
+            if op is None:
+                cost = costs[t.chunk]
+                op = task_op[t] = ops.op(cost.bwd if t.backward else cost.fwd, ("task", t), stage_classes[stage_of[t.chunk]])
+            ops.then(2 * k, op)
+    for i, r in enumerate(graph.routes):
+        consumer_backward = graph.has_backward(r.dst)
         for j in range(m):
-            for a in fb_ops[src, j, 0]:
-                for b in fb_ops[dst, j, 0]:
-                    ops.depend(a, b, lag)
-            for a in fb_ops[dst, j, 1]:
-                for b in fb_ops[src, j, 1]:
-                    ops.depend(a, b, lag)
-
+            ops.depend(task_op[Task(r.src, j, False)], task_op[Task(r.dst, j, False)], lags[i])
+            if consumer_backward and graph.has_backward(r.src):
+                ops.depend(task_op[Task(r.dst, j, True)], task_op[Task(r.src, j, True)], lags[i])
+    tails = []
+    for s, cs in enumerate(graph.stages):
+        ch = graph.chunks[cs[0]]
+        g = group_of[ch.group]
+        tails.append(_stage_tail(plan, g, ch.stage, sum(costs[c].params for c in cs), cluster))
+    sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
+    gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
+    optimizer: dict[tuple[int, int], int] = {}
+    for k in range(ncls):
+        hosted = sorted({stage_of[c] for c in graph.class_chunks[k]})
+        last = ops.last(2 * k)
+        for s in hosted:  # syncs after the class's last task, in stage order (the runtime's reduce_gradients)
+            if last is not None:
+                ops.depend(last, sync[s], 0.0)
+            ops.then(2 * k + 1, sync[s])
+        for s in hosted:  # then every optimizer step, then the ZeRO 1-2 parameter all-gathers
+            opt = optimizer[k, s] = ops.op(tails[s].optimizer, ("optimizer", s), [k])
+            ops.depend(ops.last(2 * k + 1), opt, 0.0)
+            ops.then(2 * k, opt)
+        for s in hosted:
+            ops.depend(optimizer[k, hosted[-1]], gather[s], 0.0)
+            ops.then(2 * k + 1, gather[s])
     try:
         start, end = ops.run()
-    except _Deadlock as stuck:
-        kind, c, j = stuck.args[0]
-        ch = chunks[c] if kind in ("fwd", "bwd") else None
-        where = f"the {'forward' if kind == 'fwd' else 'backward'} of micro-batch {j} of group {plan.groups[ch.group].name!r} stage {ch.stage}" if ch else f"the {kind} of group {plan.groups[c].name!r} stage {j}"
-        raise MmplanError(f"the plan's schedule deadlocks: {where} waits on work queued behind it; use the 1f1b or gpipe schedule for this layout") from None
-    return _result(plan, chunks, stage_costs, tails, edges, edge_bytes, fb_ops, ops, start, end, class_ranks, rank_class)
+    except _Deadlock as stuck:  # cannot happen for orders from plans.schedule; kept as a loud guard
+        raise MmplanError(f"the plan's schedule deadlocks at {stuck.args[0]}") from None
+
+    stage_costs = []
+    for s, cs in enumerate(graph.stages):
+        ch, tail = graph.chunks[cs[0]], tails[s]
+        stage_costs.append(StageCost(
+            group=ch.group, index=ch.stage, chunks=len(cs), time=sum((costs[c].time for c in cs), OpTime()),
+            fwd_s=sum(costs[c].fwd for c in cs), bwd_s=sum(costs[c].bwd for c in cs),
+            transfer_fwd_s=sum(costs[c].transfer_fwd for c in cs), transfer_bwd_s=sum(costs[c].transfer_bwd for c in cs),
+            grad_sync_s=tail.grad_sync, optimizer_s=tail.optimizer, param_gather_s=tail.param_gather,
+            downstream=max(graph.distance[cs[-1]], 0), warmup=sched.warmup[s], in_flight=sched.in_flight[s],
+        ))
+    return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of)
 
 
-# --- chunks, their costs, their dependencies --------------------------------------------------------
+# --- costs -------------------------------------------------------------------------------------------
 
 
-def _chunks(plan: Plan, profile: Profile) -> tuple[list[_Chunk], dict[str, int]]:
-    """Every group's chunks in execution order, and the chunk of every block."""
-    order = {b.name: i for i, b in enumerate(profile.blocks)}
-    chunks: list[_Chunk] = []
-    chunk_of: dict[str, int] = {}
-    for gi, g in enumerate(plan.groups):
-        stage_of = {b: si for si, s in enumerate(g.stages) for b in s.blocks}
-        for b in stage_of:
-            if b not in order:
-                raise MmplanError(f"block {b!r} of group {g.name!r} is not in the profile of {profile.model!r}; re-solve the plan for this profile")
-        run: list[str] = []
-        first = len(chunks)
-        for b in sorted(stage_of, key=order.__getitem__):
-            if run and stage_of[run[-1]] != stage_of[b]:
-                chunks.append(_Chunk(gi, stage_of[run[-1]], len(chunks) - first, tuple(run)))
-                run = []
-            run.append(b)
-        if run:
-            chunks.append(_Chunk(gi, stage_of[run[-1]], len(chunks) - first, tuple(run)))
-        for c in range(first, len(chunks)):
-            for b in chunks[c].blocks:
-                chunk_of[b] = c
-    missing = [b.name for b in profile.blocks if b.name not in chunk_of]
-    if missing:
-        raise MmplanError(f"block {missing[0]!r} of the profile is in no stage of the plan ({len(missing)} missing); place every block in one stage")
-    return chunks, chunk_of
-
-
-def _cost_chunk(ch: _Chunk, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None) -> None:
-    """Fill a chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives."""
+def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None) -> _Cost:
+    """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
-    g = plan.groups[ch.group]
     mem = g.stages[ch.stage].memory
+    cost = _Cost()
     samples = training.micro_batch / g.dp  # samples of one micro-batch on one dp replica
     width = DTYPE_BYTES[training.dtype]
     time, tp_bytes, params = OpTime(), 0.0, 0.0
@@ -273,27 +248,28 @@ def _cost_chunk(ch: _Chunk, plan: Plan, blocks: dict[str, Block], cluster: Clust
     # ZeRO-3 gathers the chunk's parameters for every forward and backward; ZeRO-2/3 reduce-scatter its
     # gradients after every backward (Rajbhandari et al. 2020, sections 5.2-5.3 and 7.2), both
     # prefetched / bucketed behind compute.
-    dp_link = link_for(cluster, g.stages[ch.stage].ranks[:: g.tp])
+    dp_link = link_for(cluster, ch.ranks[:: g.tp])
     gather = all_gather_time(param_bytes, g.dp, dp_link) if g.zero >= 3 else 0.0
     scatter = reduce_scatter_time(param_bytes, g.dp, dp_link) if g.zero >= 2 else 0.0
-    ch.params, ch.time = params, time
-    ch.transfer_fwd = act + params_in
-    ch.transfer_bwd = act + params_in + grads_out
-    ch.overlap_comm_fwd, ch.overlap_comm_bwd = gather, gather + scatter
-    ch.fwd = time.fwd + time.fwd_comm + exposed(max(ch.transfer_fwd, gather), time.fwd)
-    ch.bwd = time.bwd + time.bwd_comm + exposed(max(ch.transfer_bwd, gather + scatter), time.bwd)
+    cost.params, cost.time = params, time
+    cost.transfer_fwd = act + params_in
+    cost.transfer_bwd = act + params_in + grads_out
+    cost.overlap_comm_fwd, cost.overlap_comm_bwd = gather, gather + scatter
+    cost.fwd = time.fwd + time.fwd_comm + exposed(max(cost.transfer_fwd, gather), time.fwd)
+    cost.bwd = time.bwd + time.bwd_comm + exposed(max(cost.transfer_bwd, gather + scatter), time.bwd)
     one = ring_bytes_sent(param_bytes, g.dp, all_reduce=False)
-    ch.bytes_per_mb = tp_bytes + (2 * one if g.zero >= 3 else 0.0) + (one if g.zero >= 2 else 0.0)
+    cost.bytes_per_mb = tp_bytes + (2 * one if g.zero >= 3 else 0.0) + (one if g.zero >= 2 else 0.0)
+    return cost
 
 
-def _stage_tail(plan: Plan, gi: int, si: int, params: float, cluster: Cluster) -> _Tail:
+def _stage_tail(plan: Plan, g: Group, si: int, params: float, cluster: Cluster) -> _Tail:
     """Per-step costs after the stage's last backward: gradient sync, optimizer step, parameter all-gather.
 
     ZeRO 0: ring all-reduce of the gradients; ZeRO 1: reduce-scatter, then all-gather of the updated
     parameters (Megatron's distributed optimizer; the same 2(n-1)/n volume, ZeRO section 7.2.1);
     ZeRO 2: the reduce-scatter ran after every backward, the all-gather remains; ZeRO 3: nothing.
     """
-    g, training = plan.groups[gi], plan.training
+    training = plan.training
     stage = g.stages[si]
     link = link_for(cluster, stage.ranks[:: g.tp])  # the dp group of tp rank 0
     nbytes = params * DTYPE_BYTES[training.dtype]  # this rank's gradients (and parameters)
@@ -309,59 +285,19 @@ def _stage_tail(plan: Plan, gi: int, si: int, params: float, cluster: Cluster) -
     return _Tail(sync, opt, gather, sent)
 
 
-def _chunk_edges(
-    chunks: list[_Chunk], chunk_of: dict[str, int], plan: Plan, profile: Profile, blocks: dict[str, Block], cluster: Cluster
-) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-    """(producer chunk, consumer chunk) -> transfer seconds per micro-batch, and bytes all ranks send for it.
+def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:
+    """Seconds to move a route's pieces of one micro-batch (and its gradients back), and the bytes sent.
 
-    Inside a group, consecutive chunks: every profile edge crossing the cut is relayed over it, or the
-    last block's output when the profile has no such edge; p2p of bytes x samples per replica, each
-    rank to its peer in the next stage (Narayanan et al. 2021, section 2.2). Across groups: the plan's
-    boundaries (derived from the profile when the plan has none), timed by boundary_time.
-    """
-    training = plan.training
-    lags: dict[tuple[int, int], float] = {}
-    sent: dict[tuple[int, int], float] = {}
-    cut: dict[tuple[int, int], float] = defaultdict(float)  # (group, position k) -> bytes/sample from chunk k to k+1
-    for e in profile.edges:
-        a, b = chunks[chunk_of[e.src]], chunks[chunk_of[e.dst]]
-        if a.group == b.group:
-            for k in range(a.position, b.position):
-                cut[a.group, k] += e.bytes
-    for c, ch in enumerate(chunks[:-1]):
-        nxt = chunks[c + 1]
-        if nxt.group != ch.group:
-            continue
-        g = plan.groups[ch.group]
-        nbytes = (cut.get((ch.group, ch.position)) or blocks[ch.blocks[-1]].output_bytes) * training.micro_batch / g.dp
-        src, dst = g.stages[ch.stage].ranks, g.stages[nxt.stage].ranks
-        link = pair_link(cluster, src, dst)
-        lags[c, c + 1] = p2p_time(nbytes, link) if link else 0.0
-        sent[c, c + 1] = nbytes * len(src) if link else 0.0
-    boundaries = plan.boundaries
-    if not boundaries and len(plan.groups) > 1:
-        boundaries = derive_boundaries(plan.groups, profile, training)
-    for bd in boundaries:
-        key = chunk_of[bd.src_block], chunk_of[bd.dst_block]
-        lag, nbytes = boundary_time(bd, cluster)
-        lags[key] = lags.get(key, 0.0) + lag
-        sent[key] = sent.get(key, 0.0) + nbytes
-    return lags, sent
-
-
-def boundary_time(boundary: Boundary, cluster: Cluster) -> tuple[float, float]:
-    """Seconds to realise a boundary for one micro-batch, and the bytes it moves.
-
-    Every transfer is a p2p message (alpha-beta on the link between its two ranks; a rank handing
-    samples to itself costs nothing); a rank's sends and receives go one after another, ranks run in
-    parallel, so the boundary takes as long as the busiest rank.
+    Every message is a p2p transfer (alpha-beta on the link between its two ranks; a rank handing samples
+    to itself costs nothing); a rank's sends and receives go one after another, ranks run in parallel, so
+    the route takes as long as its busiest rank (Narayanan et al. 2021, section 2.2, for the pipeline case).
     """
     load: dict[tuple[int, int], float] = defaultdict(float)  # (0 = send / 1 = recv, rank) -> seconds
     total = 0.0
-    for t in boundary.transfers:
+    for t in graph.transfers(route):
         if t.src_rank == t.dst_rank:
             continue
-        nbytes = (t.stop - t.start) * boundary.bytes_per_sample
+        nbytes = (t.stop - t.start) * route.bytes_per_sample
         dt = p2p_time(nbytes, link_for(cluster, (t.src_rank, t.dst_rank)))
         load[0, t.src_rank] += dt
         load[1, t.dst_rank] += dt
@@ -369,148 +305,39 @@ def boundary_time(boundary: Boundary, cluster: Cluster) -> tuple[float, float]:
     return max(load.values(), default=0.0), total
 
 
-def _rank_classes(plan: Plan) -> tuple[list[list[int]], dict[int, int]]:
-    """Ranks grouped by the stages they host (identical work), and each rank's class."""
-    hosted: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for gi, g in enumerate(plan.groups):
-        for si, s in enumerate(g.stages):
-            for r in s.ranks:
-                hosted[r].append((gi, si))
-    index: dict[tuple, int] = {}
-    class_ranks: list[list[int]] = []
-    rank_class: dict[int, int] = {}
-    for r in sorted(hosted):
-        c = index.setdefault(tuple(hosted[r]), len(class_ranks))
-        if c == len(class_ranks):
-            class_ranks.append([])
-        class_ranks[c].append(r)
-        rank_class[r] = c
-    return class_ranks, rank_class
-
-
-# --- schedules ------------------------------------------------------------------------------------
-
-
-def _orders(plan: Plan, chunks: list[_Chunk], edges: dict[tuple[int, int], float], by_stage: dict[tuple[int, int], list[int]]) -> dict[tuple[int, int], tuple[list[tuple[int, int, int]], int, int]]:
-    """(group, stage) -> (op order, warm-up forwards, downstream stages).
-
-    downstream: stages after this one on the longest data path of the stage graph (stage i -> i+1 inside
-    a group, boundaries across groups). The warm-up is warmup_forwards(downstream) -- an encoder in front
-    of a pp-stage LLM warms up like one more pipeline stage -- raised, for a stage that feeds other stages
-    through non-interleaved chunks, until it has forwarded every micro-batch its consumers forward before
-    their backward of each micro-batch k: then it never waits for a gradient that needs a forward it has
-    not run (e.g. an encoder feeding an interleaved LLM, whose first stage forwards many micro-batches
-    before its first backward). Stages are ordered consumers first.
-    """
-    training, m = plan.training, plan.training.micro_batches
-    succ: dict[tuple[int, int], set[tuple[int, int]]] = defaultdict(set)
-    feeds: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # stage -> (its chunk, consumer chunk)
-    for gi, g in enumerate(plan.groups):
-        for si in range(g.pp - 1):
-            succ[gi, si].add((gi, si + 1))
-    for a, b in edges:
-        ca, cb = chunks[a], chunks[b]
-        if (ca.group, ca.stage) != (cb.group, cb.stage) and (ca.group != cb.group or cb.stage == ca.stage + 1):
-            succ[ca.group, ca.stage].add((cb.group, cb.stage))
-            feeds[ca.group, ca.stage].append((a, b))
-    done: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int, int]] = {}
-    path: set[tuple[int, int]] = set()
-
-    def visit(node: tuple[int, int]) -> int:
-        if node in done:
-            return done[node][2]
-        if node in path:
-            raise MmplanError(f"groups feed each other in a cycle through {plan.groups[node[0]].name!r} stage {node[1]}; the group graph must be acyclic")
-        path.add(node)
-        down = max((1 + visit(n) for n in succ[node]), default=0)
-        path.discard(node)
-        cs, pp = by_stage[node], plan.groups[node[0]].pp
-        w = warmup_forwards(training.schedule, m, down, len(cs), pp)
-        needs = [] if len(cs) > 1 else [(a, _forwarded_before_backward(done[chunks[b].group, chunks[b].stage][0], b, m)) for a, b in feeds[node]]
-        order = _schedule(m, w, cs, pp)
-        while w < m * len(cs) and any(have < need for a, need in needs for have, need in zip(_forwarded_before_backward(order, a, m), need)):
-            w += 1
-            order = _schedule(m, w, cs, pp)
-        done[node] = (order, w, down)
-        return down
-
-    for gi, g in enumerate(plan.groups):
-        for si in range(len(g.stages)):
-            visit((gi, si))
-    return done
-
-
-def _forwarded_before_backward(order: list[tuple[int, int, int]], chunk: int, m: int) -> list[int]:
-    """For each micro-batch k: the highest micro-batch whose forward of `chunk` precedes its backward of k."""
-    out, top = [m] * m, -1
-    for c, j, d in order:
-        if c == chunk:
-            if d:
-                out[j] = top
-            else:
-                top = max(top, j)
-    return out
-
-
-def _schedule(m: int, warmup: int, chunks: list[int], pp: int) -> list[tuple[int, int, int]]:
-    """The op order of one stage: (chunk, micro-batch, 0 = forward / 1 = backward).
-
-    Forwards go by micro-batch; with v > 1 chunks in Megatron's interleaved order (pp micro-batches
-    through chunk 0, then the same ones through chunk 1, ...), backwards with the chunks reversed. The
-    first `warmup` forwards run alone, then one forward and one backward alternate (1F1B), then the
-    remaining backwards drain; GPipe's warm-up is every forward.
-    """
-    if len(chunks) == 1:
-        fwd = [(chunks[0], j) for j in range(m)]
-        bwd = fwd
-    else:
-        fwd, bwd = [], []
-        for g0 in range(0, m, pp):
-            group = range(g0, min(g0 + pp, m))
-            fwd += [(c, j) for c in chunks for j in group]
-            bwd += [(c, j) for c in reversed(chunks) for j in group]
-    order = [(c, j, 0) for c, j in fwd[:warmup]]
-    for k in range(len(fwd) - warmup):
-        order += [(*fwd[warmup + k], 0), (*bwd[k], 1)]
-    order += [(c, j, 1) for c, j in bwd[len(fwd) - warmup :]]
-    return order
-
-
-# --- the event loop ------------------------------------------------------------------------------
+# --- the DAG of ops and its longest paths ------------------------------------------------------------
 
 
 class _Ops:
-    """Ops on resources with per-queue order and dependency delays; run() gives start and end times.
+    """Ops with fixed orders on resources (2k: compute lane of class k, 2k+1: its comm lane) and
+    dependency delays. An op on several resources starts when it is first on each; run() gives every
+    op's start and end as the longest path to it (Kahn's algorithm)."""
 
-    Each resource (a class's compute or comm lane) holds queues (one per stage it hosts), each in
-    schedule order. Event-driven: ops start in non-decreasing time order, so when the heap yields a
-    resource's candidate no other op can become ready earlier. O(ops log ops).
-    """
-
-    def __init__(self, num_resources: int):
-        self.num_resources = num_resources
-        self.queues: list[list[int]] = []
-        self.queue_resource: list[int] = []
+    def __init__(self):
         self.dur: list[float] = []
         self.what: list[tuple] = []
-        self.queue_of: list[int] = []
+        self.classes: list[list[int]] = []
         self.succ: list[list[tuple[int, float]]] = []
         self.npred: list[int] = []
+        self.tail: dict[int, int] = {}  # resource -> its last op so far
 
-    def queue(self, resource: int) -> int:
-        self.queues.append([])
-        self.queue_resource.append(resource)
-        return len(self.queues) - 1
-
-    def op(self, queue: int, duration: float, what: tuple) -> int:
-        i = len(self.dur)
+    def op(self, duration: float, what: tuple, classes: list[int]) -> int:
         self.dur.append(duration)
         self.what.append(what)
-        self.queue_of.append(queue)
+        self.classes.append(classes)
         self.succ.append([])
         self.npred.append(0)
-        self.queues[queue].append(i)
-        return i
+        return len(self.dur) - 1
+
+    def then(self, resource: int, op: int) -> None:
+        """Append op to the resource's order."""
+        prev = self.tail.get(resource)
+        if prev is not None:
+            self.depend(prev, op, 0.0)
+        self.tail[resource] = op
+
+    def last(self, resource: int) -> int | None:
+        return self.tail.get(resource)
 
     def depend(self, before: int, after: int, lag: float) -> None:
         self.succ[before].append((after, lag))
@@ -518,155 +345,120 @@ class _Ops:
 
     def run(self) -> tuple[list[float], list[float]]:
         n = len(self.dur)
-        queues, queue_of, dur, succ = self.queues, self.queue_of, self.dur, self.succ
-        start, end, ready = [0.0] * n, [0.0] * n, [0.0] * n
+        start, end = [0.0] * n, [0.0] * n
         remaining = list(self.npred)
-        head = [0] * len(queues)
-        free = [0.0] * self.num_resources
-        version = [0] * self.num_resources
-        res_queues: list[list[int]] = [[] for _ in range(self.num_resources)]
-        for q, r in enumerate(self.queue_resource):
-            res_queues[r].append(q)
-        heap: list[tuple] = []
-
-        def offer(r: int) -> None:
-            version[r] += 1
-            best = None
-            for q in res_queues[r]:
-                h = head[q]
-                if h < len(queues[q]):
-                    op = queues[q][h]
-                    if remaining[op] == 0:
-                        key = (max(free[r], ready[op]), h, q, op)
-                        if best is None or key < best:
-                            best = key
-            if best is not None:
-                heapq.heappush(heap, (best[0], best[1], best[2], version[r], r, best[3]))
-
-        for r in range(self.num_resources):
-            offer(r)
+        ready = [i for i in range(n) if remaining[i] == 0]
         done = 0
-        while heap:
-            s, _, q, ver, r, op = heapq.heappop(heap)
-            if ver != version[r]:
-                continue
-            e = s + dur[op]
-            start[op], end[op] = s, e
-            free[r] = e
-            head[q] += 1
+        while ready:
+            i = ready.pop()
+            e = end[i] = start[i] + self.dur[i]
             done += 1
-            touched = {r}
-            for nxt, lag in succ[op]:
-                if e + lag > ready[nxt]:
-                    ready[nxt] = e + lag
+            for nxt, lag in self.succ[i]:
+                if e + lag > start[nxt]:
+                    start[nxt] = e + lag
                 remaining[nxt] -= 1
                 if remaining[nxt] == 0:
-                    nq = queue_of[nxt]
-                    if queues[nq][head[nq]] == nxt:
-                        touched.add(self.queue_resource[nq])
-            for t in touched:
-                offer(t)
+                    ready.append(nxt)
         if done < n:
-            raise _Deadlock(next(self.what[queues[q][head[q]]] for q in range(len(queues)) if head[q] < len(queues[q])))
+            raise _Deadlock(next(self.what[i] for i in range(n) if remaining[i] > 0))
         return start, end
 
 
 class _Deadlock(Exception):
-    """No op can start: the queue orders wait on each other (args[0]: the `what` of one stuck op)."""
+    """The orders and dependencies form a cycle (args[0]: the `what` of one op on it)."""
 
 
 # --- results -------------------------------------------------------------------------------------
 
 
-def _result(plan, chunks, stage_costs, tails, edges, edge_bytes, fb_ops, ops, start, end, class_ranks, rank_class) -> Simulation:
-    """Busy time, bubble, communication volume and bottleneck from the simulated op times; the timeline lazily."""
-    m, ncls = plan.training.micro_batches, len(class_ranks)
-    size = [len(ranks) for ranks in class_ranks]
+def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of) -> Simulation:
+    """Busy time, bubble, communication volume and bottleneck from the op times; the timeline lazily."""
+    m, ncls = graph.micro_batches, len(graph.classes)
+    size = [len(ranks) for ranks in graph.classes]
     compute, comm, transfer, pipe_busy = [0.0] * ncls, [0.0] * ncls, [0.0] * ncls, [0.0] * ncls
-    comm_bytes = 2 * m * sum(edge_bytes.values())  # activations forward, gradients back
+    comm_bytes = 2 * m * sum(sent)  # activations forward, gradients back
     pipeline_end = 0.0
-    resource = [ops.queue_resource[q] for q in ops.queue_of]
-    for op, what in enumerate(ops.what):
-        cls, lane = divmod(resource[op], 2)
-        if what[0] in ("fwd", "bwd"):
-            ch = chunks[what[1]]
-            if what[0] == "bwd":
-                compute[cls] += ch.time.bwd
-                comm[cls] += ch.time.bwd_comm + ch.overlap_comm_bwd
-                transfer[cls] += ch.transfer_bwd
+    for k, order in enumerate(sched.orders):
+        for t in order:
+            op, cost = task_op[t], costs[t.chunk]
+            if t.backward:
+                compute[k] += cost.time.bwd
+                comm[k] += cost.time.bwd_comm + cost.overlap_comm_bwd
+                transfer[k] += cost.transfer_bwd
             else:
-                compute[cls] += ch.time.fwd
-                comm[cls] += ch.time.fwd_comm + ch.overlap_comm_fwd
-                transfer[cls] += ch.transfer_fwd
-            pipe_busy[cls] += end[op] - start[op]
-            comm_bytes += ch.bytes_per_mb * size[cls]
+                compute[k] += cost.time.fwd
+                comm[k] += cost.time.fwd_comm + cost.overlap_comm_fwd
+                transfer[k] += cost.transfer_fwd
+            pipe_busy[k] += end[op] - start[op]
+            comm_bytes += cost.bytes_per_mb * size[k]
             pipeline_end = max(pipeline_end, end[op])
-        elif lane:
-            comm[cls] += end[op] - start[op]
-        else:
-            compute[cls] += end[op] - start[op]
-    for (a, b), lag in edges.items():  # p2p and boundary sends, counted on the sender
-        for src, d in ((a, 0), (b, 1)):
-            for j in range(m):
-                for op in fb_ops[src, j, d]:
-                    comm[resource[op] // 2] += lag
-    for (gi, si), tail in tails:
-        comm_bytes += len(plan.groups[gi].stages[si].ranks) * tail.bytes_sent
+    for (k, s), op in optimizer.items():
+        compute[k] += end[op] - start[op]
+    for s, cls in enumerate(graph.stages):
+        for k in sorted({graph.class_of[r] for r in graph.chunks[cls[0]].ranks}):
+            comm[k] += (end[sync[s]] - start[sync[s]]) + (end[gather[s]] - start[gather[s]])
+    for i, r in enumerate(graph.routes):  # transfers, counted on the sender's class
+        k = graph.class_of[graph.chunks[r.src].ranks[0]]
+        comm[k] += m * lags[i] * (2 if graph.has_backward(r.dst) else 1)
+    for s, tail in enumerate(tails):
+        comm_bytes += len(graph.chunks[graph.stages[s][0]].ranks) * tail.bytes_sent
     total = sum(size)
     bubble = 1 - sum(b * n for b, n in zip(pipe_busy, size)) / (total * pipeline_end) if pipeline_end > 0 else 0.0
     busiest = max(range(ncls), key=lambda c: compute[c] + comm[c])
-    rep = [ranks[0] for ranks in class_ranks]
-    bottleneck = " + ".join(f"{g.name}/stage {si}" for g in plan.groups for si, s in enumerate(g.stages) if rep[busiest] in s.ranks)
+    rep = [ranks[0] for ranks in graph.classes]
+    bottleneck = " + ".join(f"{graph.chunks[cs[0]].group}/stage {graph.chunks[cs[0]].stage}"
+                            for s, cs in enumerate(graph.stages) if any(c in graph.class_chunks[busiest] for c in cs))
     busy_cls = [Busy(compute[c], comm[c], transfer[c]) for c in range(ncls)]
     return Simulation(
         step_time_s=max(end, default=0.0),
         pipeline_time_s=pipeline_end,
         bubble_fraction=max(0.0, bubble),
         stages=tuple(stage_costs),
-        representative={r: rep[c] for r, c in rank_class.items()},
-        busy={r: busy_cls[c] for r, c in rank_class.items()},
+        representative={r: rep[c] for r, c in graph.class_of.items()},
+        busy={r: busy_cls[c] for r, c in graph.class_of.items()},
         comm_bytes=comm_bytes,
         bottleneck=bottleneck,
-        events=functools.cache(functools.partial(_timeline, plan, chunks, edges, fb_ops, ops, start, end, rep)),
+        events=functools.cache(functools.partial(_timeline, graph, sched, costs, lags, task_op, optimizer, sync, gather, start, end, rep)),
     )
 
 
-def _timeline(plan, chunks, edges, fb_ops, ops, start, end, rep) -> tuple[Event, ...]:
-    """The representative ranks' events: ops on their lanes; of each forward / backward its blocking TP
-    all-reduces (drawn after its compute), its ZeRO collectives and tier transfers (from its start, hidden
-    behind it); sends from the end of the producer's op."""
-    groups, m = plan.groups, plan.training.micro_batches
-    interleaved = {ch.group for ch in chunks if ch.position >= groups[ch.group].pp}
+def _timeline(graph, sched, costs, lags, task_op, optimizer, sync, gather, start, end, rep) -> tuple[Event, ...]:
+    """The representative ranks' events: tasks on their compute lanes (named as in the runtime's measured
+    trace, plans.schedule.task_name), of each task its blocking TP all-reduces (after its compute), its ZeRO
+    collectives and tier transfers (from its start, hidden behind it); the tail ops; route sends from the
+    end of the producing task."""
     events: list[Event] = []
-    for op, what in enumerate(ops.what):
-        cls, lane = divmod(ops.queue_resource[ops.queue_of[op]], 2)
-        r, s, e = rep[cls], start[op], end[op]
-        if what[0] in ("fwd", "bwd"):
-            kind, c, j = what
-            ch = chunks[c]
-            d = kind == "bwd"
-            work = ch.time.bwd if d else ch.time.fwd
-            blocking = ch.time.bwd_comm if d else ch.time.fwd_comm
-            hidden = ch.overlap_comm_bwd if d else ch.overlap_comm_fwd
-            moved = ch.transfer_bwd if d else ch.transfer_fwd
-            label = f"{kind} {groups[ch.group].name} s{ch.stage}" + (f"c{ch.position}" if ch.group in interleaved else "") + f" mb{j}"
+    for k, order in enumerate(sched.orders):
+        r = rep[k]
+        for t in order:
+            op, cost = task_op[t], costs[t.chunk]
+            s, e = start[op], end[op]
+            label = task_name(graph, t)
+            work = cost.time.bwd if t.backward else cost.time.fwd
+            blocking = cost.time.bwd_comm if t.backward else cost.time.fwd_comm
+            hidden = cost.overlap_comm_bwd if t.backward else cost.overlap_comm_fwd
+            moved = cost.transfer_bwd if t.backward else cost.transfer_fwd
             events.append(Event(r, "compute", label, s, e))
             if blocking > 0:
                 events.append(Event(r, "comm", f"tp all-reduces of {label}", s + work, s + work + blocking))
             if hidden > 0:
                 events.append(Event(r, "comm", f"zero collectives of {label}", s, s + hidden))
             if moved > 0:
-                events.append(Event(r, "transfer", f"{'prefetch' if d else 'offload'} of {label}", s, s + moved))
-        elif e > s:
-            _, gi, si = what
-            events.append(Event(r, "comm" if lane else "compute", f"{what[0]} {groups[gi].name} s{si}", s, e))
-    for (a, b), lag in edges.items():
-        if lag <= 0:
+                events.append(Event(r, "transfer", f"{'prefetch' if t.backward else 'offload'} of {label}", s, s + moved))
+        for s_idx in sorted({st for st, cs in enumerate(graph.stages) if any(c in graph.class_chunks[k] for c in cs)}):
+            name = graph.chunks[graph.stages[s_idx][0]].label.rsplit(".", 1)[0]
+            for kind, op, lane in (("sync", sync[s_idx], "comm"), ("optimizer", optimizer[k, s_idx], "compute"), ("gather", gather[s_idx], "comm")):
+                if end[op] > start[op]:
+                    events.append(Event(r, lane, f"{kind} {name}", start[op], end[op]))
+    for i, route in enumerate(graph.routes):
+        if lags[i] <= 0:
             continue
-        for d, (src, dst) in enumerate(((a, b), (b, a))):
-            what = f"{'act' if d == 0 else 'grad'} {groups[chunks[src].group].name} c{chunks[src].position} -> {groups[chunks[dst].group].name} c{chunks[dst].position}"
-            for j in range(m):
-                for op in fb_ops[src, j, d]:
-                    r = rep[ops.queue_resource[ops.queue_of[op]] // 2]
-                    events.append(Event(r, "comm", f"send {what} mb{j}", end[op], end[op] + lag))
+        src, dst = graph.chunks[route.src], graph.chunks[route.dst]
+        k_src, k_dst = graph.class_of[src.ranks[0]], graph.class_of[dst.ranks[0]]
+        for j in range(graph.micro_batches):
+            op = task_op[Task(route.src, j, False)]
+            events.append(Event(rep[k_src], "comm", f"send act {route.block} -> {dst.label} mb{j}", end[op], end[op] + lags[i]))
+            back = task_op.get(Task(route.dst, j, True))
+            if back is not None and graph.has_backward(route.src):
+                events.append(Event(rep[k_dst], "comm", f"send grad {route.block} <- {dst.label} mb{j}", end[back], end[back] + lags[i]))
     return tuple(sorted(events, key=lambda e: (e.rank, e.start, LANES.index(e.lane))))

@@ -171,6 +171,7 @@ def run(
     checkpoint_every: Annotated[int, typer.Option(help="Write a checkpoint every K steps (0: never).")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write the last step's measured timeline as a Perfetto/Chrome trace: one process per rank, the event names of [cyan]mmplan compare --trace[/].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -184,34 +185,32 @@ def run(
     if log:
         check_writable(log)
     from plans.graph import load_profile
-    from plans.plan import check_plan, load_plan
-
     measured_profile = load_profile(profile_path) if profile_path else None
-    if measured_profile:  # refuse before training, not after
-        check_plan(load_plan(plan_path), measured_profile, f"plan {plan_path}")
+    if trace:
+        check_writable(trace)
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume)
+                      checkpoint_dir=checkpoint_dir, resume=resume, profile=measured_profile, trace=trace)
     if result.rank != 0:
         return
     from cost_models.evaluate import evaluate
 
     if measured_profile:
         evaluation = evaluate(result.plan, measured_profile)
-    else:  # the plan's own predictions (from the profile it was solved with), else the model's FLOPs
-        evaluation = result.plan.predicted or evaluate(result.plan, result.profile)
+    else:  # the plan's own predictions (from the profile it was solved with)
+        evaluation = result.plan.predicted
     predicted = getattr(evaluation, "predicted", evaluation)
     summary = measured_summary(result.metrics)
     if as_json:
         print(json.dumps({"plan": str(plan_path), "steps": steps, "log": str(log) if log else None,
                           "losses": [m["loss"] for m in result.metrics], **summary,
-                          "predicted_step_time_s": predicted.step_time_s}))
+                          "predicted_step_time_s": predicted.step_time_s if predicted else None}))
         return
     if not result.metrics:
         if not quiet:
             console.out.print(f"nothing to train: the checkpoint is already at step {steps} or later")
         return
-    if not quiet:
+    if not quiet and evaluation is not None:
         from planner.compare import measured_table
 
         console.out.print(measured_table(result.plan, evaluation, result.metrics))

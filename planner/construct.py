@@ -4,11 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from cost_models.evaluate import Evaluation, evaluate
-from plans.boundary import derive_boundaries
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
-from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
+from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan, flow_of
 
 
 @dataclass(frozen=True)
@@ -53,10 +52,10 @@ def to_group(layout: GroupLayout) -> Group:
 
 def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],
                solver: SolverInfo | None = None, *, predict: bool = True) -> Plan:
-    """A checked plan (boundaries derived) with the cost model's predictions attached."""
+    """A checked plan (carrying the profile's data flow) with the cost model's predictions attached."""
     groups = tuple(to_group(layout) for layout in layouts)
     plan = Plan(profile=ProfileRef(profile.model, profile.fingerprint), cluster=cluster, training=training,
-                groups=groups, boundaries=derive_boundaries(groups, profile, training), solver=solver)
+                groups=groups, flow=flow_of(profile), solver=solver)
     plan = check_plan(plan, profile)
     return with_predictions(plan, profile)[0] if predict else plan
 

@@ -27,7 +27,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Literal
 
@@ -39,10 +39,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from runtime.program import block_modules
+from runtime.program import block_modules, module_structure
 from runtime.source import ModelSource, call_factory
 from plans.errors import MmplanError
-from plans.graph import Block, Edge, InputEdge, Profile, fingerprint
+from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
 
 Device = Literal["meta", "cpu", "cuda"]
 Progress = Callable[[str, float], None]
@@ -120,6 +120,7 @@ class _Trace:
     max_seq: int = -1  # highest autograd-node sequence number created so far
     seq_ranges: list = field(default_factory=list)  # [(first, last, block)] autograd nodes each block call made
     glue_flops: float = 0.0
+    loss: tuple[str, ...] = ()  # blocks whose outputs the forward's result derives from
     ops: set = field(default_factory=set)  # names of the FLOP-counted ops that ran
 
     def note_nodes(self, out: Any) -> None:
@@ -329,7 +330,9 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_FlopCount(trace))
                 with torch.autograd.graph.saved_tensors_hooks(_pack_hook(trace), lambda t: t), _Provenance(trace):
-                    loss = _scalar_loss(model(**batch))
+                    out = model(**batch)
+                    trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(out) if not src.startswith("input:")}))
+                    loss = _scalar_loss(out)
                 if loss.requires_grad:
                     loss.backward()
         finally:
@@ -494,11 +497,12 @@ def profile_model(
         if not fake:  # the whole model is on the device: fit the block times to the in-context times
             timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
     note("done", 1.0)
+    options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
-                     _device_name(torch.device(device)) if measure else None)
+                     _device_name(torch.device(device)) if measure else None, options)
 
 
-def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) -> Profile:
+def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options) -> Profile:
     blocks = []
     counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
@@ -516,6 +520,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) 
             fwd_flops=_per_sample(rec.fwd_flops, mb), bwd_flops=_per_sample(rec.bwd_flops, mb),
             activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
             supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
+            structure=module_structure(rec.module),
             reduces_batch=rec.reduces_batch,
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,
         ))
@@ -530,13 +535,15 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on) 
         for (src, dst), leaves in sorted(trace.edges.items(), key=lambda kv: (kv[0][0], order[kv[0][1]]))
         if src.startswith("input:")
     )
-    blocks_t = tuple(blocks)
+    if not trace.loss:
+        raise MmplanError(f"{name}: the forward's result derives from no block; mmplan needs a loss computed from the blocks' outputs")
     attention = sorted(op for op in trace.ops if "attention" in op)
-    return Profile(
-        model=name, fingerprint=fingerprint(blocks_t, edges, inputs), dtype=dtype, micro_batch=mb,
-        blocks=blocks_t, edges=edges, inputs=inputs, measured_on=measured_on,
-        attention=", ".join(attention) or "none",
+    profile = Profile(
+        model=name, fingerprint="", dtype=dtype, micro_batch=mb,
+        blocks=tuple(blocks), edges=edges, inputs=inputs, measured_on=measured_on,
+        attention=", ".join(attention) or "none", loss=trace.loss, options=options,
     )
+    return replace(profile, fingerprint=profile_fingerprint(profile))
 
 
 def _per_sample(value: float, mb: int) -> float | int:

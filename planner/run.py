@@ -19,24 +19,32 @@ MAX_LOCAL_RANKS = 64  # beyond this a plan is for a real cluster: start it with 
 @dataclass(frozen=True)
 class RunResult:
     plan: Plan
-    profile: Profile
+    profile: Profile | None  # the one given to run (None: predictions come from the plan)
     metrics: list[dict[str, Any]]  # one row per step (rank 0's view of all ranks); empty on other torchrun ranks
     rank: int
 
 
-def checked_plan(plan_path: Path, model: str | None) -> tuple[Plan, Profile, str]:
-    """The plan, the profile of the model it names (rebuilt now), and the model spec; refuse mismatches."""
-    from planner.profile import profile_model
-    from runtime.source import resolve
+def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = None) -> tuple[Plan, Profile | None, str]:
+    """The plan (its flow taken from `profile` when given), the profile, and the model spec; refuse a model
+    whose structural fingerprint differs from the plan's. Cheap: the model is built on the meta device and
+    traced with torch.fx — no profiling analysis."""
+    from runtime.program import model_fingerprint, trace_program
+    from runtime.source import call_factory, resolve
 
     plan = load_plan(plan_path)
+    if profile is not None:
+        plan = check_plan(plan, profile, f"plan {plan_path}")
+    if plan.flow is None:
+        raise MmplanError(f"plan {plan_path} carries no data flow ('flow'); give its profile with --profile, or re-solve it")
     spec = model or plan.profile.model
-    profile = profile_model(resolve(spec), micro_batch=1, device="meta", dtype="fp32")
-    if profile.fingerprint != plan.profile.fingerprint:
+    with torch.device("meta"):
+        module, batch = call_factory(resolve(spec), 1)
+    found = model_fingerprint(module, trace_program(module, batch))
+    if found != plan.profile.fingerprint:
         raise MmplanError(
             f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
-            f"but {spec!r} builds a model with fingerprint {profile.fingerprint}: re-profile and re-solve")
-    return check_plan(plan, profile, f"plan {plan_path}"), profile, spec
+            f"but {spec!r} builds a model with fingerprint {found} (another module tree or data flow): re-profile and re-solve")
+    return plan, profile, spec
 
 
 def _backend(plan: Plan) -> str:
@@ -49,7 +57,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
              data: str | None = None, log: Path | None = None, timeout_s: float = 600.0,
              op_timeout_s: float = 60.0, device_budget: float | None = None, nvme_dir: Path | None = None,
              prefetch: bool = True, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
-             resume: Path | None = None) -> RunResult:
+             resume: Path | None = None, profile: Profile | None = None, trace: Path | None = None) -> RunResult:
     """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics."""
     from runtime.launch import launch
     from runtime.train import Job, train_rank
@@ -63,7 +71,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     if device_budget is not None and not device_budget > 0:
         raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
     launched = _launched_world_size()
-    plan, profile, spec = checked_plan(plan_path, model)
+    plan, profile, spec = checked_plan(plan_path, model, profile)
     world = plan.world_size
     if launched is not None:
         if launched != world:
@@ -91,14 +99,29 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
         job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
                   log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_dir) if nvme_dir else None,
                   prefetch=prefetch, checkpoint_every=checkpoint_every,
-                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None)
+                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None,
+                  trace=trace is not None)
         results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
     except BaseException:
         for top in created:
             _remove_empty_dirs(top)
         raise
     rank = int(os.environ.get("RANK", 0))
+    if trace is not None and rank == 0 and results[0].get("trace"):
+        write_trace(trace, results[0]["trace"], results[0]["metrics"])
     return RunResult(plan, profile, results[0]["metrics"], rank)
+
+
+def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, Any]]) -> None:
+    """The last step's measured timeline of every rank, in the format and with the event names of
+    `mmplan compare --trace` (plans/trace.py)."""
+    import json
+
+    from plans.serial import write_atomic
+    from plans.trace import chrome_trace
+
+    other = {"step": metrics[-1]["step"], "step_time_s": metrics[-1]["step_time_s"]} if metrics else {}
+    write_atomic(path, json.dumps(chrome_trace(timelines, other={"measured": True, **other})))
 
 
 def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path]) -> Path | None:

@@ -12,7 +12,7 @@ import networkx as nx
 from plans.errors import FormatError
 from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
 
-PROFILE_SCHEMA = "mmplan.profile/1"
+PROFILE_SCHEMA = "mmplan.profile/2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,8 @@ class Block:
     output_bytes: float  # bytes of the block's outputs, per sample
     supports_tp: bool = False  # Megatron-style tensor parallelism applies
     reduces_batch: bool = False  # its output has no batch dimension (e.g. a contrastive loss): needs dp = 1
-    signature: str = ""  # equal for blocks of identical structure and input shapes
+    signature: str = ""  # equal for blocks of identical structure and input shapes (they share one measurement)
+    structure: str = ""  # hash of the class and parameter names and shapes: see block_structure()
     fwd_ms: float | None = None  # measured median forward time at the profile's micro-batch
     bwd_ms: float | None = None  # measured median backward time at the profile's micro-batch
     # measured extra milliseconds per additional sample (from a second measurement at twice the micro-batch):
@@ -62,6 +63,15 @@ class InputEdge:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfileOptions:
+    """How a profile was made: what `mmplan profile` was given beyond the model, dtype and micro-batch."""
+
+    groups: tuple[tuple[str, str], ...] = ()  # --group overrides (pattern, group), in order
+    device: str = "meta"
+    measure: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """A profiled model: blocks in execution order, edges of its real data flow, and how it was measured."""
 
@@ -74,7 +84,17 @@ class Profile:
     inputs: tuple[InputEdge, ...] = ()
     measured_on: str | None = None  # device name the fwd/bwd times come from
     attention: str = ""  # the attention kernel whose FLOPs and saved tensors are modelled
+    loss: tuple[str, ...] = ()  # blocks whose outputs the loss reads
+    options: ProfileOptions = field(default_factory=ProfileOptions)
     schema: str = PROFILE_SCHEMA
+
+    @classmethod
+    def build(cls, model: str, dtype: str, micro_batch: int, blocks: tuple[Block, ...], edges: tuple[Edge, ...],
+              inputs: tuple[InputEdge, ...] = (), loss: tuple[str, ...] | None = None, **fields) -> "Profile":
+        """A checked profile of hand-made blocks (tests, benchmarks); the loss reads the last block by default."""
+        made = cls(model, "", dtype, micro_batch, tuple(blocks), tuple(edges), tuple(inputs),
+                   loss=tuple(loss) if loss is not None else (blocks[-1].name,), **fields)
+        return check(replace(made, fingerprint=profile_fingerprint(made)))
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -91,22 +111,36 @@ class Profile:
         return {b.name: b for b in self.blocks}
 
     def with_groups(self, assign: dict[str, str]) -> "Profile":
-        """A copy whose blocks are regrouped by `assign` (block name -> group)."""
-        blocks = tuple(replace(b, group=assign.get(b.name, b.group)) for b in self.blocks)
-        return replace(self, blocks=blocks, fingerprint=fingerprint(blocks, self.edges, self.inputs))
+        """A copy whose blocks are regrouped by `assign` (block name -> group); groups are not structure,
+        so the fingerprint stays."""
+        return replace(self, blocks=tuple(replace(b, group=assign.get(b.name, b.group)) for b in self.blocks))
 
 
-def fingerprint(blocks: tuple[Block, ...], edges: tuple[Edge, ...], inputs: tuple[InputEdge, ...]) -> str:
-    """Structural fingerprint: names, groups, kinds, parameter counts, shapes signatures and the data flow.
+def block_structure(kind: str, params: list[tuple[str, tuple[int, ...]]]) -> str:
+    """Hash of a block's class name and its parameters' names and shapes: what the block *is*, whatever
+    the dtype, device, batch or inputs it was profiled with. The profiler and `mmplan run` compute it the
+    same way from the module (runtime.program.block_structures)."""
+    text = "|".join([kind, *(f"{n}:{list(s)}" for n, s in params)])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
-    Independent of measured times and of the micro-batch, so a plan stays valid for a re-profiled model.
-    """
+
+def fingerprint(blocks: list[tuple[str, str]], edges: list[tuple[str, str]], loss: list[str]) -> str:
+    """Structural fingerprint of a model: its module tree (block name -> block_structure) and its data flow
+    between blocks (block -> block edges, the blocks the loss reads). Batch inputs are left out: which
+    glue reads an input's shape is not data flow the plan depends on. Independent of dtype,
+    device, micro-batch, attention-mask construction, measured times, groups and profiling options, so a
+    plan stays valid for any re-profiling of the same model; computed without profiling by `mmplan run`."""
     structure = {
-        "blocks": [[b.name, b.group, b.kind, b.params, b.signature] for b in blocks],
-        "edges": sorted([e.src, e.dst] for e in edges),
-        "inputs": sorted([i.input, i.dst] for i in inputs),
+        "blocks": sorted(list(b) for b in blocks),
+        "edges": sorted(list(e) for e in set(edges)),
+        "loss": sorted(set(loss)),
     }
     return hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16]
+
+
+def profile_fingerprint(profile: "Profile") -> str:
+    return fingerprint([(b.name, b.structure) for b in profile.blocks], [(e.src, e.dst) for e in profile.edges],
+                       list(profile.loss))
 
 
 def check(profile: Profile, what: str = "profile") -> Profile:
@@ -124,7 +158,10 @@ def check(profile: Profile, what: str = "profile") -> Profile:
     for i in profile.inputs:
         if i.dst not in seen:
             raise FormatError(f"{what}: input {i.input!r} feeds unknown block {i.dst!r}")
-    expected = fingerprint(profile.blocks, profile.edges, profile.inputs)
+    for b in profile.loss:
+        if b not in seen:
+            raise FormatError(f"{what}: the loss reads unknown block {b!r}")
+    expected = profile_fingerprint(profile)
     if profile.fingerprint != expected:
         raise FormatError(f"{what}: fingerprint {profile.fingerprint} does not match its blocks ({expected}); was it edited?")
     return profile

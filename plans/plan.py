@@ -1,4 +1,4 @@
-"""plan.json: how to train a profiled model on a cluster — per-group layouts, stages, tiers, boundaries, predictions."""
+"""plan.json: how to train a profiled model on a cluster — per-group layouts, stages, tiers, data flow, predictions."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from plans.errors import FormatError
 from plans.graph import Profile
 from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
 
-PLAN_SCHEMA = "mmplan.plan/1"
+PLAN_SCHEMA = "mmplan.plan/2"
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Tier = Literal["gpu", "cpu", "nvme"]  # where params / grads / optimizer state live
@@ -84,25 +84,23 @@ class Group:
 
 
 @dataclass(frozen=True, slots=True)
-class Transfer:
-    """Samples [start, stop) of every micro-batch go from src_rank to dst_rank (gradients go back)."""
+class FlowBlock:
+    """A block of the model's data flow, in execution order, and the bytes per sample of its whole output
+    (what the runtime sends when another stage reads it)."""
 
-    src_rank: int
-    dst_rank: int
-    start: int
-    stop: int
+    name: str
+    output_bytes: float
 
 
 @dataclass(frozen=True, slots=True)
-class Boundary:
-    """A data-flow edge between two groups, with the layout transform that realises it."""
+class Flow:
+    """The model's data flow as the plan needs it, copied from its profile: blocks in execution order,
+    which block's output each block reads (through any glue code), and which blocks the loss reads.
+    The stage graph (plans/stage_graph.py) is computed from this and the groups, and nothing else."""
 
-    src_group: str
-    dst_group: str
-    src_block: str
-    dst_block: str
-    bytes_per_sample: float
-    transfers: tuple[Transfer, ...]
+    blocks: tuple[FlowBlock, ...]
+    edges: tuple[tuple[str, str], ...]  # (producer, consumer)
+    loss: tuple[str, ...]  # blocks whose outputs the loss reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +145,7 @@ class Plan:
     cluster: Cluster
     training: Training
     groups: tuple[Group, ...]
-    boundaries: tuple[Boundary, ...] = ()
+    flow: Flow | None = None  # None only in a hand-written plan; filled from the profile when checked with one
     predicted: Predicted | None = None
     solver: SolverInfo | None = None
     schema: str = PLAN_SCHEMA
@@ -167,7 +165,7 @@ class Plan:
 
 
 def plan_from_data(data: Any, what: str = "plan", *, profile: Profile | None = None) -> Plan:
-    """Parsed JSON -> checked Plan; with a profile, missing boundaries are derived from it."""
+    """Parsed JSON -> checked Plan; with a profile, a missing flow is taken from it."""
     _check_version(data.get("schema") if isinstance(data, dict) else None, what)
     validate(data, "plan", what)
     return _check(from_data(Plan, data), profile, what)
@@ -184,8 +182,8 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> None:
 
 
 def check_plan(plan: Plan, profile: Profile | None = None, what: str = "plan") -> Plan:
-    """Schema and consistency checks of a Plan built in code; returns it, with boundaries derived when
-    a profile is given and the plan has none. Raises FormatError naming the first problem."""
+    """Schema and consistency checks of a Plan built in code; returns it, with the profile's flow filled in
+    when a profile is given and the plan has none. Raises FormatError naming the first problem."""
     _check_version(plan.schema, what)
     validate(to_data(plan), "plan", what)
     return _check(plan, profile, what)
@@ -198,10 +196,10 @@ def _check(plan: Plan, profile: Profile | None, what: str) -> Plan:
     _check_colocation(plan.groups, what)
     if profile is None:
         _check_no_block_twice(plan.groups, what)
-        _check_boundaries_shape(plan, what)
+        _check_flow(plan, what)
         return plan
     _check_profile(plan, profile, what)
-    return _with_boundaries(plan, profile, what)
+    return _with_flow(plan, profile, what)
 
 
 def _check_version(version: Any, what: str) -> None:
@@ -346,37 +344,69 @@ def _check_profile(plan: Plan, profile: Profile, what: str) -> None:
                               f"micro-batches, but group {g.name!r} has dp={g.dp}; give it dp=1")
 
 
-def _with_boundaries(plan: Plan, profile: Profile, what: str) -> Plan:
-    from plans.boundary import derive_boundaries  # boundary.py builds on this module's dataclasses
+def flow_of(profile: Profile) -> Flow:
+    """The plan's copy of a profile's data flow."""
+    return Flow(
+        blocks=tuple(FlowBlock(b.name, b.output_bytes) for b in profile.blocks),
+        edges=tuple((e.src, e.dst) for e in profile.edges),
+        loss=profile.loss,
+    )
 
-    derived = derive_boundaries(plan.groups, profile, plan.training)
-    if not plan.boundaries:
-        return replace(plan, boundaries=derived)
-    if plan.boundaries != derived:
-        diff = _first_difference(plan.boundaries, derived)
-        raise FormatError(f"{what}: boundaries differ from those derived from the profile ({diff}); drop them to have them derived")
+
+def _with_flow(plan: Plan, profile: Profile, what: str) -> Plan:
+    flow = flow_of(profile)
+    if plan.flow is None:
+        plan = replace(plan, flow=flow)
+    elif plan.flow != flow:
+        raise FormatError(f"{what}: its data flow differs from the profile's ({_first_difference(plan.flow, flow)}); "
+                          "drop the plan's 'flow' to take the profile's, or re-solve")
+    _check_flow(plan, what)
     return plan
 
 
-def _first_difference(got: tuple[Boundary, ...], want: tuple[Boundary, ...]) -> str:
-    for g, w in zip(got, want):
-        if (g.src_block, g.dst_block) != (w.src_block, w.dst_block):
-            return f"plan has edge {g.src_block} -> {g.dst_block} where {w.src_block} -> {w.dst_block} is expected"
-        if g != w:
-            return f"edge {w.src_block} -> {w.dst_block} has other groups, bytes or transfers"
-    return f"plan has {len(got)} boundaries, expected {len(want)}"
+def _first_difference(got: Flow, want: Flow) -> str:
+    if got.blocks != want.blocks:
+        return "blocks or their output bytes differ"
+    if got.edges != want.edges:
+        extra = sorted(set(got.edges) ^ set(want.edges))
+        return f"edge {extra[0][0]} -> {extra[0][1]}" if extra else "edges are ordered differently"
+    return f"the loss reads {list(got.loss)} in the plan, {list(want.loss)} in the profile"
 
 
-def _check_boundaries_shape(plan: Plan, what: str) -> None:
-    """Without a profile: boundaries name groups, ranks and samples that exist."""
-    ranks = {g.name: set(g.ranks) for g in plan.groups}
-    for b in plan.boundaries:
-        edge = f"boundary {b.src_block} -> {b.dst_block}"
-        for role, name in (("src", b.src_group), ("dst", b.dst_group)):
-            if name not in ranks:
-                raise FormatError(f"{what}: {edge} names unknown {role} group {name!r}; use a group of the plan")
-        for t in b.transfers:
-            if t.src_rank not in ranks[b.src_group] or t.dst_rank not in ranks[b.dst_group]:
-                raise FormatError(f"{what}: {edge}: transfer {t.src_rank} -> {t.dst_rank} uses a rank outside groups {b.src_group!r} / {b.dst_group!r}")
-            if not 0 <= t.start < t.stop <= plan.training.micro_batch:
-                raise FormatError(f"{what}: {edge}: samples [{t.start}, {t.stop}) are not inside a micro-batch of {plan.training.micro_batch}")
+def _check_flow(plan: Plan, what: str) -> None:
+    """The flow names exactly the plan's blocks; edges and loss name known blocks; stages follow its order;
+    the stage graph it gives is acyclic."""
+    flow = plan.flow
+    if flow is None:
+        return
+    order: dict[str, int] = {}
+    for i, b in enumerate(flow.blocks):
+        if b.name in order:
+            raise FormatError(f"{what}: flow lists block {b.name!r} twice")
+        order[b.name] = i
+    owner = _check_no_block_twice(plan.groups, what)
+    for b in owner:
+        if b not in order:
+            raise FormatError(f"{what}: block {b!r} of group {owner[b]!r} is not in the plan's flow (the model's blocks); check the block name")
+    missing = [b.name for b in flow.blocks if b.name not in owner]
+    if missing:
+        raise FormatError(f"{what}: block {missing[0]!r} of the model is in no stage of the plan ({len(missing)} missing); place every block in one stage")
+    for src, dst in flow.edges:
+        for end in (src, dst):
+            if end not in order:
+                raise FormatError(f"{what}: flow edge {src} -> {dst} names unknown block {end!r}")
+        if order[src] >= order[dst]:
+            raise FormatError(f"{what}: flow edge {src} -> {dst} goes against the execution order; the data flow must be acyclic")
+    if not flow.loss:
+        raise FormatError(f"{what}: the flow names no block the loss reads")
+    for b in flow.loss:
+        if b not in order:
+            raise FormatError(f"{what}: the loss reads unknown block {b!r}")
+    for g in plan.groups:
+        for i, s in enumerate(g.stages):
+            idx = [order[b] for b in s.blocks]
+            if idx != sorted(idx):
+                raise FormatError(f"{what}: group {g.name!r} stage {i} lists its blocks out of the execution order; sort them as in the profile")
+    from plans.stage_graph import stage_graph  # builds on this module's dataclasses
+
+    stage_graph(plan)  # raises FormatError on a cycle between stages

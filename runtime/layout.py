@@ -1,23 +1,25 @@
-"""A plan's shape as the runtime needs it: stages, which rank runs which replica, and every cross-stage route.
+"""The plan's stage graph (plans/stage_graph.py) as the runtime addresses it, checked against the traced model.
 
-Pipeline hand-overs inside a group and boundaries between groups are one mechanism here: a *route*
-carries one block's output from the stage that computes it to a stage that reads it, as pieces of
-samples (the sample convention of plans/boundary.py: replica r of a dp-way stage holds samples
-[r*M/dp, (r+1)*M/dp) of every micro-batch). Gradients travel the same pieces backwards.
+The runtime derives nothing about stages or routes itself: it takes them from plans.stage_graph, names a
+stage "group/index", and checks that the model it actually runs reads exactly what the plan routes
+(the fx-traced data flow of runtime/program.py). A mismatch is one clear error before any training.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from plans.boundary import slice_of
-from plans.errors import MmplanError
+from plans.errors import FormatError, MmplanError
 from plans.plan import Plan
+from plans.stage_graph import Piece, StageGraph, slice_of, stage_graph
 from runtime.program import Program
+
+__all__ = ["Layout", "Piece", "Route", "StageInfo", "build_layout"]
 
 
 @dataclass(frozen=True)
 class StageInfo:
     key: str  # "group/index"
+    chunk: int  # its chunk in the stage graph (the runtime runs one chunk per stage)
     group: str
     index: int
     dp: int
@@ -38,19 +40,6 @@ class StageInfo:
     def tp_index(self, rank: int) -> int:
         return self.ranks.index(rank) % self.tp
 
-    def replicas_on(self, rank: int) -> list[int]:
-        return [self.replica_of(rank)] if rank in self.ranks else []
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Samples [start, stop) (offsets in a micro-batch) of src replica's output go to dst replica."""
-
-    src_replica: int
-    dst_replica: int
-    start: int
-    stop: int
-
 
 @dataclass(frozen=True)
 class Route:
@@ -62,14 +51,13 @@ class Route:
 
 @dataclass(frozen=True)
 class Layout:
-    stages: dict[str, StageInfo]  # in pipeline order: groups as in the plan, stages by index
-    stage_of_block: dict[str, str]
-    needs: dict[str, tuple[str, ...]]  # stage key -> blocks of other stages it reads
-    routes: tuple[Route, ...]
+    graph: StageGraph
+    stages: dict[str, StageInfo]  # in the stage graph's order
+    routes: tuple[Route, ...]  # aligned with graph.routes
     loss_stage: str
     micro_batch: int  # samples per micro-batch (all replicas together)
     micro_batches: int
-    distance: dict[str, int]  # stage key -> longest route path (in stages) to the loss stage
+    distance: dict[str, int]  # stage key -> most routes on a path to the loss stage (-1: none)
 
     def stages_on(self, rank: int) -> list[StageInfo]:
         return [s for s in self.stages.values() if rank in s.ranks]
@@ -83,86 +71,50 @@ class Layout:
     def routes_out_of(self, stage: str) -> list[Route]:
         return [r for r in self.routes if r.src == stage]
 
+    def key_of(self, chunk: int) -> str:
+        c = self.graph.chunks[chunk]
+        return f"{c.group}/{c.stage}"
+
 
 def build_layout(plan: Plan, program: Program) -> Layout:
-    stages: dict[str, StageInfo] = {}
-    stage_of_block: dict[str, str] = {}
-    for g in plan.groups:
-        for i, s in enumerate(g.stages):
-            key = f"{g.name}/{i}"
-            stages[key] = StageInfo(key, g.name, i, g.dp, g.tp, tuple(s.blocks), tuple(s.ranks))
-            for b in s.blocks:
-                stage_of_block[b] = key
-    missing = sorted(set(program.blocks) - set(stage_of_block))
+    """The plan's stages and routes; refuses a plan whose routes are not the model's traced data flow."""
+    try:
+        graph = stage_graph(plan)
+    except FormatError as e:
+        raise MmplanError(str(e)) from None
+    keys = [f"{c.group}/{c.stage}" for c in graph.chunks]
+    if len(set(keys)) != len(keys):
+        c = next(c for c in graph.chunks if c.index > 0)
+        raise MmplanError(f"stage {c.group}/{c.stage} holds several model chunks (the interleaved schedule, or blocks that "
+                          "are not consecutive in its group); the runtime runs one chunk per stage")
+    stages = {k: StageInfo(k, i, c.group, c.stage, c.dp, c.tp, c.blocks, c.ranks) for i, (k, c) in enumerate(zip(keys, graph.chunks))}
+    routes = tuple(Route(r.block, keys[r.src], keys[r.dst], r.pieces) for r in graph.routes)
+    layout = Layout(graph, stages, routes, keys[graph.loss], plan.training.micro_batch, plan.training.micro_batches,
+                    {k: graph.distance[i] for i, k in enumerate(keys)})
+    _check_against(layout, program)
+    return layout
+
+
+def _check_against(layout: Layout, program: Program) -> None:
+    """The traced model reads, across stages, exactly the blocks the plan routes, and its loss is where the plan says."""
+    stage_of = {b: key for key, st in layout.stages.items() for b in st.blocks}
+    missing = sorted(set(program.blocks) - set(stage_of))
     if missing:
-        raise MmplanError(f"the plan places no stage for block(s) {', '.join(missing[:5])} of the model")
-    order = list(stages)
-    needs: dict[str, tuple[str, ...]] = {}
-    for key, st in stages.items():
-        external: set[str] = set()
-        for b in st.blocks:
-            if b in program.blocks:
-                external |= {d for d in program.deps(program.blocks[b])[0] if stage_of_block[d] != key}
-        needs[key] = tuple(sorted(external, key=lambda b: list(program.blocks).index(b)))
+        raise MmplanError(f"the model has block(s) {', '.join(missing[:5])} that the plan places in no stage; re-profile and re-solve")
+    traced: set[tuple[str, str]] = set()
+    for name, node in program.blocks.items():
+        traced |= {(src, stage_of[name]) for src in program.deps(node)[0] if stage_of[src] != stage_of[name]}
     loss_blocks = program.loss_deps()
-    if not loss_blocks:
-        raise MmplanError("the model's loss depends on no block")
-    loss_stage = max((stage_of_block[b] for b in loss_blocks), key=_topo_index(stages, needs, stage_of_block))
-    needs[loss_stage] = tuple(dict.fromkeys(
-        (*needs[loss_stage], *sorted(b for b in loss_blocks if stage_of_block[b] != loss_stage))))
-    routes = []
-    for dst in order:
-        for b in needs[dst]:
-            src = stage_of_block[b]
-            routes.append(Route(b, src, dst, _pieces(stages[src].dp, stages[dst].dp, plan.training.micro_batch)))
-    layout = Layout(stages, stage_of_block, needs, tuple(routes), loss_stage,
-                    plan.training.micro_batch, plan.training.micro_batches, {})
-    return replace(layout, distance=_distances(layout))
-
-
-def _pieces(src_dp: int, dst_dp: int, micro_batch: int) -> tuple[Piece, ...]:
-    out = []
-    for d in range(dst_dp):
-        d0, d1 = slice_of(d, dst_dp, micro_batch)
-        for s in range(src_dp):
-            s0, s1 = slice_of(s, src_dp, micro_batch)
-            lo, hi = max(d0, s0), min(d1, s1)
-            if lo < hi:
-                out.append(Piece(s, d, lo, hi))
-    return tuple(out)
-
-
-def _topo_index(stages, needs, stage_of_block):
-    """Sort key placing a stage after every stage it (transitively) reads from."""
-    depth: dict[str, int] = {}
-
-    def level(key: str, seen=()) -> int:
-        if key not in depth:
-            if key in seen:
-                raise MmplanError(f"the plan's stages form a cycle through {key}")
-            srcs = {stage_of_block[b] for b in needs[key]}
-            depth[key] = 1 + max((level(s, (*seen, key)) for s in srcs), default=0)
-        return depth[key]
-
-    return lambda key: (level(key), list(stages).index(key))
-
-
-def _distances(layout: Layout) -> dict[str, int]:
-    """Longest path from each stage to the loss stage along routes (loss stage 0; unreachable -1)."""
-    dist: dict[str, int] = {}
-
-    def d(key: str, seen=()) -> int:
-        if key not in dist:
-            if key == layout.loss_stage:
-                dist[key] = 0
-            elif key in seen:
-                raise MmplanError(f"the plan's stages form a cycle through {key}")
-            else:
-                nxt = [d(r.dst, (*seen, key)) for r in layout.routes_out_of(key)]
-                nxt = [x for x in nxt if x >= 0]
-                dist[key] = 1 + max(nxt) if nxt else -1
-        return dist[key]
-
-    for key in layout.stages:
-        d(key)
-    return dist
+    loss_stage = stage_of[max(loss_blocks, key=list(program.blocks).index)] if loss_blocks else None
+    traced |= {(b, loss_stage) for b in loss_blocks if stage_of[b] != loss_stage}
+    planned = {(r.block, r.dst) for r in layout.routes}
+    if traced != planned or loss_stage != layout.loss_stage:
+        if traced - planned:
+            block, dst = sorted(traced - planned)[0]
+            why = f"stage {dst} reads block {block} in the model, but the plan routes no such output"
+        elif planned - traced:
+            block, dst = sorted(planned - traced)[0]
+            why = f"the plan routes block {block} to stage {dst}, which the model does not read there"
+        else:
+            why = f"the model's loss is computed on stage {loss_stage}, the plan's on {layout.loss_stage}"
+        raise MmplanError(f"the model's traced data flow differs from the plan's ({why}); re-profile the model and re-solve")

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from plans.errors import MmplanError
+from plans.graph import block_structure, fingerprint
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -73,7 +74,31 @@ class Program:
         return blocks, inputs
 
     def loss_deps(self) -> set[str]:
+        """Blocks whose outputs the loss reads (the block itself when the forward returns a block's output)."""
+        if self.output.op == "call_module" and str(self.output.target) in self.blocks:
+            return {str(self.output.target)}
         return self.deps(self.output)[0]
+
+    def edges(self) -> list[tuple[str, str]]:
+        """(producer, consumer) block pairs of the traced data flow, consumers in execution order."""
+        return [(src, name) for name, node in self.blocks.items() for src in sorted(self.deps(node)[0])]
+
+    def input_edges(self) -> list[tuple[str, str]]:
+        """(batch key, consumer block) pairs of the traced data flow."""
+        return [(key, name) for name, node in self.blocks.items() for key in sorted(self.deps(node)[1])]
+
+
+def module_structure(module: nn.Module) -> str:
+    """plans.graph.block_structure of a module: its class name and its parameters' names and shapes."""
+    return block_structure(type(module).__name__, [(n, tuple(p.shape)) for n, p in module.named_parameters()])
+
+
+def model_fingerprint(model: nn.Module, program: Program) -> str:
+    """The structural fingerprint (plans.graph.fingerprint) of a model from its module tree and its traced
+    forward — what a profile of it records, without profiling it."""
+    modules = block_modules(model)
+    return fingerprint([(b, module_structure(modules[b])) for b in program.blocks], program.edges(),
+                       sorted(program.loss_deps()))
 
 
 class _BlockTracer(fx.Tracer):

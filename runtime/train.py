@@ -24,7 +24,7 @@ from runtime.launch import RankContext
 from runtime.memory import RankTiers
 from runtime.layout import Layout, build_layout
 from runtime.program import evaluate, tensor_leaves, trace_program
-from runtime.schedule import Task, has_backward, task_orders
+from runtime.schedule import Task, has_backward, rank_tasks
 from runtime.source import call_factory, resolve
 from runtime.stage import RankModel, build_rank_model
 
@@ -48,6 +48,7 @@ class Job:
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     checkpoint_dir: str | None = None
     resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
+    trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
 
 
 @dataclass
@@ -90,8 +91,7 @@ class RankTrainer:
         self.rm: RankModel = build_rank_model(model, example, local, ctx.device)
         self.stage_inputs = {key: _stage_inputs(self.rm, st.blocks, key == self.layout.loss_stage)
                              for key, st in self.layout.stages.items()}
-        self.tasks: list[Task] = task_orders(self.layout, self.plan.training.schedule)[ctx.rank] \
-            if self.layout.stages_on(ctx.rank) else []
+        self.tasks: list[Task] = rank_tasks(self.layout, self.plan.training.schedule, ctx.rank)
         self.exchange = Exchange(self.layout, ctx.rank, self.rm.specs, ctx.device)
         self.dp_groups, tp_groups = self._process_groups()
         self.tp_groups = tp_groups
@@ -104,6 +104,7 @@ class RankTrainer:
                                lr=job.lr, prefetch=job.prefetch)
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
         self.start_step = self._resume(job.resume) if job.resume else 0
+        self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
 
     def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's data-parallel group (same tp index across replicas) and tensor-parallel group of each
@@ -169,6 +170,10 @@ class RankTrainer:
         finally:
             if log:
                 log.close()
+        if self.job.trace:
+            timelines: list = [None] * self.ctx.world_size
+            dist.all_gather_object(timelines, self.events)
+            results["trace"] = {r: events for r, events in enumerate(timelines) if events}
         return results
 
     def step(self, step: int, batches: dict, results: dict) -> StepMetrics:
@@ -180,23 +185,29 @@ class RankTrainer:
         state: dict[tuple, Any] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
         compute = 0.0
+        events: list[tuple[str, str, float, float]] = []
         for task in self.tasks:
             w0, c0 = self.exchange.wait_s, time.perf_counter()
             if task.kind == "F":
                 loss_sum += self.forward(task, batches, state)
             else:
                 self.backward(task, state)
-            compute += time.perf_counter() - c0 - (self.exchange.wait_s - w0)
+            c1 = time.perf_counter()
+            compute += c1 - c0 - (self.exchange.wait_s - w0)
+            events.append(("compute", task.name, c0 - t0, c1 - t0))
         self.exchange.finish()
         self.tiers.before_reduce()
         c0 = time.perf_counter()
-        self.reduce_gradients()
+        self.reduce_gradients(events, t0)
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
             results["grads"] = self.full_tensors(lambda p: p.grad)
         c0 = time.perf_counter()
         self.tiers.step()
-        compute += time.perf_counter() - c0
+        c1 = time.perf_counter()
+        compute += c1 - c0
+        events.append(("compute", "optimizer", c0 - t0, c1 - t0))
+        self.events = events
         step_time = time.perf_counter() - t0
         peak = float(self.tiers.budget.measured_peak())  # device tier: accounted on CPU, allocated on CUDA
         row = torch.tensor([float(loss_sum), step_time, compute, comm, peak], dtype=torch.float64)
@@ -353,9 +364,11 @@ class RankTrainer:
         set_rng_state(manifest.rng_for(self.ctx.rank))
         return manifest.step
 
-    def reduce_gradients(self) -> None:
-        """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage)."""
+    def reduce_gradients(self, events: list, t0: float) -> None:
+        """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage
+        order, as the simulator's tail ops); each is a 'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
+            c0 = time.perf_counter()
             params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
             params = list({id(p): p for p in params}.values())
             for p in params:
@@ -370,6 +383,8 @@ class RankTrainer:
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
+            st = self.layout.stages[key]
+            events.append(("comm", f"sync {st.group} s{st.index}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
         self.tiers.close()  # removes the nvme tier's files

@@ -13,7 +13,7 @@ from cost_models.hardware import catalog_cluster
 from cost_models.trace import chrome_trace
 from plans import plan as P
 from plans.cluster import Cluster, Device, Link
-from plans.graph import Block, Edge, Profile, fingerprint
+from plans.graph import Block, Edge, Profile
 from plans.serial import dumps
 
 
@@ -40,7 +40,7 @@ def chain_plan(p: int, m: int, cluster: Cluster, *, params: int = 0, act: float 
                memory: P.Memory | None = None) -> tuple[P.Plan, Profile]:
     blocks = tuple(Block(f"llm.{i}", "llm", "Layer", params, 2 * params, 1e9, 2e9, act, 0.0, supports_tp=True) for i in range(p))
     edges = tuple(Edge(f"llm.{i}", f"llm.{i + 1}", 0.0) for i in range(p - 1))
-    profile = Profile("chain", fingerprint(blocks, edges, ()), "bf16", 1, blocks, edges)
+    profile = Profile.build("chain", "bf16", 1, blocks, edges)
     stages = tuple(P.Stage((f"llm.{i}",), tuple(range(i * tp, (i + 1) * tp)), memory or P.Memory()) for i in range(p))
     plan = P.Plan(P.ProfileRef("chain", profile.fingerprint), cluster, P.Training(m, m), (P.Group("llm", 1, tp, p, stages),))
     return P.check_plan(plan, profile), profile

@@ -12,7 +12,7 @@ from cost_models.memory import (
     stage_memory,
     warmup_forwards,
 )
-from plans.graph import Block, Edge, Profile, fingerprint
+from plans.graph import Block, Edge, Profile
 from plans.plan import Memory
 
 GB = 1e9
@@ -54,7 +54,7 @@ def chain(n: int = 3) -> Profile:
     blocks = tuple(Block(f"b{i}", "g", "Layer", 1000, 2000, 1.0, 2.0, activation_bytes=100.0 * (i + 1),
                          output_bytes=10.0 * (i + 1), supports_tp=i > 0) for i in range(n))
     edges = tuple(Edge(f"b{i}", f"b{i + 1}", 10.0 * (i + 1)) for i in range(n - 1))
-    return Profile("chain", fingerprint(blocks, edges, ()), "bf16", 1, blocks, edges)
+    return Profile.build("chain", "bf16", 1, blocks, edges)
 
 
 def memory_of(profile: Profile, memory: Memory, *, tp: int = 1, dp: int = 1, zero: int = 0, flight: float = 4) -> TierBytes:

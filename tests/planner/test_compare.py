@@ -25,7 +25,7 @@ from planner.compare import (
     write_traces,
 )
 from plans.errors import FormatError, MmplanError
-from plans.graph import Block, Edge, Profile, fingerprint
+from plans.graph import Block, Edge, Profile
 from plans.plan import save_plan
 
 
@@ -37,7 +37,7 @@ def chain_profile(layers: int = 4) -> Profile:
     blocks.append(Block("head", "llm", "Linear", 10**4, 4 * 10**4, 1e7, 2e7, 1e4, 1e3))
     names = [b.name for b in blocks]
     edges = tuple(Edge(a, b, 1e4) for a, b in zip(names, names[1:]))
-    return Profile("chain", fingerprint(tuple(blocks), edges, ()), "fp32", 1, tuple(blocks), edges)
+    return Profile.build("chain", "fp32", 1, tuple(blocks), edges)
 
 
 @pytest.fixture(scope="module")

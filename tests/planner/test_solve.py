@@ -13,7 +13,7 @@ from planner.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_
 from planner.solve import build_layouts, solve
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
-from plans.graph import Block, Edge, Profile, fingerprint
+from plans.graph import Block, Edge, Profile
 
 # --- random small instances ------------------------------------------------------------------------------------
 
@@ -41,7 +41,7 @@ def random_instance(seed: int, *, max_gpus: int = 8) -> tuple[Profile, Cluster, 
     order = {b.name: i for i, b in enumerate(blocks)}
     edges.sort(key=lambda e: (order[e.src], order[e.dst]))
     b, e = tuple(blocks), tuple(edges)
-    profile = Profile(f"random-{seed}", fingerprint(b, e, ()), "bf16", 1, b, e)
+    profile = Profile.build(f"random-{seed}", "bf16", 1, b, e)
     gpus = rng.choice([n for n in (2, 4, 8) if n <= max_gpus])
     per_node = rng.choice([gpus, max(1, gpus // 2)])
     state = sum(x.params for x in blocks) * 16

@@ -11,7 +11,7 @@ from planner.solve import solve, state_bytes
 from planner.tiers import place_tiers
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
-from plans.graph import Block, Edge, Profile, fingerprint
+from plans.graph import Block, Edge, Profile
 from plans.plan import Memory, Training
 
 GB = 10**9
@@ -28,7 +28,7 @@ def big_model(layers: int = 4, params: float = 0.9e9) -> Profile:
                 edges.append(Edge(f"{group}.{i - 1}", f"{group}.{i}", 2e7))
     edges.insert(1, Edge("vision.1", "llm.0", 2e7))
     b, e = tuple(blocks), tuple(edges)
-    return Profile("big", fingerprint(b, e, ()), "bf16", 1, b, e)
+    return Profile.build("big", "bf16", 1, b, e)
 
 
 def small_cluster(*, gpu_gb: float = 8, host_gb: float = 40, nvme_gb: float = 500, gpus: int = 2) -> Cluster:

@@ -11,7 +11,8 @@ import pytest
 from plans import plan as P
 from plans.cluster import Cluster, Device, Link
 from plans.errors import FormatError
-from plans.graph import Block, Edge, InputEdge, Profile, check, fingerprint
+from plans.graph import Block, Edge, InputEdge, Profile, check
+from plans.stage_graph import Transfer, stage_graph
 from plans.serial import dumps, schema, to_data
 
 EXAMPLES = Path(P.__file__).parent / "examples"
@@ -36,7 +37,7 @@ def make_profile() -> Profile:
     )
     edges = tuple(Edge(s, d, 32.0) for s, d in EDGES)
     inputs = (InputEdge("pixels", "vision.patch", 3072.0), InputEdge("tokens", "llm.embed", 64.0))
-    return check(Profile("tiny-test", fingerprint(blocks, edges, inputs), "fp32", 2, blocks, edges, inputs))
+    return Profile.build("tiny-test", "fp32", 2, blocks, edges, inputs)
 
 
 PROFILE = make_profile()
@@ -97,9 +98,9 @@ def test_load_reports_bad_json(tmp_path: Path) -> None:
         P.load_plan(tmp_path / "plan.json")
 
 
-def test_hand_written_plan_loads_and_gets_boundaries() -> None:
+def test_hand_written_plan_loads_and_gets_the_profiles_flow() -> None:
     data = {
-        "schema": "mmplan.plan/1",
+        "schema": "mmplan.plan/2",
         "profile": {"model": PROFILE.model, "fingerprint": PROFILE.fingerprint},
         "cluster": to_data(make_cluster(1)),
         "training": {"global_batch": 4, "micro_batches": 2},
@@ -109,14 +110,14 @@ def test_hand_written_plan_loads_and_gets_boundaries() -> None:
             {"name": "llm", "dp": 1, "tp": 1, "pp": 1, "stages": [{"blocks": [b for b, g in BLOCKS if g == "llm"], "ranks": [1]}]},
         ],
     }
-    data["groups"][1]["stages"][0]["ranks"] = [0]
     data["groups"][1]["colocated_with"] = "vision"
     plan = P.plan_from_data(data, profile=PROFILE)
     assert plan.predicted is None and plan.solver is None
-    assert [(b.src_block, b.dst_block) for b in plan.boundaries] == [("vision.layers.1", "projector"), ("projector", "llm.layers.0")]
-    assert plan.boundaries[0].transfers == (P.Transfer(0, 0, 0, 2),)
-    assert plan.boundaries[1].transfers == (P.Transfer(0, 1, 0, 2),)
-    assert P.plan_from_data(data).boundaries == ()  # no profile: nothing to derive from
+    assert plan.flow == P.flow_of(PROFILE)
+    g = stage_graph(plan)
+    assert [(r.block, g.chunks[r.dst].label) for r in g.routes] == [("vision.layers.1", "projector s0"), ("projector", "llm s0")]
+    assert [t for r in g.routes for t in g.transfers(r)] == [Transfer(0, 0, 0, 2), Transfer(0, 1, 0, 2)]
+    assert P.plan_from_data(data).flow is None  # no profile: nothing to take it from
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.json")) or [None], ids=lambda p: p.name if p else "none")
@@ -129,7 +130,7 @@ def test_examples_load(path: Path | None) -> None:
 def _dataclass_schemas() -> list[tuple[type, dict]]:
     defs = schema("plan")["$defs"]
     pairs = {P.ProfileRef: "profile_ref", Cluster: "cluster", Device: "device", Link: "link", P.Training: "training",
-             P.Memory: "memory", P.Stage: "stage", P.Group: "group", P.Transfer: "transfer", P.Boundary: "boundary",
+             P.Memory: "memory", P.Stage: "stage", P.Group: "group", P.Flow: "flow",
              P.RankMemory: "rank_memory", P.Predicted: "predicted", P.SolverInfo: "solver"}
     return [(P.Plan, schema("plan"))] + [(cls, defs[name]) for cls, name in pairs.items()]
 
@@ -170,7 +171,7 @@ MALFORMED = {
     "wrong type": ([_set(f"{VISION}.dp", "2")], ["groups/0/dp", "not of type"]),
     "missing field": ([_set("training.global_batch", DELETE)], ["global_batch", "required"]),
     "unknown field": ([_set(f"{VISION}.colour", "red")], ["colour", "unexpected"]),
-    "wrong schema version": ([_set("schema", "mmplan.plan/0")], ["'mmplan.plan/0'", "expected", "'mmplan.plan/1'"]),
+    "wrong schema version": ([_set("schema", "mmplan.plan/0")], ["'mmplan.plan/0'", "expected", "'mmplan.plan/2'"]),
     "missing schema version": ([_set("schema", DELETE)], ["no 'schema' field", "expected"]),
     "missing block": ([_set(f"{LLM}.stages.0.blocks", LLM_BLOCKS[:3])], ["'llm.head'", "missing"]),
     "block placed twice": ([_set(f"{VISION}.stages.0.blocks", ["vision.patch", "vision.layers.0", "vision.layers.1", "projector"])], ["'projector'", "placed twice"]),
@@ -201,8 +202,9 @@ MALFORMED = {
     "fingerprint mismatch": ([_set("profile.fingerprint", "0123456789abcdef")], ["another model", "0123456789abcdef", PROFILE.fingerprint]),
     "bad fingerprint format": ([_set("profile.fingerprint", "xyz")], ["profile/fingerprint", "does not match"]),
     "activation tier for a block of another stage": ([_set(f"{VISION}.stages.0.memory", {"activations": {"llm.head": "keep"}})], ["'vision' stage 0", "'llm.head'", "not a block of this stage"]),
-    "boundaries differ": ([_set("boundaries.0.transfers.0.stop", 1)], ["boundaries differ", "vision.layers.1 -> projector"]),
-    "boundary missing": ([_set("boundaries", [])], None),  # not an error: derived again
+    "flow differs": ([_set("flow.edges.0", ["vision.layers.0", "projector"])], ["data flow differs", "edge"]),
+    "flow against the execution order": ([_set("flow.edges.0", ["projector", "vision.layers.0"])], ["data flow differs"]),
+    "flow missing": ([_set("flow", DELETE)], None),  # not an error: taken from the profile again
     "predicted wrong type": ([_set("predicted.fits", "yes")], ["predicted/fits", "not of type 'boolean'"]),
     "empty object": ([lambda d: d.clear()], ["no 'schema' field"]),
 }
@@ -232,10 +234,10 @@ def test_block_twice_without_profile() -> None:
         P.plan_from_data(data)
 
 
-def test_boundary_rank_outside_group_without_profile() -> None:
+def test_flow_edge_against_the_execution_order_without_profile() -> None:
     data = plan_data()
-    data["boundaries"][0]["transfers"][0]["dst_rank"] = 3
-    with pytest.raises(FormatError, match="outside groups"):
+    data["flow"]["edges"][0] = ["projector", "vision.layers.0"]
+    with pytest.raises(FormatError, match="against the execution order"):
         P.plan_from_data(data)
 
 
