@@ -109,7 +109,7 @@ def plans(profile: Profile) -> list[tuple[str, Profile, P.Plan]]:
     """Hand-made layouts of the kind the solver proposes, with the (possibly regrouped) profile they are for."""
     def plan(prof: Profile, cluster, training: P.Training, groups: tuple[P.Group, ...]) -> P.Plan:
         built = P.Plan(P.ProfileRef(prof.model, prof.fingerprint), cluster, training, groups)
-        return P.check_plan(built, prof)  # validates and derives the boundaries once, outside the timing
+        return P.check_plan(built, prof)  # validates and fills the flow once, outside the timing
 
     if profile.model == "vit22b-llama70b":
         cluster = catalog_cluster("128xh100-sxm")

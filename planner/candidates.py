@@ -105,7 +105,7 @@ class Unit:
     feeds: tuple[Feed, ...] = ()  # inputs from other units (the sink's encoders)
     out_bytes: float = 0.0  # bytes per sample of the smallest edge to another unit (sources)
     input_bytes: tuple[float, ...] = ()  # per block: bytes per sample of its inputs (its recompute checkpoint)
-    cross_bytes: tuple[float, ...] = ()  # per cut j = 1..L-1 (index j): bytes per sample a cut before block j sends
+    cross_bytes: tuple[float, ...] = ()  # per cut j = 1..L-1 (index j): per-sample bytes of the largest route a cut before block j needs
 
     @property
     def supports_tp(self) -> bool:
@@ -761,13 +761,11 @@ def _unit(name: str, indices: list[int], profile: Profile, index: dict[str, int]
           feeds: tuple[Feed, ...], out_bytes: float = 0.0) -> Unit:
     blocks = tuple(profile.blocks[i] for i in indices)
     first, n = indices[0], len(indices)
+    # A cut before block j: the chunk starting at j receives, as parallel routes (plans/stage_graph.py), the
+    # whole output of every earlier block it reads; the largest one read by block j itself bounds the wait.
     cross = [0.0] * (n + 1)
     for e in profile.edges:
         a, b = index[e.src] - first, index[e.dst] - first
-        if 0 <= a < n and 0 <= b < n:
-            for j in range(a + 1, b + 1):
-                cross[j] += e.bytes
-    for j in range(1, n):
-        if cross[j] == 0:
-            cross[j] = blocks[j - 1].output_bytes  # pipeline.py relays the last block's output then
+        if 0 <= a < b < n:
+            cross[b] = max(cross[b], blocks[a].output_bytes)
     return Unit(name, blocks, feeds, out_bytes, tuple(inputs[b.name] for b in blocks), tuple(cross))

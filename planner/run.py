@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +28,23 @@ def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = N
     """The plan (its flow taken from `profile` when given), the profile, and the model spec; refuse a model
     whose structural fingerprint differs from the plan's. Cheap: the model is built on the meta device and
     traced with torch.fx — no profiling analysis."""
-    from runtime.program import model_fingerprint, trace_program
+    from runtime.program import model_fingerprint, traced_flow, trace_program
     from runtime.source import call_factory, resolve
 
     plan = load_plan(plan_path)
     if profile is not None:
         plan = check_plan(plan, profile, f"plan {plan_path}")
-    if plan.flow is None:
-        raise MmplanError(f"plan {plan_path} carries no data flow ('flow'); give its profile with --profile, or re-solve it")
     spec = model or plan.profile.model
     with torch.device("meta"):
         module, batch = call_factory(resolve(spec), 1)
-    found = model_fingerprint(module, trace_program(module, batch))
+    program = trace_program(module, batch)
+    found = model_fingerprint(module, program)
     if found != plan.profile.fingerprint:
         raise MmplanError(
             f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
             f"but {spec!r} builds a model with fingerprint {found} (another module tree or data flow): re-profile and re-solve")
+    if plan.flow is None:  # a hand-written plan: the flow of the model it was just checked against
+        plan = check_plan(replace(plan, flow=traced_flow(program)), None, f"plan {plan_path}")
     return plan, profile, spec
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from plans.errors import MmplanError
 from plans.graph import block_structure, fingerprint
+from plans.plan import Flow, FlowBlock
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -86,6 +87,13 @@ class Program:
     def input_edges(self) -> list[tuple[str, str]]:
         """(batch key, consumer block) pairs of the traced data flow."""
         return [(key, name) for name, node in self.blocks.items() for key in sorted(self.deps(node)[1])]
+
+
+def traced_flow(program: Program) -> Flow:
+    """The data flow of a traced model in the plan's form (output bytes unknown: 0), for a hand-written plan
+    that carries none; plans/stage_graph.py then derives stages and routes from it as from a profile's."""
+    return Flow(blocks=tuple(FlowBlock(b, 0.0) for b in program.blocks), edges=tuple(program.edges()),
+                loss=tuple(sorted(program.loss_deps(), key=list(program.blocks).index)))
 
 
 def module_structure(module: nn.Module) -> str:

@@ -20,6 +20,7 @@ from planner.baselines import (
     split_blocks,
     zero3_plan,
 )
+from plans.stage_graph import stage_graph
 from plans.errors import MmplanError
 from plans.plan import check_plan, load_plan, save_plan
 
@@ -85,7 +86,7 @@ def test_homogeneous_plan_is_one_pipeline_split_evenly(tiny, four):
     assert group.stages[0].blocks[0] == "vision.patch_embed" and group.stages[1].blocks[-1] == "llm.head"
     assert group.blocks == tuple(b.name for b in tiny.blocks)  # every block once, in execution order
     assert plan.training.micro_batches == 4 and plan.training.micro_batch == 2  # 8 / (dp 2 x micro-batch 1)
-    assert check_plan(plan, tiny) == plan and not plan.boundaries
+    assert check_plan(plan, tiny) == plan and {(r.src, r.dst) for r in stage_graph(plan).routes} == {(0, 1)}
     assert plan.predicted is not None and plan.predicted.step_time_s > 0 and plan.predicted.fits
     assert plan.predicted == evaluate(plan, tiny).predicted
     assert plan.solver.method == "baseline:homogeneous" and "tp=1,pp=2,dp=2" in plan.solver.notes

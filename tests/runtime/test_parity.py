@@ -66,6 +66,18 @@ PLANS = {
 _REFERENCE: dict = {}
 
 
+def assert_executed_order_is_predicted(plan, model: str, measured: dict[int, list]) -> None:
+    """Each rank ran its forward/backward tasks in the order the simulator's timeline predicts (one truth)."""
+    from cost_models.pipeline import simulate
+    from tests.runtime.plan_builder import profile
+
+    sim = simulate(plan, profile(model))
+    for rank in range(plan.world_size):
+        predicted = [e.name for e in sim.rank_timeline(rank) if e.lane == "compute" and e.name[:4] in ("fwd ", "bwd ")]
+        executed = [name for lane, name, *_ in measured[rank] if name[:4] in ("fwd ", "bwd ")]
+        assert executed == predicted, (rank, executed, predicted)
+
+
 def reference(model: str, job: Job):
     key = (model, job.plan.training)
     if key not in _REFERENCE:
@@ -77,9 +89,10 @@ def reference(model: str, job: Job):
 def test_plan_matches_single_process_reference(case):
     model, groups, training = PLANS[case]
     plan = make_plan(model, groups, **training)
-    job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True)
+    job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True, trace=True)
     ref = reference(model, job)
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
+    assert_executed_order_is_predicted(plan, model, results[0]["trace"])
     losses = [m["loss"] for m in results[0]["metrics"]]
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
