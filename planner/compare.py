@@ -16,7 +16,8 @@ from rich.text import Text
 
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.trace import chrome_trace
-from planner.console import human_bytes, human_count
+from planner.console import human_count
+from plans.units import format_bytes
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, load_plan
@@ -132,10 +133,10 @@ def compare_table(items: Sequence[Compared]) -> Table:
     row("TFLOP/s per GPU", lambda c: f"{c.predicted.tflops_per_gpu:.4g}")
     row("MFU", lambda c: f"{c.predicted.mfu:.1%}")
     row("peak GPU memory", lambda c: _memory_cell(c))
-    row("peak CPU memory", lambda c: human_bytes(max_memory(c.predicted)["cpu"]))
-    row("peak NVMe", lambda c: human_bytes(max_memory(c.predicted)["nvme"]))
+    row("peak CPU memory", lambda c: format_bytes(max_memory(c.predicted)["cpu"]))
+    row("peak NVMe", lambda c: format_bytes(max_memory(c.predicted)["nvme"]))
     row("bubble", lambda c: f"{c.predicted.bubble_fraction:.1%}")
-    row("comm per step", lambda c: human_bytes(c.predicted.comm_bytes))
+    row("comm per step", lambda c: format_bytes(c.predicted.comm_bytes))
     row("bottleneck", lambda c: c.predicted.bottleneck or "-")
     row("fits", lambda c: Text("yes") if c.predicted.fits else Text("no", style="bold red"))
     return table
@@ -154,7 +155,7 @@ def _seconds(s: float) -> str:
 def _memory_cell(c: Compared) -> Text:
     """Fullest rank's GPU bytes of the device's; red when over."""
     gpu, cap = max_memory(c.predicted)["gpu"], c.plan.cluster.device.memory_bytes
-    return Text(f"{human_bytes(gpu)} of {human_bytes(cap)}", style=None if gpu <= cap else "bold red")
+    return Text(f"{format_bytes(gpu)} of {format_bytes(cap)}", style=None if gpu <= cap else "bold red")
 
 
 def write_traces(items: Sequence[Compared], directory: str | os.PathLike) -> list[Path]:
@@ -375,7 +376,7 @@ def measured_table(plan: Plan, evaluation_or_predicted: Evaluation | Predicted, 
     for r in summary["ranks"]:
         add(f"rank {r['rank']} busy (compute + comm)", r["busy_s"], _seconds)
     for r in summary["ranks"]:
-        add(f"rank {r['rank']} peak memory", r["peak_memory_bytes"], human_bytes)
+        add(f"rank {r['rank']} peak memory", r["peak_memory_bytes"], format_bytes)
     return table
 
 

@@ -13,7 +13,7 @@ from rich.console import Group as RichGroup
 from rich.panel import Panel
 from rich.table import Table
 
-from planner.console import human_bytes
+from plans.units import format_bytes
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
@@ -142,7 +142,7 @@ def results_table(result: DemoResult) -> Table:
         peak = max(max(r["peak_memory_bytes"]) for r in t.metrics)
         table.add_row(t.name, f"{pred * 1e3:.1f} ms", f"{meas * 1e3:.1f} ms", f"{(pred - meas) / meas:+.0%}",
                       f"{t.plan.training.global_batch / meas:.0f}", f"{t.metrics[0]['loss']:.3f} -> {t.metrics[-1]['loss']:.3f}",
-                      human_bytes(peak))
+                      format_bytes(peak))
     return table
 
 

@@ -615,7 +615,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     from rich.table import Table
     from rich.text import Text
 
-    from planner.console import human_bytes
+    from plans.units import format_bytes
 
     plan, p = solution.plan, solution.plan.predicted
     modality = {b.name: b.group for b in profile.blocks}
@@ -643,8 +643,8 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
         "GPUs per modality: " + "; ".join(per_modality),
         f"predicted step {p.step_time_s:.4g} s, {p.samples_per_s:,.1f} samples/s, MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}, "
         f"bottleneck {p.bottleneck}",
-        f"peak memory per rank: GPU {human_bytes(peak['gpu'])} of {human_bytes(plan.cluster.device.memory_bytes)}"
-        + (f", CPU {human_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {human_bytes(peak['nvme'])}" if peak["nvme"] else "")
+        f"peak memory per rank: GPU {format_bytes(peak['gpu'])} of {format_bytes(plan.cluster.device.memory_bytes)}"
+        + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
     ]
     if solution.speedup is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from plans.errors import MmplanError
-from runtime.budget import format_bytes
+from plans.units import format_bytes
 
 ALIGN = 64  # bytes; alignment of tensors packed into one NVMe file
 
