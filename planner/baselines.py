@@ -7,9 +7,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from cost_models.comm import all_gather_time, all_reduce_time, link_for, reduce_scatter_time
-from cost_models.compute import block_time, measured_on, optimizer_step_time
+from cost_models.comm import dp_link
+from cost_models.compute import block_time, measured_on
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
+from cost_models.tail import tail_over
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -436,7 +437,6 @@ def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
     per = spec.dp * spec.tp
-    width = DTYPE_BYTES[training.dtype]
     samples = float(spec.micro_batch)
     fwd, bwd, tail, gpu = [], [], [], []
     for i, names in enumerate(_stage_blocks(profile, spec)):
@@ -456,14 +456,9 @@ def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
         fwd.append(f)
         bwd.append(b)
         params = sum(blk.params / (spec.tp if blk.supports_tp else 1) for blk in stage)
-        nbytes = params * width
-        link = link_for(cluster, range(i * per, (i + 1) * per, spec.tp))  # the dp group of tp rank 0
-        sync = all_reduce_time(nbytes, spec.dp, link) if spec.zero == 0 else \
-            reduce_scatter_time(nbytes, spec.dp, link) if spec.zero == 1 else 0.0
-        gather = all_gather_time(nbytes, spec.dp, link) if spec.zero in (1, 2) else 0.0
-        opt = optimizer_step_time(params / spec.dp if spec.zero else params, Memory(), cluster,
-                                  dtype=training.dtype, optimizer=training.optimizer)
-        tail.append(sync + opt + gather)
+        link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
+        tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
+                              dtype=training.dtype, optimizer=training.optimizer).total)
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
     if spec.virtual_stages == 1:
         fill = [sum(fwd[:i]) for i in range(spec.pp)]

@@ -9,19 +9,26 @@ from typing import Literal
 import numpy as np
 
 from cost_models.comm import (
-    all_gather_time,
-    all_reduce_time,
+    dp_link,
+    fastest_link,
+    link_between,
+    link_for,
     p2p_time,
-    reduce_scatter_time,
+    pair_link,
+    zero_collectives,
 )
-from cost_models.compute import block_time, optimizer_step_time
+from cost_models.compute import block_time
 from cost_models.memory import (
     DTYPE_BYTES,
+    activation_residency,
+    activation_transient,
     block_input_bytes,
-    optimizer_bytes_per_param,
+    in_flight,
+    state_residency,
     warmup_forwards,
 )
-from cost_models.offload import transfer_time
+from cost_models.offload import state_streaming, transfer_time
+from cost_models.tail import tail_over
 from planner.partition import cut_table
 from plans.cluster import Cluster, Link
 from plans.graph import Block, Profile
@@ -358,7 +365,7 @@ class Segments:
         inp = np.array(self.unit.input_bytes, dtype=float) * self.samples / shard
         self.width = DTYPE_BYTES[st.dtype]
         self.params = _span(params)
-        self.largest = _range_max(params) * self.width
+        self.largest = _range_max(params)  # parameters of the largest block
         self.act, self.act_max = _span(act), _range_max(act)
         self.checkpoint = _span(inp)
         valid = np.arange(self.n + 1)[:, None] < np.arange(self.n + 1)[None, :]
@@ -367,15 +374,13 @@ class Segments:
 
     def _dp_link(self) -> Link:
         """The link of a stage's data-parallel group when the unit's ranks start on a node boundary (or inside
-        one node): it crosses nodes exactly when dp * tp > gpus per node (rank counts are node-aligned)."""
-        cl = self.setting.cluster
-        if cl.nodes > 1 and self.dp * self.tp > cl.gpus_per_node and self.dp > 1:
-            return min(cl.intra_node, cl.inter_node, key=lambda link: link.bandwidth)
-        return cl.intra_node
+        one node; allocate.assign_ranks places them so)."""
+        return dp_link(self.setting.cluster, range(self.dp * self.tp), self.tp)
 
     def time(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(forward op, backward op, tail, optimizer step, parameter gather) of every segment (pipeline.py's _cost_chunk and
-        _stage_tail)."""
+        """(forward op, backward op, tail, optimizer step, parameter gather) of every segment: the cost_models
+        functions the simulator composes (pipeline.py's chunk costs and stage tail), applied to every segment's
+        bytes at once through their affine form (_affine)."""
         key = ("time", policy)
         if key in self._cache:
             return self._cache[key]
@@ -388,58 +393,41 @@ class Segments:
         act_out = 0.0
         if policy.activations.startswith("offload-"):
             act_out = _affine(lambda x: transfer_time(x, policy.activations.removeprefix("offload-"), cl), self.act)
-        params_in = _affine(lambda x: transfer_time(x, policy.params, cl), param_bytes / (dp if z >= 3 else 1))
-        grads_out = _affine(lambda x: transfer_time(x, policy.grads, cl), param_bytes / (dp if z >= 2 else 1))
+        params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl)[0], param_bytes)
+        grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl)[1], param_bytes)
         link = self.dp_link
-        gather = _affine(lambda x: all_gather_time(x, dp, link), param_bytes) if z >= 3 else 0.0
-        scatter = _affine(lambda x: reduce_scatter_time(x, dp, link), param_bytes) if z >= 2 else 0.0
+        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link)[0], param_bytes)
+        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link)[1], param_bytes)
         t_fwd = act_out + params_in
         t_bwd = act_out + params_in + grads_out
         fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)
         bwd_op = bwd + bwd_comm + np.maximum(0.0, np.maximum(t_bwd, gather + scatter) - bwd)
-        sync = 0.0
-        if z == 0:
-            sync = _affine(lambda x: all_reduce_time(x, dp, link), param_bytes)
-        elif z == 1:
-            sync = _affine(lambda x: reduce_scatter_time(x, dp, link), param_bytes)
-        gathered = _affine(lambda x: all_gather_time(x, dp, link), param_bytes) if z in (1, 2) else 0.0
-        memory = Memory(policy.params, policy.grads, policy.optimizer)
-        updated = self.params / dp if z >= 1 else self.params
-        opt = _affine(lambda x: optimizer_step_time(x, memory, cl, dtype=st.dtype, optimizer=st.optimizer), updated)
-        out = (fwd_op, bwd_op, sync + opt + gathered, opt, np.zeros_like(opt) + gathered)
+
+        def tail(x: float):
+            return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
+
+        sync = _affine(lambda x: tail(x).grad_sync, self.params)
+        opt = _affine(lambda x: tail(x).optimizer, self.params)
+        gathered = _affine(lambda x: tail(x).param_gather, self.params)
+        out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
         self._cache[key] = out
         return out
 
     def memory(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(gpu, cpu, nvme) bytes per rank of every segment as base + in_flight * per_micro_batch pairs
-        (cost_models/memory.stage_memory, term by term)."""
+        """(gpu, cpu, nvme) bytes per rank of every segment as base + in_flight * per_micro_batch pairs: the
+        terms of cost_models/memory.stage_memory (state_residency, activation_residency, activation_transient)
+        applied to every segment's sums at once (activation_residency is linear; the transient is that of the
+        segment's largest block)."""
         key = ("memory", policy)
         if key in self._cache:
             return self._cache[key]
-        st, dp, z = self.setting, self.dp, self.zero
+        st = self.setting
+        base = state_residency(self.params, self.largest, dp=self.dp, zero=self.zero, memory=policy, dtype=st.dtype,
+                               optimizer=st.optimizer)
+        base = base.put("gpu", activation_transient(policy.activations, self.act_max))
+        per_mb = activation_residency(policy.activations, self.act, self.checkpoint)
         zeros = np.zeros_like(self.params)
-        tiers = {"gpu": [zeros.copy(), zeros.copy()], "cpu": [zeros.copy(), zeros.copy()], "nvme": [zeros.copy(), zeros.copy()]}
-        w = self.width
-        k = optimizer_bytes_per_param(st.dtype, st.optimizer)
-        tiers[policy.params][0] += w * self.params / (dp if z >= 3 else 1)
-        tiers[policy.grads][0] += w * self.params / (dp if z >= 2 else 1)
-        tiers[policy.optimizer][0] += k * self.params / (dp if z >= 1 else 1)
-        if policy.params != "gpu":
-            tiers["gpu"][0] += 2 * self.largest / (dp if z >= 3 else 1)
-        if policy.grads != "gpu":
-            tiers["gpu"][0] += self.largest / (dp if z >= 2 else 1)  # memory.stage_memory: one block's grads
-        if z >= 3:
-            tiers["gpu"][0] += 2 * self.largest
-        acts = policy.activations
-        if acts == "keep":
-            tiers["gpu"][1] += self.act
-        elif acts == "recompute":
-            tiers["gpu"][1] += self.checkpoint
-            tiers["gpu"][0] += self.act_max
-        else:
-            tiers[acts.removeprefix("offload-")][1] += self.act
-            tiers["gpu"][0] += 2 * self.act_max
-        out = (*tiers["gpu"], *tiers["cpu"], *tiers["nvme"])
+        out = tuple(zeros + x for x in (base.gpu, per_mb.gpu, base.cpu, per_mb.cpu, base.nvme, per_mb.nvme))
         self._cache[key] = out
         return out
 
@@ -458,9 +446,9 @@ class Segments:
 # --- candidate layouts of a unit --------------------------------------------------------------------------
 
 
-def in_flight(schedule: Schedule, micro_batches: int, downstream: int) -> float:
-    """Micro-batches of activations a stage with `downstream` later stages holds (cost_models/memory.py)."""
-    return float(micro_batches) if schedule == "gpipe" else float(min(micro_batches, downstream + 1))
+def stage_in_flight(schedule: Schedule, micro_batches: int, downstream: int) -> float:
+    """Micro-batches of activations a one-chunk stage with `downstream` later stages holds (memory.in_flight)."""
+    return in_flight(schedule, micro_batches, warmup_forwards(schedule, micro_batches, downstream))
 
 
 class _Stages:
@@ -472,7 +460,7 @@ class _Stages:
         self._by_flight: dict[float, tuple[np.ndarray, np.ndarray]] = {}
 
     def flight(self, q: int) -> float:
-        return in_flight(self.seg.setting.schedule, self.seg.micro_batches, q + self.downstream)
+        return stage_in_flight(self.seg.setting.schedule, self.seg.micro_batches, q + self.downstream)
 
     def cost(self, q: int) -> np.ndarray:
         return self.evaluate(self.flight(q))[0]
@@ -493,19 +481,15 @@ class _Stages:
 
 
 def _cross_link(setting: Setting, stage_ranks: int, pp: int) -> Link:
-    """Link between consecutive stages for the DP's send estimate: inter-node once the unit spans nodes."""
-    cl = setting.cluster
-    if cl.nodes > 1 and stage_ranks * pp > cl.gpus_per_node:
-        return min(cl.intra_node, cl.inter_node, key=lambda link: link.bandwidth)
-    return cl.intra_node
+    """Link between consecutive stages for the DP's send estimate: the one the unit's ranks span (from a node
+    boundary)."""
+    return link_for(setting.cluster, range(stage_ranks * pp))
 
 
 def _stage_link(cluster: Cluster, stage_ranks: int, k: int) -> Link:
     """Link of the p2p between stages k and k+1 of a unit whose ranks start on a node boundary (pair_link)."""
-    g = cluster.gpus_per_node
-    if cluster.nodes > 1 and (k * stage_ranks) // g != ((k + 2) * stage_ranks - 1) // g:
-        return min(cluster.intra_node, cluster.inter_node, key=lambda link: link.bandwidth)
-    return cluster.intra_node
+    s = stage_ranks
+    return pair_link(cluster, range(k * s, (k + 1) * s), range((k + 1) * s, (k + 2) * s))
 
 
 def boundary_bound(src: Layout, dst: Layout, cluster: Cluster) -> float:
@@ -516,21 +500,14 @@ def boundary_bound(src: Layout, dst: Layout, cluster: Cluster) -> float:
     either unit fills whole nodes (allocate.assign_ranks never puts another unit on them), else the fastest."""
     if src.out_bytes <= 0:
         return 0.0
-    link = fastest_link(cluster)
-    if cluster.nodes > 1 and max(src.gpus, dst.gpus) >= cluster.gpus_per_node:
-        link = min(cluster.intra_node, cluster.inter_node, key=lambda x: x.bandwidth)
+    fills_nodes = cluster.nodes > 1 and max(src.gpus, dst.gpus) >= cluster.gpus_per_node
+    link = link_between(cluster, crosses_nodes=True) if fills_nodes else fastest_link(cluster)
     micro = src.samples * src.dp  # samples of a micro-batch
     per = src.out_bytes
     recv = max(1, src.dp // dst.dp) * link.latency_s + micro / dst.dp * per / link.bandwidth
     sends = max(1, dst.dp // src.dp) * dst.tp
     send = sends * link.latency_s + dst.tp * micro / src.dp * per / link.bandwidth
     return max(recv, send)
-
-
-def fastest_link(cluster: Cluster) -> Link:
-    """A link at least as fast as any the cluster has (for lower bounds)."""
-    a, b = cluster.intra_node, cluster.inter_node
-    return Link(max(a.bandwidth, b.bandwidth), min(a.latency_s, b.latency_s))
 
 
 def unit_layouts(
@@ -614,7 +591,7 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
     if not depths or st.schedule == "gpipe":
         variants: list[tuple[int | None, int]] = [(None, depths[-1] if depths else 0)]
     elif merge and (len(depths) == 1 or not any(
-            seg.binds(p, in_flight(st.schedule, m, depths[0]), in_flight(st.schedule, m, depth - 1 + depths[-1]))
+            seg.binds(p, stage_in_flight(st.schedule, m, depths[0]), stage_in_flight(st.schedule, m, depth - 1 + depths[-1]))
             for p in st.policies)):
         variants = [(None, depths[-1])]  # memory does not depend on the depth: one table serves all
     else:

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 
 from cost_models.compute import measured_on
-from cost_models.memory import DTYPE_BYTES, optimizer_bytes_per_param
+from cost_models.memory import DTYPE_BYTES, model_state_bytes
 from planner.allocate import Allocator, Choice, Solver, assign_ranks, pick_solver
 from planner.candidates import (
     RUNTIME_ZERO_STAGES,
@@ -27,7 +27,7 @@ from planner.candidates import (
     Structure,
     Unit,
     divisors,
-    in_flight,
+    stage_in_flight,
     micro_batch_counts,
     profile_units,
     tp_degrees,
@@ -261,8 +261,7 @@ def _structures(profile: Profile, cluster: Cluster, placement: Placement) -> lis
 
 def state_bytes(profile: Profile, dtype: str) -> float:
     """Bytes of the model's training state: parameters, gradients and optimizer state (mixed-precision Adam)."""
-    params = sum(b.params for b in profile.blocks)
-    return params * (2 * DTYPE_BYTES[dtype] + optimizer_bytes_per_param(dtype, "adam"))
+    return model_state_bytes(sum(b.params for b in profile.blocks), dp=1, zero=0, dtype=dtype, optimizer="adam").total
 
 
 def _check_capacity(profile: Profile, cluster: Cluster, dtype: str) -> None:
@@ -317,7 +316,7 @@ def _least_gpu_bytes(profile: Profile, cluster: Cluster, setting: Setting, memor
 
 def _stage_bytes(seg: Segments, policies: Sequence[Policy], q: int) -> np.ndarray:
     """GPU bytes of every segment as a stage with q stages after it, under its least-GPU policy."""
-    flight = in_flight(seg.setting.schedule, seg.micro_batches, q)
+    flight = stage_in_flight(seg.setting.schedule, seg.micro_batches, q)
     out = np.full_like(seg.params, np.inf)
     for pol in policies:
         g0, g1, *_ = seg.memory(pol)
