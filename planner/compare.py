@@ -1,4 +1,4 @@
-"""Offline comparison of plans: predicted figures side by side, Perfetto traces, and predicted vs measured."""
+"""Offline comparison of plans: their predicted figures, Perfetto traces, and predicted vs measured (printed by planner/report.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,13 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-from rich.text import Text
-
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.trace import chrome_trace
-from planner.console import human_count
-from plans.units import format_bytes
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, load_plan
@@ -66,96 +61,6 @@ def best_index(items: Sequence[Compared]) -> int | None:
 def max_memory(predicted: Predicted) -> dict[str, float]:
     """Peak bytes of the fullest rank in each tier."""
     return {tier: max((getattr(m, tier) for m in predicted.memory), default=0.0) for tier in ("gpu", "cpu", "nvme")}
-
-
-def layout_text(plan: Plan) -> str:
-    """One line per group: `name: tp8 pp2 dp32 zero1 [colocated with x]`."""
-    return "\n".join(f"{g.name}: tp{g.tp} pp{g.pp} dp{g.dp}" + (f" zero{g.zero}" if g.zero else "")
-                     + (f" (with {g.colocated_with})" if g.colocated_with else "") for g in plan.groups)
-
-
-def figures(item: Compared, *, best: bool = False) -> dict[str, Any]:
-    """The JSON object of one compared plan (`mmplan compare --json`)."""
-    p, plan, t = item.predicted, item.plan, item.plan.training
-    return {
-        "plan": item.name,
-        "model": plan.profile.model,
-        "cluster": plan.cluster.name,
-        "world_size": plan.world_size,
-        "source": "evaluated" if item.evaluation is not None else "plan file",
-        "groups": [{"name": g.name, "tp": g.tp, "pp": g.pp, "dp": g.dp, "zero": g.zero, "colocated_with": g.colocated_with}
-                   for g in plan.groups],
-        "global_batch": t.global_batch,
-        "micro_batches": t.micro_batches,
-        "schedule": t.schedule,
-        "step_time_s": p.step_time_s,
-        "samples_per_s": p.samples_per_s,
-        "tokens_per_s": p.tokens_per_s,
-        "tflops_per_gpu": p.tflops_per_gpu,
-        "mfu": p.mfu,
-        "peak_memory_bytes": [{"rank": m.rank, "gpu": m.gpu, "cpu": m.cpu, "nvme": m.nvme} for m in p.memory],
-        "max_memory_bytes": max_memory(p),
-        "device_memory_bytes": plan.cluster.device.memory_bytes,
-        "bubble_fraction": p.bubble_fraction,
-        "comm_bytes": p.comm_bytes,
-        "bottleneck": p.bottleneck,
-        "fits": p.fits,
-        "best": best,
-    }
-
-
-def compare_json(items: Sequence[Compared]) -> list[dict[str, Any]]:
-    """One object per plan, in the order given."""
-    best = best_index(items)
-    return [figures(c, best=i == best) for i, c in enumerate(items)]
-
-
-def compare_table(items: Sequence[Compared]) -> Table:
-    """Plans as columns, figures as rows; the best plan (fastest that fits) in green with a star."""
-    best = best_index(items)
-    source = "evaluated by the cost model" if all(c.evaluation for c in items) else "predictions stored in the plans"
-    table = Table(title=f"predicted step ({source})", title_justify="left", header_style="bold")
-    table.add_column("")
-    for i, c in enumerate(items):
-        label = Path(c.name).stem + (" ★ best" if i == best else "")
-        table.add_column(label, justify="right", header_style="bold green" if i == best else "bold",
-                         style="green" if i == best else None)
-
-    def row(name: str, cell) -> None:
-        table.add_row(name, *(cell(c) for c in items))
-
-    row("layout", lambda c: layout_text(c.plan))
-    row("GPUs", lambda c: f"{c.plan.world_size} of {c.plan.cluster.name}")
-    row("schedule", lambda c: _schedule_text(c.plan))
-    row("step time", lambda c: _seconds(c.predicted.step_time_s))
-    row("samples/s", lambda c: f"{c.predicted.samples_per_s:,.1f}")
-    row("tokens/s", lambda c: human_count(c.predicted.tokens_per_s) if c.predicted.tokens_per_s else "-")
-    row("TFLOP/s per GPU", lambda c: f"{c.predicted.tflops_per_gpu:.4g}")
-    row("MFU", lambda c: f"{c.predicted.mfu:.1%}")
-    row("peak GPU memory", lambda c: _memory_cell(c))
-    row("peak CPU memory", lambda c: format_bytes(max_memory(c.predicted)["cpu"]))
-    row("peak NVMe", lambda c: format_bytes(max_memory(c.predicted)["nvme"]))
-    row("bubble", lambda c: f"{c.predicted.bubble_fraction:.1%}")
-    row("comm per step", lambda c: format_bytes(c.predicted.comm_bytes))
-    row("bottleneck", lambda c: c.predicted.bottleneck or "-")
-    row("fits", lambda c: Text("yes") if c.predicted.fits else Text("no", style="bold red"))
-    return table
-
-
-def _schedule_text(plan: Plan) -> str:
-    t = plan.training
-    name = f"interleaved:{t.virtual_stages}" if t.schedule == "interleaved" else t.schedule
-    return f"{name}, {t.micro_batches} x {t.micro_batch} samples"
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
-def _memory_cell(c: Compared) -> Text:
-    """Fullest rank's GPU bytes of the device's; red when over."""
-    gpu, cap = max_memory(c.predicted)["gpu"], c.plan.cluster.device.memory_bytes
-    return Text(f"{format_bytes(gpu)} of {format_bytes(cap)}", style=None if gpu <= cap else "bold red")
 
 
 def write_traces(items: Sequence[Compared], directory: str | os.PathLike) -> list[Path]:
@@ -358,35 +263,6 @@ def _pair(predicted: float | None, measured: float) -> dict[str, float | None]:
             "deviation_pct": None if predicted is None else deviation(predicted, measured)}
 
 
-def measured_table(plan: Plan, evaluation_or_predicted: Evaluation | Predicted, metrics_rows: Sequence[Any]) -> Table:
-    """Predicted beside measured (see deviation_summary): step time, then per rank busy time and peak memory."""
-    summary = deviation_summary(plan, evaluation_or_predicted, metrics_rows)
-    skipped = summary["warmup_steps_skipped"]
-    table = Table(title=f"predicted vs measured (median of {summary['steps_used']} steps"
-                        + (f", first {skipped} skipped as warm-up)" if skipped else ")"),
-                  title_justify="left", header_style="bold")
-    for name in ("", "predicted", "measured", "deviation"):
-        table.add_column(name, justify="left" if not name else "right")
-
-    def add(name: str, pair: dict, fmt) -> None:
-        p = pair["predicted"]
-        table.add_row(name, "-" if p is None else fmt(p), fmt(pair["measured"]), _deviation_text(pair["deviation_pct"]))
-
-    add("step time", summary["step_time_s"], _seconds)
-    for r in summary["ranks"]:
-        add(f"rank {r['rank']} busy (compute + comm)", r["busy_s"], _seconds)
-    for r in summary["ranks"]:
-        add(f"rank {r['rank']} peak memory", r["peak_memory_bytes"], format_bytes)
-    return table
-
-
-def _deviation_text(pct: float | None) -> Text:
-    if pct is None:
-        return Text("-")
-    style = None if abs(pct) <= 20 else "yellow" if abs(pct) <= 50 else "bold red"
-    return Text(f"{pct:+.1f} %", style=style)
-
-
 # --- the `mmplan compare` command's core ---------------------------------------------------------------------
 
 
@@ -397,14 +273,6 @@ class Comparison:
     items: tuple[Compared, ...]
     measured: tuple[MeasuredStep, ...] | None = None
     traces: tuple[Path, ...] = ()
-
-    def as_json(self) -> list[dict[str, Any]]:
-        """compare_json, the plan's object carrying "measured": deviation_summary(...) when a log was given."""
-        out = compare_json(self.items)
-        if self.measured is not None:
-            c = self.items[0]
-            out[0]["measured"] = deviation_summary(c.plan, c.evaluation or c.predicted, self.measured)
-        return out
 
 
 def run_compare(paths: Sequence[str | os.PathLike], *, profile_path: str | os.PathLike | None = None,

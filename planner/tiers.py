@@ -1,4 +1,4 @@
-"""Memory tiers: an ILP placing each stage's params, grads, optimizer state and each block's activations in GPU / CPU / NVMe or recompute."""
+"""Memory tiers: an ILP choosing the tier (GPU / CPU / NVMe, or recompute) of each stage's params, grads, optimizer state and each block's activations."""
 from __future__ import annotations
 
 import itertools
@@ -82,7 +82,7 @@ class _Stage:
 
 def place_tiers(plan: Plan, profile: Profile, *, solver: Solver = "highs", time_limit: float = 30.0) -> Plan | None:
     """The plan with every stage's memory placed by the ILP above (predictions refreshed), or None when the
-    solver finds no placement in time. Raises MmplanError naming the shortfall when none can exist."""
+    solver finds no tier assignment in time. Raises MmplanError naming the shortfall when none can exist."""
     stages, m = _stages(plan, profile)
     _check_room(plan, stages)
     prob, z, a = _model(plan, stages, m)
@@ -235,7 +235,7 @@ def _check_room(plan: Plan, stages: list[_Stage]) -> None:
 def _shortfall(plan: Plan, stages: list[_Stage], only_if_short: bool = False) -> str:
     """A sentence naming by how many bytes the plan's ranks or nodes are short of memory in every tier (from
     necessary conditions: a rank's GPU holds at least its stages' least GPU-resident state; a node's tiers
-    together hold at least its ranks' whole state)."""
+    combined hold at least its ranks' whole state)."""
     cluster = plan.cluster
     cap = cluster.device.memory_bytes
     gpu_need: dict[int, float] = defaultdict(float)  # rank -> least GPU bytes of its model states
@@ -258,5 +258,5 @@ def _shortfall(plan: Plan, stages: list[_Stage], only_if_short: bool = False) ->
                     f"{room / 1e9:,.1f} GB ({(need - room) / 1e9:,.1f} GB short); add nodes or NVMe")
     if only_if_short:
         return ""
-    return (f"no placement of {plan.profile.model}'s state and activations fits the GPU, host memory and NVMe of "
+    return (f"no assignment of tiers to {plan.profile.model}'s state and activations fits the GPU, host memory and NVMe of "
             f"{cluster.world_size} x {cluster.device.name}; add GPUs or nodes")

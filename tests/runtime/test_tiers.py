@@ -46,8 +46,9 @@ def test_training_beyond_device_memory_with_the_solvers_tier_plan():
     import torch
 
     from cost_models.hardware import cluster_from_toml
+    from planner.diagnosis import state_bytes
     from planner.profile import profile_model
-    from planner.solve import solve, state_bytes
+    from planner.solve import solve
     from runtime.source import resolve
 
     prof = profile_model(resolve("tiny-vlm"))
