@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from cost_models.trace import chrome_trace
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, load_plan
-from plans.serial import read_text, write_atomic
+from plans.serial import parse_json, read_text, validate, write_atomic
 
 TRACE_ALL_RANKS_UP_TO = 64  # traces of larger plans show one rank per class of identical ranks ("stands for ...")
 WARMUP_STEPS = 1  # measured steps left out of the medians (the first step builds caches, warms allocators)
@@ -114,20 +115,12 @@ class MeasuredStep:
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[MeasuredStep, ...]:
-    """Parse a JSONL metrics log; every problem is one FormatError naming the line."""
+    """Parse a JSONL metrics log (plans/schema/metrics.json, one object per line); every problem is one
+    FormatError naming the line."""
     what = f"metrics log {path}"
     text = read_text(path, "metrics log")
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise FormatError(f"{what} line {n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
-        except (ValueError, RecursionError):  # an integer of too many digits, nesting too deep
-            raise FormatError(f"{what} line {n} is not usable JSON (a number too long or nesting too deep); "
-                              "each line must be one JSON object") from None
+    rows = [(n, parse_json(line, f"{what} line {n}", allow_nan=True)) for n, line in enumerate(text.splitlines(), 1)
+            if line.strip()]
     if not rows:
         raise _no_steps(what)
     return tuple(_step(row, f"{what} line {n}") for n, row in rows)
@@ -153,20 +146,12 @@ def _no_steps(what: str) -> FormatError:
 
 
 def _step(row: Any, where: str) -> MeasuredStep:
-    if not isinstance(row, Mapping):
-        raise FormatError(f"{where} is a JSON {type(row).__name__}, not an object with step, step_time_s, compute_s, ...")
-    for key in ("step", "step_time_s", "compute_s", "peak_memory_bytes"):
-        if key not in row:
-            raise FormatError(f"{where} lacks field {key!r}")
-    step = row["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise FormatError(f"{where}: field 'step' must be an integer >= 0, got {step!r}")
+    """One validated row (plans/schema/metrics.json) as a MeasuredStep."""
+    validate(row, "metrics", where, message=functools.partial(_schema_message, where))
     loss = row.get("loss")
-    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or abs(loss) > 1e308):
-        raise FormatError(f"{where}: field 'loss' must be a number, got {_brief(loss)}")
     return MeasuredStep(
-        step=step,
-        step_time_s=_number(row["step_time_s"], "step_time_s", where),
+        step=row["step"],
+        step_time_s=_finite(row["step_time_s"], "step_time_s", where),
         compute_s=_per_rank(row["compute_s"], "compute_s", where),
         comm_s=_per_rank(row.get("comm_s", 0.0), "comm_s", where),
         idle_s=_per_rank(row.get("idle_s", 0.0), "idle_s", where),
@@ -175,9 +160,23 @@ def _step(row: Any, where: str) -> MeasuredStep:
     )
 
 
-def _number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e308 \
-            or not math.isfinite(value):  # (compared before isfinite: a huge int does not convert to float)
+def _schema_message(where: str, err: Any) -> str:
+    """One sentence for the first schema error of a metrics row, naming the field as `key[i]`."""
+    path = list(err.absolute_path)
+    if not path and err.validator == "type":
+        return f"{where} is a JSON {type(err.instance).__name__}, not an object with step, step_time_s, compute_s, ..."
+    if err.validator == "required":
+        return f"{where} lacks field {next(k for k in err.validator_value if k not in err.instance)!r}"
+    key = str(path[0]) + "".join(f"[{i}]" for i in path[1:])
+    if err.validator == "minItems":
+        return f"{where}: field {key!r} is an empty list; give one number per rank"
+    expected = {"step": "an integer >= 0", "loss": "a number"}.get(key, "a finite number >= 0")
+    return f"{where}: field {key!r} must be {expected}, got {_brief(err.instance)}"
+
+
+def _finite(value: int | float, key: str, where: str) -> float:
+    """A schema-checked number as a float; NaN (which compares with nothing, so passes a schema's bounds) is refused."""
+    if not math.isfinite(value):
         raise FormatError(f"{where}: field {key!r} must be a finite number >= 0, got {_brief(value)}")
     return float(value)
 
@@ -190,10 +189,8 @@ def _brief(value: Any) -> str:
 def _per_rank(value: Any, key: str, where: str) -> PerRank:
     """A list of one number per rank; a bare number means the same on every rank."""
     if isinstance(value, list):
-        if not value:
-            raise FormatError(f"{where}: field {key!r} is an empty list; give one number per rank")
-        return tuple(_number(v, f"{key}[{i}]", where) for i, v in enumerate(value))
-    return _number(value, key, where)
+        return tuple(_finite(v, f"{key}[{i}]", where) for i, v in enumerate(value))
+    return _finite(value, key, where)
 
 
 def _on_ranks(values: PerRank, world: int, key: str, step: int) -> list[float]:
