@@ -55,7 +55,7 @@ def check_writable(path: Path) -> None:
         if not parent.is_dir():
             raise MmplanError(f"cannot write {path}: directory {parent} does not exist")
         # the temporary file plans.serial.write_atomic will write, by the same pattern (so a name too long fails now)
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.tmp-")
     except OSError as e:
         raise MmplanError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
