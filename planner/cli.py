@@ -177,7 +177,7 @@ def run(
 ) -> None:
     """Train with a plan: one process per rank here (gloo on CPU), or join a torchrun job (multi-node).
 
-    Checks the plan against the model first (fingerprint, placement, rank count). At the end prints the
+    Checks the plan against the model first (fingerprint, every block in one stage, rank count). At the end prints the
     measured step time, busy time and memory beside the cost model's prediction.
     """
     from planner.run import measured_summary, run_plan
