@@ -13,7 +13,7 @@ from typing import Any
 
 from plans.cluster import DTYPES, Cluster, Device, Link
 from plans.errors import FormatError, MmplanError
-from plans.serial import validate
+from plans.serial import read_text, validate
 
 # Units. Datasheets use SI: "GB/s" = 1e9 bytes/s, "TFLOPS" = 1e12 FLOP/s. The TOML format uses the same
 # (memory_gb = 1e9 bytes, bandwidth_gbps = 1e9 bytes/s, latency_us = 1e-6 s, peak_tflops = 1e12 FLOP/s).
@@ -269,19 +269,7 @@ def _regroup(cluster: Cluster, gpus_per_node: int, source: str) -> Cluster:
 
 def load_cluster_toml(path: str | Path) -> Cluster:
     """Read a cluster TOML file (format: docs/cluster-toml.md); every problem is one FormatError."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise FormatError(f"cluster file {path} not found") from None
-    except IsADirectoryError:
-        raise FormatError(f"cluster file {path} is a directory, not a .toml file") from None
-    except OSError as e:
-        raise FormatError(f"cannot read cluster file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise FormatError(f"cluster file {path} is not UTF-8 text") from None
-    except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
-        raise FormatError(f"cannot read cluster file {path!r}: {e}") from None
-    return cluster_from_toml(text, source=str(path))
+    return cluster_from_toml(read_text(path, "cluster file"), source=str(path))
 
 
 def cluster_from_toml(text: str, source: str = "cluster TOML") -> Cluster:

@@ -77,6 +77,10 @@ def read_text(path: str | os.PathLike, what: str) -> str:
     """A text file's contents; every I/O or decoding problem is one FormatError naming `what` and the path."""
     try:
         return Path(path).read_text()
+    except FileNotFoundError:
+        raise FormatError(f"cannot read {what} {path}: not found") from None
+    except IsADirectoryError:
+        raise FormatError(f"cannot read {what} {path}: it is a directory") from None
     except OSError as e:
         raise FormatError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
