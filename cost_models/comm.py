@@ -24,6 +24,8 @@ def link_between(cluster: Cluster, *, crosses_nodes: bool) -> Link:
 def link_for(cluster: Cluster, ranks: Iterable[int]) -> Link:
     """The slowest link the rank set spans (link_between)."""
     per_node = cluster.gpus_per_node
+    if isinstance(ranks, range) and ranks.step > 0:  # ascending: it spans nodes iff its ends lie on two (hot path)
+        return link_between(cluster, crosses_nodes=len(ranks) > 1 and ranks[0] // per_node != ranks[-1] // per_node)
     return link_between(cluster, crosses_nodes=len({r // per_node for r in ranks}) > 1)  # node_of(r), inlined: hot
 
 

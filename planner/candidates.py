@@ -8,7 +8,7 @@ from typing import Literal
 
 import numpy as np
 
-from cost_models.comm import link_for, p2p_time, pair_link
+from cost_models.comm import link_for, p2p_time
 from cost_models.memory import block_input_bytes, in_flight, warmup_forwards
 from planner.bounds import Bound, layout_bound, run_bound
 from planner.partition import cut_table
@@ -201,9 +201,12 @@ class _Stages:
     def __init__(self, seg: Segments, downstream: int, send: np.ndarray):
         self.seg, self.downstream, self.send = seg, downstream, send
         self._by_flight: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self._flights: dict[int, float] = {}  # q -> micro-batches in flight (the DP asks for each q many times)
 
     def flight(self, q: int) -> float:
-        return stage_in_flight(self.seg.setting.schedule, self.seg.micro_batches, q + self.downstream)
+        if q not in self._flights:
+            self._flights[q] = stage_in_flight(self.seg.setting.schedule, self.seg.micro_batches, q + self.downstream)
+        return self._flights[q]
 
     def cost(self, q: int) -> np.ndarray:
         return self.evaluate(self.flight(q))[0]
@@ -230,9 +233,9 @@ def _cross_link(setting: Setting, stage_ranks: int, pp: int) -> Link:
 
 
 def _stage_link(cluster: Cluster, stage_ranks: int, k: int) -> Link:
-    """Link of the p2p between stages k and k+1 of a unit whose ranks start at a node's first rank (pair_link)."""
-    s = stage_ranks
-    return pair_link(cluster, range(k * s, (k + 1) * s), range((k + 1) * s, (k + 2) * s))
+    """Link of the p2p between stages k and k+1 of a unit whose ranks start at a node's first rank: the one their
+    ranks span (the same as pair_link's, since a stage's rank count divides a node or is whole nodes)."""
+    return link_for(cluster, range(k * stage_ranks, (k + 2) * stage_ranks))
 
 
 def unit_layouts(

@@ -98,3 +98,9 @@ def test_zero_collectives_run_over_the_sharded_ranks():
     assert zero_collectives(GIB, dp=8, zero=1, link=link) == (0.0, 0.0)
     assert zero_collectives(GIB, dp=8, zero=2, link=link) == (0.0, reduce_scatter_time(GIB, 8, link))
     assert zero_collectives(GIB, dp=8, zero=3, link=link) == (all_gather_time(GIB, 8, link), reduce_scatter_time(GIB, 8, link))
+
+
+def test_link_for_a_range_is_the_link_for_its_ranks():
+    cluster = catalog_cluster("32xh100-sxm")
+    for r in (range(0), range(3, 4), range(0, 8), range(4, 12), range(0, 32, 8), range(8, 16, 2), range(6, 10, 3)):
+        assert link_for(cluster, r) == link_for(cluster, list(r)), r
