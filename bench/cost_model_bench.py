@@ -113,30 +113,30 @@ def plans(profile: Profile) -> list[tuple[str, Profile, P.Plan]]:
 
     if profile.model == "vit22b-llama70b":
         cluster = catalog_cluster("128xh100-sxm")
-        apart = (
+        non_colocated = (
             group(profile, "vision", dp=2, tp=8, pp=2, first=0, zero=1),
             group(profile, "vision_proj", dp=4, tp=8, pp=1, first=0, colocated_with="vision"),
             group(profile, "llm", dp=3, tp=8, pp=4, first=32, zero=1),
         )
-        return [("non-colocated vision 32 / llm 96, 1f1b", profile, plan(profile, cluster, P.Training(96, 8), apart))]
+        return [("non-colocated vision 32 / llm 96, 1f1b", profile, plan(profile, cluster, P.Training(96, 8), non_colocated))]
     cluster = catalog_cluster("1024xh100-sxm")
     # LLM layers recompute their activations (at 8-16 samples per replica and micro-batch they would not fit).
     # plans/plan.py asks every stage of every group for >= virtual_stages blocks: the one-block projector
     # joins the vision group for the interleaved plan.
     merged = profile.with_groups({"vision_proj": "vision"})
-    together = (
+    colocated = (
         group(merged, "vision", dp=128, tp=8, pp=1, first=0, zero=1, colocated_with="llm"),
         group(merged, "llm", dp=16, tp=8, pp=8, first=0, v=2, zero=1, recompute=True),
     )
-    apart = (
+    non_colocated = (
         group(profile, "vision", dp=16, tp=4, pp=1, first=0, zero=1),
         group(profile, "vision_proj", dp=16, tp=4, pp=1, first=0, colocated_with="vision"),
         group(profile, "llm", dp=15, tp=8, pp=8, first=64, zero=1, recompute=True),
     )
     return [
         ("colocated, llm tp8 pp8 dp16 interleaved v2", merged,
-         plan(merged, cluster, P.Training(4096, 32, "interleaved", 2), together)),
-        ("non-colocated vision 64 / llm 960, 1f1b", profile, plan(profile, cluster, P.Training(7680, 32), apart)),
+         plan(merged, cluster, P.Training(4096, 32, "interleaved", 2), colocated)),
+        ("non-colocated vision 64 / llm 960, 1f1b", profile, plan(profile, cluster, P.Training(7680, 32), non_colocated)),
     ]
 
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from cost_models.memory import zero_divisors
 from plans.cluster import Cluster, Link
 
 # Every time here is in seconds; every size is the bytes of the whole tensor one rank holds before
@@ -11,12 +12,27 @@ from plans.cluster import Cluster, Link
 # bytes/s in one direction, Link.latency_s is the per-message start-up cost alpha.
 
 
-def link_for(cluster: Cluster, ranks: Iterable[int]) -> Link:
-    """The slowest link the rank set spans: the slower of intra/inter-node if it crosses nodes, else intra-node."""
-    per_node = cluster.gpus_per_node
-    if len({r // per_node for r in ranks}) <= 1:  # node_of(r), inlined: this runs per boundary transfer
+def link_between(cluster: Cluster, *, crosses_nodes: bool) -> Link:
+    """The link ranks communicate over: the intra-node one, or, when they span nodes, the slower of intra- and
+    inter-node (a ring or a set of parallel sends is as slow as its slowest hop; Thakur et al. 2005 assume one
+    uniform link per collective). Every choice of link in the cost model and the solver comes down to this."""
+    if not crosses_nodes:
         return cluster.intra_node
     return min(cluster.intra_node, cluster.inter_node, key=lambda link: link.bandwidth)
+
+
+def link_for(cluster: Cluster, ranks: Iterable[int]) -> Link:
+    """The slowest link the rank set spans (link_between)."""
+    per_node = cluster.gpus_per_node
+    if isinstance(ranks, range) and ranks.step > 0:  # ascending: it spans nodes iff its ends lie on two (hot path)
+        return link_between(cluster, crosses_nodes=len(ranks) > 1 and ranks[0] // per_node != ranks[-1] // per_node)
+    return link_between(cluster, crosses_nodes=len({r // per_node for r in ranks}) > 1)  # node_of(r), inlined: hot
+
+
+def dp_link(cluster: Cluster, stage_ranks: Sequence[int], tp: int) -> Link:
+    """The link of a stage's data-parallel collectives: the one the dp group of its tp-rank 0 spans (stage ranks
+    in Megatron order, tp fastest, so that group is every tp-th rank; the other dp groups span the same nodes)."""
+    return link_for(cluster, stage_ranks[::tp])
 
 
 def pair_link(cluster: Cluster, src: Iterable[int], dst: Iterable[int]) -> Link | None:
@@ -25,9 +41,13 @@ def pair_link(cluster: Cluster, src: Iterable[int], dst: Iterable[int]) -> Link 
     if not pairs:
         return None
     per_node = cluster.gpus_per_node
-    if all(a // per_node == b // per_node for a, b in pairs):
-        return cluster.intra_node
-    return min(cluster.intra_node, cluster.inter_node, key=lambda link: link.bandwidth)
+    return link_between(cluster, crosses_nodes=not all(a // per_node == b // per_node for a, b in pairs))
+
+
+def fastest_link(cluster: Cluster) -> Link:
+    """A link at least as fast as any the cluster has: the higher bandwidth and the lower latency (lower bounds)."""
+    a, b = cluster.intra_node, cluster.inter_node
+    return Link(max(a.bandwidth, b.bandwidth), min(a.latency_s, b.latency_s))
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
@@ -77,3 +97,12 @@ def ring_bytes_sent(nbytes: float, n: int, *, all_reduce: bool) -> float:
     if n <= 1:
         return 0.0
     return (2 if all_reduce else 1) * (n - 1) / n * nbytes
+
+
+def zero_collectives(param_bytes: float, *, dp: int, zero: int, link: Link) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds ZeRO adds to every micro-batch of a stage holding `param_bytes` of
+    parameters per rank: stage 3 all-gathers the parameters before every forward and backward, stages 2-3
+    reduce-scatter the gradients after every backward (Rajbhandari et al. 2020, sections 5.2-5.3 and 7.2), each
+    over the ranks the state is sharded over (zero_divisors); both are prefetched / bucketed behind compute."""
+    share = zero_divisors(zero, dp)
+    return all_gather_time(param_bytes, share.params, link), reduce_scatter_time(param_bytes, share.grads, link)

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 from cost_models.comm import all_reduce_time
 from cost_models.hardware import efficiency, peak_flops
-from cost_models.memory import DTYPE_BYTES, optimizer_bytes_per_param
+from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
 from cost_models.offload import transfer_time
 from plans.cluster import Cluster, Link
 from plans.graph import Block, Profile
-from plans.plan import Memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +88,7 @@ def block_time(
     return OpTime(fwd=fwd, fwd_comm=comm, bwd=bwd, bwd_comm=comm)
 
 
-def optimizer_step_time(params: float, memory: Memory, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:
+def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:
     """Seconds of the optimizer step on one rank updating `params` parameters (its ZeRO shard).
 
     The update is elementwise and memory-bound: it reads and writes the optimizer state (K bytes per

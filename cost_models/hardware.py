@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import re
 import tomllib
@@ -10,8 +11,9 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import Any
 
-from plans.cluster import BACKENDS, DTYPES, Cluster, Device, Link
+from plans.cluster import DTYPES, Cluster, Device, Link
 from plans.errors import FormatError, MmplanError
+from plans.serial import read_text, validate
 
 # Units. Datasheets use SI: "GB/s" = 1e9 bytes/s, "TFLOPS" = 1e12 FLOP/s. The TOML format uses the same
 # (memory_gb = 1e9 bytes, bandwidth_gbps = 1e9 bytes/s, latency_us = 1e-6 s, peak_tflops = 1e12 FLOP/s).
@@ -267,19 +269,7 @@ def _regroup(cluster: Cluster, gpus_per_node: int, source: str) -> Cluster:
 
 def load_cluster_toml(path: str | Path) -> Cluster:
     """Read a cluster TOML file (format: docs/cluster-toml.md); every problem is one FormatError."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise FormatError(f"cluster file {path} not found") from None
-    except IsADirectoryError:
-        raise FormatError(f"cluster file {path} is a directory, not a .toml file") from None
-    except OSError as e:
-        raise FormatError(f"cannot read cluster file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise FormatError(f"cluster file {path} is not UTF-8 text") from None
-    except ValueError as e:  # a path Python cannot hand the OS, e.g. one with a NUL byte
-        raise FormatError(f"cannot read cluster file {path!r}: {e}") from None
-    return cluster_from_toml(text, source=str(path))
+    return cluster_from_toml(read_text(path, "cluster file"), source=str(path))
 
 
 def cluster_from_toml(text: str, source: str = "cluster TOML") -> Cluster:
@@ -297,73 +287,116 @@ def cluster_from_toml(text: str, source: str = "cluster TOML") -> Cluster:
     return _cluster_from_data(data, source)
 
 
-_TOP_KEYS = ("name", "base", "nodes", "gpus_per_node", "device", "links", "host_memory_gb", "nvme_gb", "backend")
-_DEVICE_KEYS = ("name", "peak_tflops", "memory_gb", "memory_bandwidth_gbps", "efficiency")
 _LINKS = ("intra_node", "inter_node", "host_to_device", "nvme")
-_LINK_KEYS = ("bandwidth_gbps", "latency_us")
 
 
 def _cluster_from_data(data: dict[str, Any], source: str) -> Cluster:
-    _check_keys(data, _TOP_KEYS, "the top level", source)
+    """A Cluster from a parsed cluster TOML: validated against plans/schema/cluster.json (keys, types, signs, what
+    is required without a base entry), then converted to bytes, FLOP/s and seconds over the base entry's values."""
+    _check_finite(data, [], source)
+    validate(data, "cluster", source, message=functools.partial(_schema_message, source))
     device_value = data.get("device")
-    base_name = data.get("base")
-    if isinstance(device_value, str):
-        if base_name is not None:
-            raise FormatError(f"{source}: give the base entry once, either base = \"...\" or device = \"...\"")
-        base_name, device_table = device_value, {}
-    elif isinstance(device_value, dict) or device_value is None:
-        device_table = device_value or {}
-    else:
-        raise FormatError(f"{source}: device must be a catalog name (device = \"h100-sxm\") or a [device] table, "
-                          f"got {device_value!r}")
+    base_name = data.get("base", device_value if isinstance(device_value, str) else None)
+    device_table = device_value if isinstance(device_value, dict) else {}
     base = None
     if base_name is not None:
-        if not isinstance(base_name, str) or base_name.lower() not in CATALOG:
+        if base_name.lower() not in CATALOG:
             raise FormatError(f"{source}: unknown base device {base_name!r}; known: {', '.join(CATALOG)}")
         base_name = base_name.lower()
         base = CATALOG[base_name]
-
-    gpus_per_node = _count(data, "gpus_per_node", base.gpus_per_node if base else None, source)
-    nodes = _count(data, "nodes", 1, source)
+    gpus_per_node = data.get("gpus_per_node", base.gpus_per_node if base else None)
     host_memory = _bytes(data, "host_memory_gb", base.host_memory_bytes if base else None, source)
-    nvme_bytes = _bytes(data, "nvme_gb", base.nvme_bytes if base else None, source)
-    backend = data.get("backend", base.backend if base else "nccl")
-    if backend not in BACKENDS:
-        raise FormatError(f"{source}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    name = data.get("name", base_name or "cluster")
-    if not isinstance(name, str) or not name:
-        raise FormatError(f"{source}: name must be a non-empty string, got {name!r}")
-
     device = _device(device_table, base.device if base else None, source)
     if base_name in _LOCAL and "memory_gb" not in device_table:
         device = replace(device, memory_bytes=host_memory // gpus_per_node)  # a rank's share of RAM
     links_table = data.get("links", {})
-    if not isinstance(links_table, dict):
-        raise FormatError(f"{source}: links must be a table ([links.intra_node] ...), got {links_table!r}")
-    _check_keys(links_table, _LINKS, "[links]", source)
     links = {k: _link(links_table.get(k), getattr(base, k) if base else None, f"[links.{k}]", source) for k in _LINKS}
-    return Cluster(name=name, nodes=nodes, gpus_per_node=gpus_per_node, device=device, **links,
-                   host_memory_bytes=host_memory, nvme_bytes=nvme_bytes, backend=backend)
+    return Cluster(name=data.get("name", base_name or "cluster"), nodes=data.get("nodes", 1), gpus_per_node=gpus_per_node,
+                   device=device, **links, host_memory_bytes=host_memory,
+                   nvme_bytes=_bytes(data, "nvme_gb", base.nvme_bytes if base else None, source),
+                   backend=data.get("backend", base.backend if base else "nccl"))
 
 
-def _check_keys(table: dict[str, Any], allowed: tuple[str, ...], where: str, source: str) -> None:
-    for key in table:
-        if key not in allowed:
-            raise FormatError(f"{source}: unknown key {key!r} in {where}; allowed: {', '.join(allowed)}")
+def _check_finite(value: Any, path: list, source: str) -> None:
+    """TOML's inf and nan (read as decimals) are no sizes or speeds (and a NaN does not compare: check them first)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, [*path, key], source)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_finite(item, [*path, i], source)
+    elif isinstance(value, Decimal) and not value.is_finite():
+        raise FormatError(f"{source}: {_field(path)} must be a finite number, got {value}")
 
 
-def _missing(field: str, source: str) -> FormatError:
-    return FormatError(f"{source}: {field} is required when no base device is given (base = \"h100-sxm\")")
+def _table(path: list) -> str:
+    """The TOML table a path into the document names: "the top level", "[device]", "[links.nvme]", ..."""
+    keys = [k for k in path if isinstance(k, str)]
+    if not keys:
+        return "the top level"
+    return "[" + ".".join(keys[:2] if keys[0] == "links" or keys[1:2] == ["peak_tflops"] else keys[:1]) + "]"
 
 
-def _decimal(value: Any, field: str, source: str) -> Decimal:
-    """A TOML number as an exact decimal; must be finite and > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, Decimal)):
-        raise FormatError(f"{source}: {field} must be a number, got {value!r}")
-    number = Decimal(value)
-    if not number.is_finite() or number <= 0:
-        raise FormatError(f"{source}: {field} must be a finite number > 0, got {value}")
-    return _in_range(number, field, source)
+def _field(path: list) -> str:
+    """How a field is named in messages: "nodes", "[device] memory_gb", "[links.nvme] latency_us", "[device] efficiency"."""
+    keys = [k for k in path if isinstance(k, str)]
+    if len(keys) == 1:
+        return keys[0] if keys[0] not in ("device", "links") else f"[{keys[0]}]"
+    table = _table(keys)
+    rest = keys[2:] if table.count(".") else keys[1:]
+    if keys == ["device", "peak_tflops"]:
+        return "[device] peak_tflops"
+    return " ".join([table, *rest])
+
+
+def _schema_message(source: str, err: Any) -> str:
+    """One sentence for the first schema error of a cluster TOML, naming the field as the file names it."""
+    path, node = list(err.absolute_path), err.schema
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        key = next(k for k in err.instance if k not in node.get("properties", {}))
+        return f"{source}: unknown key {key!r} in {_table(path)}; allowed: {', '.join(node.get('properties', {}))}"
+    if err.validator == "required":
+        missing = next(k for k in err.validator_value if k not in err.instance)
+        return f"{source}: {_field([*path, missing])} is required when no base device is given (base = \"h100-sxm\")"
+    if "propertyNames" in err.schema_path:
+        return f"{source}: unknown dtype {err.instance!r} in [device.peak_tflops]; known: {', '.join(DTYPES)}"
+    if err.validator == "not":  # device = "name" beside base = "name"
+        return f"{source}: {node['x-error']}"
+    clause = node.get("x-error") or _expected(node, err.validator) or err.message
+    return f"{source}: {_field(path)} {clause}, got {_brief_value(err.instance)}"
+
+
+def _expected(node: dict, validator: str) -> str | None:
+    """The clause of a message for a failed scalar field, from its schema: "must be an integer >= 1", ..."""
+    if "enum" in node:
+        return f"must be one of {', '.join(node['enum'])}"
+    kind = node.get("type")
+    if kind == "integer":
+        return f"must be an integer >= {node.get('minimum', 0)}"
+    if kind == "number":
+        if validator == "type":
+            return "must be a number"
+        return f"must be a finite number > {node['exclusiveMinimum']}" if "exclusiveMinimum" in node \
+            else f"must be a finite number >= {node.get('minimum', 0)}"
+    if kind == "string":
+        return "must be a non-empty string"
+    return None
+
+
+def _brief_value(value: Any) -> str:
+    """A value as the TOML file wrote it (decimals as numbers), cut short."""
+    text = _as_written(value)
+    return text if len(text) <= 60 else f"{text[:40]}...{text[-12:]}"
+
+
+def _as_written(value: Any) -> str:
+    if isinstance(value, Decimal):
+        return _brief(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_as_written(v) for v in value[:8]) + (", ..." if len(value) > 8 else "") + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_as_written(v)}" for k, v in list(value.items())[:8]) + "}"
+    return repr(value)
 
 
 # Numbers of a cluster file lie within 1e-400 .. 1e400 (floats span 5e-324 .. 1.8e308, and a field is scaled by
@@ -383,24 +416,11 @@ def _brief(number: Decimal) -> str:
     return text if len(text) <= 32 else f"{text[:16]}...{text[-8:]}"
 
 
-def _count(table: dict[str, Any], key: str, default: int | None, source: str) -> int:
-    if key not in table:
-        if default is None:
-            raise _missing(key, source)
-        return default
-    value = table[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FormatError(f"{source}: {key} must be an integer >= 1, got {value!r}")
-    return value
-
-
 def _bytes(table: dict[str, Any], key: str, default: int | None, source: str, where: str = "") -> int:
-    """A size in GB (1e9 bytes) -> whole bytes."""
+    """A size in GB (1e9 bytes; a schema-checked number > 0, or absent: the base's) -> whole bytes."""
     if key not in table:
-        if default is None:
-            raise _missing(where + key, source)
         return default
-    nbytes = int(_decimal(table[key], where + key, source).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
+    nbytes = int(_in_range(Decimal(table[key]), where + key, source).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
     if nbytes < 1:
         raise FormatError(f"{source}: {where}{key} must be at least one byte, got {table[key]}")
     if nbytes > _MAX_BYTES:
@@ -411,87 +431,42 @@ def _bytes(table: dict[str, Any], key: str, default: int | None, source: str, wh
 
 def _scaled(value: Any, exponent: int, field: str, source: str) -> float:
     """value x 10**exponent, rounded once (so decimals written by _number() read back bit-exactly)."""
-    return float(_decimal(value, field, source).scaleb(exponent))
+    return float(_in_range(Decimal(value), field, source).scaleb(exponent))
 
 
 def _device(table: dict[str, Any], base: Device | None, source: str) -> Device:
-    _check_keys(table, _DEVICE_KEYS, "[device]", source)
-    name = table.get("name", base.name if base else None)
-    if name is None:
-        raise _missing("[device] name", source)
-    if not isinstance(name, str) or not name:
-        raise FormatError(f"{source}: [device] name must be a non-empty string, got {name!r}")
-    if "peak_tflops" in table:
-        peaks = table["peak_tflops"]
-        if not isinstance(peaks, dict) or not peaks:
-            raise FormatError(f"{source}: [device] peak_tflops must be a table of dtype = TFLOP/s "
-                              f"(e.g. bf16 = 989.4), got {peaks!r}")
-        for dtype in peaks:
-            if dtype not in DTYPES:
-                raise FormatError(f"{source}: unknown dtype {dtype!r} in [device.peak_tflops]; known: "
-                                  f"{', '.join(DTYPES)}")
-        given = {k: _scaled(v, 12, f"[device.peak_tflops] {k}", source) for k, v in peaks.items()}
-        peak = {**base.peak_flops, **given} if base else given
-    elif base:
-        peak = dict(base.peak_flops)
-    else:
-        raise _missing("[device] peak_tflops", source)
+    """The [device] table (schema-checked) over the base entry's device."""
+    peaks = {k: _scaled(v, 12, f"[device.peak_tflops] {k}", source) for k, v in table.get("peak_tflops", {}).items()}
     memory = _bytes(table, "memory_gb", base.memory_bytes if base else None, source, "[device] ")
     if "memory_bandwidth_gbps" in table:
         bandwidth = _scaled(table["memory_bandwidth_gbps"], 9, "[device] memory_bandwidth_gbps", source)
-    elif base:
-        bandwidth = base.memory_bandwidth
     else:
-        raise _missing("[device] memory_bandwidth_gbps", source)
+        bandwidth = base.memory_bandwidth
     curve = _efficiency_points(table["efficiency"], source) if "efficiency" in table else (
         base.efficiency if base else Device.__dataclass_fields__["efficiency"].default)
     try:
-        return Device(name, peak, memory, bandwidth, curve)
+        return Device(table.get("name", base.name if base else None), {**(base.peak_flops if base else {}), **peaks},
+                      memory, bandwidth, curve)
     except FormatError as e:
         raise FormatError(f"{source}: [device] {e}") from None
 
 
-def _efficiency_points(value: Any, source: str) -> tuple[tuple[float, float], ...]:
-    if not isinstance(value, list) or not value:
-        raise FormatError(f"{source}: [device] efficiency must be a list of [flops, efficiency] pairs, "
-                          f"got {value!r}")
-    points = []
-    for point in value:
-        if not isinstance(point, list) or len(point) != 2:
-            raise FormatError(f"{source}: [device] efficiency entries must be [flops, efficiency] pairs, "
-                              f"got {point!r}")
-        flops = _scaled(point[0], 0, "[device] efficiency flops", source)
-        eff = _scaled(point[1], 0, "[device] efficiency value", source)
-        if eff > 1:
-            raise FormatError(f"{source}: [device] efficiency values must be in (0, 1], got {point[1]}")
-        points.append((flops, eff))
+def _efficiency_points(value: list, source: str) -> tuple[tuple[float, float], ...]:
+    points = tuple((_scaled(f, 0, "[device] efficiency flops", source), _scaled(e, 0, "[device] efficiency value", source))
+                   for f, e in value)
     if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
         raise FormatError(f"{source}: [device] efficiency points must be sorted by strictly increasing flops")
-    return tuple(points)
+    return points
 
 
-def _link(table: Any, base: Link | None, where: str, source: str) -> Link:
+def _link(table: dict[str, Any] | None, base: Link | None, where: str, source: str) -> Link:
+    """A [links.*] table (schema-checked) over the base entry's link."""
     if table is None:
-        if base is None:
-            raise _missing(where, source)
         return base
-    if not isinstance(table, dict):
-        raise FormatError(f"{source}: {where} must be a table with bandwidth_gbps and latency_us, got {table!r}")
-    _check_keys(table, _LINK_KEYS, where, source)
-    if "bandwidth_gbps" in table:
-        bandwidth = _scaled(table["bandwidth_gbps"], 9, f"{where} bandwidth_gbps", source)
-    elif base:
-        bandwidth = base.bandwidth
-    else:
-        raise _missing(f"{where} bandwidth_gbps", source)
-    if "latency_us" in table:
-        value = table["latency_us"]
-        if isinstance(value, bool) or not isinstance(value, (int, Decimal)) or not Decimal(value).is_finite() \
-                or value < 0:
-            raise FormatError(f"{source}: {where} latency_us must be a finite number >= 0, got {value!r}")
-        latency = float(_in_range(Decimal(value), f"{where} latency_us", source).scaleb(-6))
-    else:
-        latency = base.latency_s if base else 0.0
+    bandwidth = _scaled(table["bandwidth_gbps"], 9, f"{where} bandwidth_gbps", source) if "bandwidth_gbps" in table \
+        else base.bandwidth
+    latency = float(_in_range(Decimal(table["latency_us"]), f"{where} latency_us", source).scaleb(-6)) \
+        if "latency_us" in table else (base.latency_s if base else 0.0)
     try:
         return Link(bandwidth, latency)
     except FormatError as e:  # a finite decimal too large for a float

@@ -1,14 +1,18 @@
-"""Per-rank bytes of a pipeline stage in each tier: model states under ZeRO, activations in flight, tier residency."""
+"""Per-rank bytes of a pipeline stage in each tier: ZeRO shares, model states, activations in flight, tier residency."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from plans.errors import MmplanError
 from plans.graph import Block, Profile
-from plans.plan import Memory, Schedule
+from plans.plan import ActivationTier, Memory, Schedule, Tier
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Every function here works on plain floats and, unchanged, on numpy arrays of them (the solver's vectorised
+# figures over every segment of a unit call these same functions; planner/candidates.py).
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +30,9 @@ class TierBytes:
         """A copy with `nbytes` more in `tier` ("gpu" | "cpu" | "nvme")."""
         return self + TierBytes(**{tier: nbytes})
 
+    def scaled(self, factor: float) -> "TierBytes":
+        return TierBytes(self.gpu * factor, self.cpu * factor, self.nvme * factor)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelState:
@@ -38,6 +45,31 @@ class ModelState:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
+
+
+class ZeroDivisors(NamedTuple):
+    """Over how many data-parallel ranks each model state is sharded (1: replicated)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+
+def zero_divisors(zero: int, dp: int) -> ZeroDivisors:
+    """The ZeRO shares: stage 1 (P_os) shards the optimizer states over the dp ranks, stage 2 (P_os+g) also the
+    gradients, stage 3 (P_os+g+p) also the parameters (Rajbhandari et al. 2020, ZeRO, section 5 and Figure 1).
+    Every ZeRO-sharded figure of the cost model and the solver divides by these."""
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise MmplanError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
+    return ZeroDivisors(dp if zero >= 3 else 1, dp if zero >= 2 else 1, dp if zero >= 1 else 1)
+
+
+class StateTiers(Protocol):
+    """Where a stage's model states live: plans.plan.Memory, or the solver's uniform Policy."""
+
+    params: Tier
+    grads: Tier
+    optimizer: Tier
 
 
 def optimizer_bytes_per_param(dtype: str, optimizer: str) -> int:
@@ -56,17 +88,60 @@ def model_state_bytes(params: float, *, dp: int, zero: int, dtype: str = "bf16",
 
     Rajbhandari et al. 2020 (ZeRO), section 5 and Figure 1: with mixed-precision Adam the states are
     2Psi (fp16 params) + 2Psi (fp16 grads) + 12Psi (optimizer); stage 1 shards the optimizer states over
-    dp, stage 2 also the gradients, stage 3 also the parameters. Pass params already divided by tp.
+    dp, stage 2 also the gradients, stage 3 also the parameters (zero_divisors). Pass params already divided by tp.
     """
-    if zero not in (0, 1, 2, 3):
-        raise MmplanError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
+    share = zero_divisors(zero, dp)
     width = DTYPE_BYTES[dtype]
     p, g, o = width * params, width * params, optimizer_bytes_per_param(dtype, optimizer) * params
-    return ModelState(
-        params=p / dp if zero >= 3 else p,
-        grads=g / dp if zero >= 2 else g,
-        optimizer=o / dp if zero >= 1 else o,
-    )
+    return ModelState(params=p / share.params, grads=g / share.grads, optimizer=o / share.optimizer)
+
+
+def state_residency(params: float, largest: float, *, dp: int, zero: int, memory: StateTiers, dtype: str = "bf16",
+                    optimizer: str = "adam") -> TierBytes:
+    """Bytes per tier of one rank's model states: `params` parameters on the rank (tp-parallel blocks divided
+    by tp), the largest block's `largest` of them.
+
+    Each of params / grads / optimizer state (model_state_bytes, ZeRO-sharded) sits in the tier `memory` names.
+    Streaming from another tier needs GPU buffers, as runtime/param_tiers.py holds them: parameters off the GPU
+    keep the block in use and the one prefetched (2 x the largest block's share; ZeRO-Infinity style, Rajbhandari
+    et al. 2021, section 5); gradients off the GPU keep one block's gradients on the device while they move out
+    (GradTier moves each gradient out as soon as it has accumulated); ZeRO-3 keeps a double buffer of the largest
+    gathered block (the one in use and the one being all-gathered, ZeRO section 7.2).
+    """
+    share = zero_divisors(zero, dp)
+    state = model_state_bytes(params, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
+    out = TierBytes().put(memory.params, state.params).put(memory.grads, state.grads).put(memory.optimizer, state.optimizer)
+    block = largest * DTYPE_BYTES[dtype]  # bytes, the largest block's parameters (or gradients)
+    if memory.params != "gpu":
+        out = out.put("gpu", 2 * block / share.params)
+    if memory.grads != "gpu":
+        out = out.put("gpu", block / share.grads)
+    if zero >= 3:
+        out = out.put("gpu", 2 * block)
+    return out
+
+
+def activation_residency(tier: ActivationTier, act: float, checkpoint: float) -> TierBytes:
+    """Bytes per tier, per micro-batch in flight, of a block's saved activations (`act` bytes of one micro-batch;
+    `checkpoint` the bytes of its inputs): keep = on the GPU; recompute = only the block input stays, as a
+    checkpoint (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"); offload-cpu / offload-nvme
+    = in that tier."""
+    if tier == "keep":
+        return TierBytes(gpu=act)
+    if tier == "recompute":
+        return TierBytes(gpu=checkpoint)
+    return TierBytes().put(tier.removeprefix("offload-"), act)
+
+
+def activation_transient(tier: ActivationTier, act: float) -> float:
+    """GPU bytes a block's activations need while it runs, beyond those in flight: a recomputed block rebuilds
+    its activations during its backward (one block at a time, Chen et al. 2016); an offloaded one keeps two
+    blocks' worth on the GPU, the one being offloaded or prefetched and the one in use (ZeRO-Offload's
+    double buffer, Ren et al. 2021, section 4.2). Linear and non-decreasing in `act`: the stage's transient is
+    this of its largest block."""
+    if tier == "keep":
+        return 0.0 * act
+    return (1 if tier == "recompute" else 2) * act
 
 
 def warmup_forwards(schedule: Schedule, micro_batches: int, downstream: int, chunks: int = 1, pp: int = 1) -> int:
@@ -128,41 +203,20 @@ def stage_memory(
 ) -> TierBytes:
     """Peak bytes per tier on one rank of a stage running `blocks` on `samples` samples per micro-batch.
 
-    Model states: model_state_bytes of the rank's parameters (tp-parallel blocks divided by tp), each of
-    params / grads / optimizer in the tier the plan's Memory names. When params or grads live off the GPU
-    the GPU keeps a double buffer of the largest block's parameters (the one in use and the one prefetched;
-    ZeRO-Infinity style streaming, Rajbhandari et al. 2021) and one block's gradients on their way out;
-    ZeRO-3 keeps a double buffer of the largest gathered block.
-    Activations (per sample, as profiled; tp-parallel blocks divided by tp, i.e. sequence parallelism,
-    Korthikanti et al. 2022) times the micro-batches in flight, by each block's tier: keep = resident;
-    recompute = only the block input is kept (a checkpoint) plus one block's activations transiently
-    (Chen et al. 2016); offload-cpu / offload-nvme = resident in that tier plus a two-block GPU buffer
-    for the offload/prefetch in flight.
+    Model states: state_residency of the rank's parameters (tp-parallel blocks divided by tp) in the tiers of
+    the plan's Memory. Activations (per sample, as profiled; tp-parallel blocks divided by tp, i.e. sequence
+    parallelism, Korthikanti et al. 2022) times the micro-batches in flight, each block's by activation_residency
+    of its tier, plus the largest activation_transient of its blocks.
     """
-    width = DTYPE_BYTES[dtype]
     shard = {b.name: (tp if b.supports_tp else 1) for b in blocks}
     params = sum(b.params / shard[b.name] for b in blocks)
-    state = model_state_bytes(params, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
-    out = TierBytes().put(memory.params, state.params).put(memory.grads, state.grads).put(memory.optimizer, state.optimizer)
-
-    largest_block = max((b.params / shard[b.name] for b in blocks), default=0.0) * width  # bytes, one block's params
-    if memory.params != "gpu":
-        out = out.put("gpu", 2 * largest_block / (dp if zero >= 3 else 1))
-    if memory.grads != "gpu":  # one block's gradients exist on the GPU until they are moved out
-        out = out.put("gpu", largest_block / (dp if zero >= 2 else 1))
-    if zero >= 3:
-        out = out.put("gpu", 2 * largest_block)
-
+    largest = max((b.params / shard[b.name] for b in blocks), default=0.0)
+    out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer)
     transient = 0.0  # bytes: the one block being recomputed, or the two being offloaded / prefetched
     for b in blocks:
         act = b.activation_bytes * samples / shard[b.name]  # bytes of one micro-batch
+        checkpoint = input_bytes.get(b.name, 0.0) * samples / shard[b.name]
         tier = memory.activations.get(b.name, "keep")
-        if tier == "keep":
-            out = out.put("gpu", act * in_flight_micro_batches)
-        elif tier == "recompute":
-            out = out.put("gpu", input_bytes.get(b.name, 0.0) * samples / shard[b.name] * in_flight_micro_batches)
-            transient = max(transient, act)
-        else:
-            out = out.put(tier.removeprefix("offload-"), act * in_flight_micro_batches)
-            transient = max(transient, 2 * act)
+        out = out + activation_residency(tier, act, checkpoint).scaled(in_flight_micro_batches)
+        transient = max(transient, activation_transient(tier, act))
     return out.put("gpu", transient)

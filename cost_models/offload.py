@@ -1,6 +1,7 @@
 """Time to move bytes between the GPU and the cpu / nvme tiers, and how much of it hides behind compute."""
 from __future__ import annotations
 
+from cost_models.memory import StateTiers, zero_divisors
 from plans.cluster import Cluster
 
 
@@ -31,3 +32,13 @@ def exposed(transfer_s: float, overlappable_s: float) -> float:
     of compute only extends the step by what is left over.
     """
     return max(0.0, transfer_s - overlappable_s)
+
+
+def state_streaming(param_bytes: float, *, dp: int, zero: int, memory: StateTiers, cluster: Cluster) -> tuple[float, float]:
+    """(parameters in, gradients out) seconds per operation of a stage holding `param_bytes` of parameters per
+    rank: parameters living off the GPU are streamed in, their ZeRO share, before every forward and backward;
+    gradients living off the GPU are streamed out, their ZeRO share, after every backward (ZeRO-Infinity,
+    Rajbhandari et al. 2021, sections 5-6; zero_divisors). 0 for a state on the GPU."""
+    share = zero_divisors(zero, dp)
+    return (transfer_time(param_bytes / share.params, memory.params, cluster),
+            transfer_time(param_bytes / share.grads, memory.grads, cluster))

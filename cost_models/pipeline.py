@@ -7,24 +7,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.comm import (
-    all_gather_time,
-    all_reduce_time,
-    link_for,
-    p2p_time,
-    reduce_scatter_time,
-    ring_bytes_sent,
-)
-from cost_models.compute import OpTime, block_time, measured_on, optimizer_step_time
-from cost_models.memory import DTYPE_BYTES
+from cost_models.comm import all_gather_time, dp_link, link_for, p2p_time, reduce_scatter_time, ring_bytes_sent
+from cost_models.compute import OpTime, block_time, measured_on
+from cost_models.memory import DTYPE_BYTES, zero_divisors
 from cost_models.offload import exposed, transfer_time
+from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Profile
 from plans.plan import Group, Plan, flow_of
 from plans.schedule import Task, schedule, task_name
-from plans.trace import LANES as TRACE_LANES
 from plans.stage_graph import Chunk, Route, StageGraph, stage_graph
+from plans.trace import LANES as TRACE_LANES
 
 # How the step is modelled (all times in seconds from the step's start):
 # - The step runs the plan's schedule (plans/schedule.py) over its stage graph (plans/stage_graph.py): the
@@ -130,16 +124,6 @@ class _Cost:
     bytes_per_mb: float = 0.0  # bytes one rank of the chunk sends per micro-batch (TP + ZeRO collectives)
 
 
-@dataclass(frozen=True, slots=True)
-class _Tail:
-    """Per-step work of a stage after its last backward (seconds), and the bytes one of its ranks sends."""
-
-    grad_sync: float
-    optimizer: float
-    param_gather: float
-    bytes_sent: float
-
-
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's)."""
     cluster = cluster or plan.cluster
@@ -183,7 +167,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
     for s, cs in enumerate(graph.stages):
         ch = graph.chunks[cs[0]]
         g = group_of[ch.group]
-        tails.append(_stage_tail(plan, g, ch.stage, sum(costs[c].params for c in cs), cluster))
+        tails.append(stage_tail(g, ch.stage, sum(costs[c].params for c in cs), plan.training, cluster))
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
@@ -243,14 +227,15 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         params += b.params / t
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
-    params_in = transfer_time(param_bytes / (g.dp if g.zero >= 3 else 1), mem.params, cluster)  # streamed per op
-    grads_out = transfer_time(param_bytes / (g.dp if g.zero >= 2 else 1), mem.grads, cluster)
+    shares = zero_divisors(g.zero, g.dp)
+    params_in = transfer_time(param_bytes / shares.params, mem.params, cluster)  # streamed per op
+    grads_out = transfer_time(param_bytes / shares.grads, mem.grads, cluster)
     # ZeRO-3 gathers the chunk's parameters for every forward and backward; ZeRO-2/3 reduce-scatter its
     # gradients after every backward (Rajbhandari et al. 2020, sections 5.2-5.3 and 7.2), both
     # prefetched / bucketed behind compute.
-    dp_link = link_for(cluster, ch.ranks[:: g.tp])
-    gather = all_gather_time(param_bytes, g.dp, dp_link) if g.zero >= 3 else 0.0
-    scatter = reduce_scatter_time(param_bytes, g.dp, dp_link) if g.zero >= 2 else 0.0
+    link = dp_link(cluster, ch.ranks, g.tp)
+    gather = all_gather_time(param_bytes, g.dp, link) if g.zero >= 3 else 0.0
+    scatter = reduce_scatter_time(param_bytes, g.dp, link) if g.zero >= 2 else 0.0
     cost.params, cost.time = params, time
     cost.transfer_fwd = act + params_in
     cost.transfer_bwd = act + params_in + grads_out
@@ -260,29 +245,6 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     one = ring_bytes_sent(param_bytes, g.dp, all_reduce=False)
     cost.bytes_per_mb = tp_bytes + (2 * one if g.zero >= 3 else 0.0) + (one if g.zero >= 2 else 0.0)
     return cost
-
-
-def _stage_tail(plan: Plan, g: Group, si: int, params: float, cluster: Cluster) -> _Tail:
-    """Per-step costs after the stage's last backward: gradient sync, optimizer step, parameter all-gather.
-
-    ZeRO 0: ring all-reduce of the gradients; ZeRO 1: reduce-scatter, then all-gather of the updated
-    parameters (Megatron's distributed optimizer; the same 2(n-1)/n volume, ZeRO section 7.2.1);
-    ZeRO 2: the reduce-scatter ran after every backward, the all-gather remains; ZeRO 3: nothing.
-    """
-    training = plan.training
-    stage = g.stages[si]
-    link = link_for(cluster, stage.ranks[:: g.tp])  # the dp group of tp rank 0
-    nbytes = params * DTYPE_BYTES[training.dtype]  # this rank's gradients (and parameters)
-    sync, sent = 0.0, 0.0
-    if g.zero == 0:
-        sync, sent = all_reduce_time(nbytes, g.dp, link), ring_bytes_sent(nbytes, g.dp, all_reduce=True)
-    elif g.zero == 1:
-        sync, sent = reduce_scatter_time(nbytes, g.dp, link), ring_bytes_sent(nbytes, g.dp, all_reduce=False)
-    gather = all_gather_time(nbytes, g.dp, link) if g.zero in (1, 2) else 0.0
-    sent += ring_bytes_sent(nbytes, g.dp, all_reduce=False) if g.zero in (1, 2) else 0.0
-    updated = params / g.dp if g.zero >= 1 else params
-    opt = optimizer_step_time(updated, stage.memory, cluster, dtype=training.dtype, optimizer=training.optimizer)
-    return _Tail(sync, opt, gather, sent)
 
 
 def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:

@@ -13,7 +13,8 @@ from typing import Literal
 
 import pulp
 
-from planner.candidates import Layout, Structure, Unit, allowed_gpus, boundary_bound
+from planner.bounds import boundary_bound
+from planner.candidates import Layout, Structure, Unit, allowed_gpus
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 
@@ -29,15 +30,15 @@ Solver = Literal["highs", "cbc"]
 #            the same optimum, far tighter relaxations)
 # (depth)    1F1B: a source candidate sized for d downstream stages only with a sink of pp = d:
 #            sum_{c in C_e, d_c not in {None, P}} x[e,c] + sum_{c in C_s, pp_c = P} x[s,c] <= 1   for e, P
-# (gpus)     apart:    sum_u sum_c g_c x[u,c] <= N                   (disjoint rank sets, run concurrently)
-#            together: sum_c g_c x[e,c] = sum_c g_c x[s,c]           for every e (the same ranks)
-# (memory)   together: sum_e sum_c gpu_c x[e,c] + sum_c maxgpu_c x[s,c] <= device memory (ranks hold both)
+# (gpus)     non-colocated: sum_u sum_c g_c x[u,c] <= N              (disjoint rank sets, run concurrently)
+#            colocated: sum_c g_c x[e,c] = sum_c g_c x[s,c]          for every e (the same ranks)
+# (memory)   colocated: sum_e sum_c gpu_c x[e,c] + sum_c maxgpu_c x[s,c] <= device memory (ranks hold both)
 # (own)      T >= sum_c own_c x[u,c]                                  for every unit u
 # (sink)     X_e = sum_c (fwd_out_c + bnd_c) x[e,c],  Y_e = sum_c (bwd_in_c + bnd_c) x[e,c]  (bnd: the boundary's
-#            lower bound for source c and the sub-problem's sink tp, dp -- candidates.boundary_bound; apart only)
+#            lower bound for source c and the sub-problem's sink tp, dp -- bounds.boundary_bound; non-colocated only)
 #            T >= sum_c k2[e]_c x[s,c] + Y_e;   T >= sum_c k3[e]_c x[s,c] + X_e;
 #            T >= sum_c k4[e][e']_c x[s,c] + X_e + Y_e'               for every e, e'
-# (busy)     together: T >= sum_e sum_c busy_c x[e,c] + sum_c busy_c x[s,c]   (groups time-share the ranks)
+# (busy)     colocated: T >= sum_e sum_c busy_c x[e,c] + sum_c busy_c x[s,c]   (groups time-share the ranks)
 # (exclude)  sum_{(u,c) in S} x[u,c] <= |U| - 1                       for every combination S already simulated
 # minimise T: the min-max of the non-colocated pipeline of units (the slowest unit bounds the step, plus
 # the boundaries' latencies), or the sum of colocated units' times. An encoder gets GPUs in proportion to
@@ -109,7 +110,7 @@ def combined_bound(units: Sequence[Unit], layouts: Sequence[Layout], structure: 
     x, y = [], []
     for f in names:
         e = next(i for i in sources if units[i].name == f)
-        bnd = boundary_bound(layouts[e], s, cluster) if structure == "apart" else 0.0
+        bnd = boundary_bound(layouts[e], s, cluster) if structure == "non-colocated" else 0.0
         x.append(layouts[e].bound.fwd_out + bnd)
         y.append(layouts[e].bound.bwd_in + bnd)
     b = s.bound
@@ -117,7 +118,7 @@ def combined_bound(units: Sequence[Unit], layouts: Sequence[Layout], structure: 
     terms += [k + y[e] for e, k in enumerate(b.k2)]
     terms += [k + x[e] for e, k in enumerate(b.k3)]
     terms += [b.k4[e][f] + x[e] + y[f] for e in range(len(x)) for f in range(len(y))]
-    if structure == "together":
+    if structure == "colocated":
         terms.append(sum(lay.bound.busy for lay in layouts))
         terms.append(_colocated_ranks(layouts, sink))
     return max(terms)
@@ -161,7 +162,7 @@ class Allocator:
                 buckets.setdefault((lay.micro_batches,), [[]])[0].append(lay)
         else:  # a sub-problem per m, sink pp (and shared rank count when colocated)
             def base(lay: Layout) -> tuple:
-                return (lay.micro_batches, lay.gpus) if structure == "together" else (lay.micro_batches,)
+                return (lay.micro_batches, lay.gpus) if structure == "colocated" else (lay.micro_batches,)
 
             shapes: dict[tuple, set[tuple[int, int, int]]] = {}  # base -> sink (pp, tp, dp)
             for lay in candidates[sink]:
@@ -231,18 +232,18 @@ class _SubProblem:
         sources = [i for i in range(len(units)) if i != sink]
         for u in range(len(units)):
             prob += pulp.lpSum(x[u]) == 1, f"one_{u}"
-        if self.structure == "apart":
+        if self.structure == "non-colocated":
             prob += pulp.lpSum(lay.gpus * v for u in range(len(units)) for v, lay in zip(x[u], cands[u])) <= cl.world_size, "gpus"
-        else:  # together: every candidate of the sub-problem has the same rank count
+        else:  # colocated: every candidate of the sub-problem has the same rank count
             prob += pulp.lpSum(max(lay.gpu_bytes) * v for u in range(len(units)) for v, lay in zip(x[u], cands[u])) \
                 <= cl.device.memory_bytes, "memory"
             prob += T >= pulp.lpSum(lay.bound.busy * v for u in range(len(units)) for v, lay in zip(x[u], cands[u])), "busy"
         for u in range(len(units)):
             prob += T >= pulp.lpSum(lay.bound.own * v for v, lay in zip(x[u], cands[u])), f"own_{u}"
-        apart = self.structure == "apart"
+        own_ranks = self.structure == "non-colocated"
         feeds = [next(e for e in sources if units[e].name == f.producer) for f in units[sink].feeds]
         head = cands[sink][0]  # every sink candidate of the sub-problem has the same tp and dp
-        bnd = [[boundary_bound(lay, head, cl) if apart else 0.0 for lay in cands[e]] for e in range(len(units))]
+        bnd = [[boundary_bound(lay, head, cl) if own_ranks else 0.0 for lay in cands[e]] for e in range(len(units))]
         X = [pulp.lpSum((lay.bound.fwd_out + bnd[e][c]) * v for c, (v, lay) in enumerate(zip(x[e], cands[e]))) for e in feeds]
         Y = [pulp.lpSum((lay.bound.bwd_in + bnd[e][c]) * v for c, (v, lay) in enumerate(zip(x[e], cands[e]))) for e in feeds]
         xs, cs = x[sink], cands[sink]
@@ -294,11 +295,11 @@ def _finite(v: float) -> float:
 def assign_ranks(layouts: Sequence[Layout], structure: Structure, cluster: Cluster) -> tuple[tuple[int, ...], ...] | None:
     """Ranks of each unit in Megatron order (tp fastest, then dp, then pp), or None when they do not pack.
 
-    apart: disjoint contiguous ranges, the largest unit first, so that units of whole nodes start on node
-    boundaries and smaller ones (dividing a node) pack inside one node; every TP group stays in a node.
-    together / chain: every unit on ranks 0..n-1.
+    non-colocated: disjoint contiguous ranges, the largest unit first, so that units of whole nodes start at a
+    node's first rank and smaller ones (dividing a node) pack inside one node; every TP group stays in a node.
+    colocated / chain: every unit on ranks 0..n-1.
     """
-    if structure != "apart":
+    if structure != "non-colocated":
         return tuple(tuple(range(lay.gpus)) for lay in layouts)
     order = sorted(range(len(layouts)), key=lambda u: (-layouts[u].gpus, -layouts[u].tp, u))
     offset, out = 0, [()] * len(layouts)

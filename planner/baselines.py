@@ -7,9 +7,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from cost_models.comm import all_gather_time, all_reduce_time, link_for, reduce_scatter_time
-from cost_models.compute import block_time, measured_on, optimizer_step_time
+from cost_models.comm import dp_link
+from cost_models.compute import block_time, measured_on
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
+from cost_models.tail import tail_over
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -17,9 +18,10 @@ from plans.graph import Block, Profile
 from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
 
 # Vocabulary: a "layer" is a transformer layer, i.e. a block that supports tensor parallelism (the profiler
-# marks exactly those); "units" are what a pipeline split counts: each layer together with the non-layer
+# marks exactly those); "spans" are what a pipeline split counts: each layer with the non-layer
 # blocks (embeddings, norms, projector, head) that follow it, the blocks before the first layer joining it.
-# When a model has fewer layers than the split needs parts, every block is its own unit.
+# When a model has fewer layers than the split needs parts, every block is its own span. (A solver "unit",
+# planner/candidates.py, is something else: the blocks that get one layout.)
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
@@ -151,12 +153,12 @@ def split_blocks(profile: Profile, parts: int) -> list[tuple[str, ...]]:
     if len(starts) < parts:
         starts = list(range(len(blocks)))
     starts[0] = 0  # the blocks before the first layer join it
-    units = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
-    q, r = divmod(len(units), parts)
+    spans = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
+    q, r = divmod(len(spans), parts)
     sizes = [q] * (parts - r) + [q + 1] * r
     out, i = [], 0
     for n in sizes:
-        out.append(tuple(b.name for u in units[i:i + n] for b in u))
+        out.append(tuple(b.name for u in spans[i:i + n] for b in u))
         i += n
     return out
 
@@ -257,21 +259,21 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
     each ZeRO stage of `zeros` (0 and 1 are the same plan at dp = 1) and recompute option; schedules are
     `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count)."""
     _check_batch(global_batch)
-    world, units = cluster.world_size, layer_count(profile) or len(profile.blocks)
+    world, spans = cluster.world_size, layer_count(profile) or len(profile.blocks)
     parsed = [_parse_schedule(s) for s in schedules]
     tps = [t for t in _powers_of_two(cluster.gpus_per_node) if cluster.gpus_per_node % t == 0]
     if not any(b.supports_tp for b in profile.blocks):
         tps = [1]
     specs = []
     for tp in tps:
-        for pp in (p for p in range(1, units + 1) if units % p == 0 and world % (tp * p) == 0):
+        for pp in (p for p in range(1, spans + 1) if spans % p == 0 and world % (tp * p) == 0):
             dp = world // (tp * pp)
             if dp > 1 and any(b.reduces_batch for b in profile.blocks):
                 continue  # one layout for every block: a contrastive head needs whole micro-batches (dp = 1)
             sizes = micro_batches if micro_batches is not None else _powers_of_two(global_batch // dp)
             for mb in (s for s in sizes if global_batch % (dp * s) == 0):
                 for schedule, v in parsed:
-                    if v > 1 and (pp < 2 or units % (pp * v)):
+                    if v > 1 and (pp < 2 or spans % (pp * v)):
                         continue
                     for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
                         for rec in recomputes:
@@ -436,7 +438,6 @@ def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
     per = spec.dp * spec.tp
-    width = DTYPE_BYTES[training.dtype]
     samples = float(spec.micro_batch)
     fwd, bwd, tail, gpu = [], [], [], []
     for i, names in enumerate(_stage_blocks(profile, spec)):
@@ -456,14 +457,9 @@ def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
         fwd.append(f)
         bwd.append(b)
         params = sum(blk.params / (spec.tp if blk.supports_tp else 1) for blk in stage)
-        nbytes = params * width
-        link = link_for(cluster, range(i * per, (i + 1) * per, spec.tp))  # the dp group of tp rank 0
-        sync = all_reduce_time(nbytes, spec.dp, link) if spec.zero == 0 else \
-            reduce_scatter_time(nbytes, spec.dp, link) if spec.zero == 1 else 0.0
-        gather = all_gather_time(nbytes, spec.dp, link) if spec.zero in (1, 2) else 0.0
-        opt = optimizer_step_time(params / spec.dp if spec.zero else params, Memory(), cluster,
-                                  dtype=training.dtype, optimizer=training.optimizer)
-        tail.append(sync + opt + gather)
+        link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
+        tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
+                              dtype=training.dtype, optimizer=training.optimizer).total)
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
     if spec.virtual_stages == 1:
         fill = [sum(fwd[:i]) for i in range(spec.pp)]

@@ -1,21 +1,20 @@
 """`mmplan calibrate`: measure this machine (matmul, memory, gloo collectives, disk) and describe it as a Cluster."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
-import queue as queue_module
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
@@ -308,75 +307,47 @@ def _collective_iterations(nbytes: int, budget_s: float) -> int:
 
 
 def _run_ranks(ranks: int, settings: Settings, report: _Reporter, start_method: str) -> list[dict[str, Any]]:
-    """Start `ranks` processes with a unique file:// rendezvous; collect their results; bound every wait."""
-    ctx = mp.get_context(start_method)
-    messages = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="mmplan-calibrate-") as tmp:
-        init_method = f"file://{Path(tmp) / 'rendezvous'}"
-        procs = [ctx.Process(target=_rank_main, args=(rank, ranks, init_method, settings, messages), daemon=True)
-                 for rank in range(ranks)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        errors: list[tuple[float, int, str]] = []
-        step, finished = "start", False
-        deadline = time.monotonic() + settings.deadline_s
+    """The measuring ranks, launched by runtime/launch.py as training ranks are (file:// rendezvous, one thread
+    each; the first failure, or the deadline, ends them all and names the root cause). Rank 0's progress comes
+    back through a queue that a thread here forwards to `report`."""
+    from runtime.launch import RankFailure, launch
+
+    messages = mp.get_context(start_method).Queue()
+    step = ["start"]
+
+    def forward() -> None:
         try:
-            while len(results) + len(errors) < ranks:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and errors:
-                    break  # the other ranks' errors would only be echoes of the first
-                if remaining <= 0:
-                    raise MmplanError(f"calibration timed out after {settings.deadline_s:g} s in step {step}")
-                try:
-                    kind, rank, *payload = messages.get(timeout=min(0.2, remaining))
-                except queue_module.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                            and r not in results and all(e[1] != r for e in errors)]
-                    if dead:
-                        errors.append((time.time(), dead[0], f"exited with code {procs[dead[0]].exitcode}"))
-                        deadline = min(deadline, time.monotonic() + 2.0)
-                    continue
-                if kind == "progress":
-                    step = payload[0]
-                    report(step, payload[1])
-                elif kind == "done":
-                    results[rank] = payload[0]
-                else:
-                    errors.append((payload[0], rank, payload[1]))
-                    deadline = min(deadline, time.monotonic() + 2.0)  # a short grace for an earlier root cause
-            if errors:
-                when, rank, message = min(errors)  # the earliest failure is the cause; later ones are echoes
-                raise MmplanError(f"calibration failed on rank {rank} in step {step}: {message}")
-            finished = True
-        finally:
-            for p in procs:  # after a failure nothing is worth waiting for: our own children, killed by handle
-                p.join(timeout=5 if finished else 0)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-            messages.close()
-    return [results[r] for r in range(ranks)]
+            while (item := messages.get()) is not None:
+                _, _, step[0], fraction = item
+                report(step[0], fraction)
+        except (EOFError, OSError, ValueError):  # a rank killed mid-message: progress is best effort
+            return
 
-
-def _rank_main(rank: int, world: int, init_method: str, settings: Settings, messages: Any) -> None:
-    """One rank: measure with one thread, report results (or its own exception) through `messages`."""
-    failure = None
+    forwarder = threading.Thread(target=forward, name="mmplan-calibrate-progress", daemon=True)
+    forwarder.start()
     try:
-        torch.set_num_threads(1)  # as the runtime does: n ranks x 2 threads on 2 cores ran 5x slower
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=settings.timeout_s))
-        out = _rank_measure(rank, world, settings, messages)
-    except BaseException as e:  # noqa: BLE001 -- report the root cause to the parent, whatever it is
-        # Timestamped before tearing down the group: its peers fail only after that, as echoes.
-        failure = (time.time(), f"{type(e).__name__}: {e}")
+        return launch(_rank_main, ranks, (settings, messages), backend="gloo", timeout_s=settings.deadline_s,
+                      op_timeout_s=settings.timeout_s, start_method=start_method)
+    except RankFailure as e:
+        if e.rank is None:
+            raise MmplanError(f"calibration timed out after {settings.deadline_s:g} s in step {step[0]}") from None
+        cause = str(e).removeprefix(f"rank {e.rank} failed: ")
+        raise MmplanError(f"calibration failed on rank {e.rank} in step {step[0]}: {cause}") from None
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 -- a broken group cannot be torn down cleanly; exiting closes it
-                pass
-    messages.put(("error", rank, *failure) if failure else ("done", rank, out))
+        messages.put(None)  # after every rank's messages: the ranks flushed theirs before exiting
+        forwarder.join(timeout=5)
+        messages.close()
+        messages.cancel_join_thread()  # a rank killed while writing may hold the queue's lock: never wait on it
+
+
+def _rank_main(ctx: Any, payload: tuple[Settings, Any]) -> dict[str, list[float]]:
+    """One rank (runtime.launch worker): measure, then flush the progress messages before the process exits."""
+    settings, messages = payload
+    try:
+        return _rank_measure(ctx.rank, ctx.world_size, settings, messages)
+    finally:
+        messages.close()
+        messages.join_thread()
 
 
 def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> dict[str, list[float]]:

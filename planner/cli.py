@@ -55,7 +55,7 @@ def check_writable(path: Path) -> None:
         if not parent.is_dir():
             raise MmplanError(f"cannot write {path}: directory {parent} does not exist")
         # the temporary file plans.serial.write_atomic will write, by the same pattern (so a name too long fails now)
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.tmp-")
     except OSError as e:
         raise MmplanError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
@@ -138,7 +138,8 @@ def solve(
     Compared, in the same run, with the best homogeneous (Megatron-style) plan, which is written instead if it
     is faster. Exit code 2 with the shortfall (bytes or GPUs) when nothing can fit.
     """
-    from planner.solve import render_solution, run_solve, solution_json
+    from planner.report import render_solution, solution_json
+    from planner.solve import run_solve
 
     check_writable(output)
     with console.progress("solving", enabled=not quiet and not as_json) as note:
@@ -177,7 +178,7 @@ def run(
 ) -> None:
     """Train with a plan: one process per rank here (gloo on CPU), or join a torchrun job (multi-node).
 
-    Checks the plan against the model first (fingerprint, placement, rank count). At the end prints the
+    Checks the plan against the model first (fingerprint, every block in one stage, rank count). At the end prints the
     measured step time, busy time and memory beside the cost model's prediction.
     """
     from planner.run import measured_summary, run_plan
@@ -211,7 +212,7 @@ def run(
             console.out.print(f"nothing to train: the checkpoint is already at step {steps} or later")
         return
     if not quiet and evaluation is not None:
-        from planner.compare import measured_table
+        from planner.report import measured_table
 
         console.out.print(measured_table(result.plan, evaluation, result.metrics))
         console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {len(result.metrics)} steps"
@@ -232,11 +233,12 @@ def compare(
     The best plan is the fastest one that fits in memory. With [cyan]--measured[/] also predicted vs measured
     step time, per-rank busy time and memory (medians over the steps after the first).
     """
-    from planner.compare import compare_table, measured_table, run_compare
+    from planner.compare import run_compare
+    from planner.report import compare_table, comparison_json, measured_table
 
     result = run_compare(plans, profile_path=profile_path, trace_dir=trace, measured_path=measured)
     if as_json:
-        print(json.dumps(result.as_json(), allow_nan=False))
+        print(json.dumps(comparison_json(result), allow_nan=False))
         return
     console.out.print(compare_table(result.items))
     if result.measured is not None:
@@ -320,16 +322,17 @@ def demo(
 ) -> None:
     """The whole loop on this machine: profile -> solve -> train the solved and the best homogeneous plan ->
     compare predicted with measured. Takes a couple of minutes on 2 CPU cores."""
-    from planner.demo import dumps, render, run_demo
+    from planner.demo import run_demo
+    from planner.report import demo_json, render_demo
 
     if output.exists() and not output.is_dir():
         raise MmplanError(f"--output {output} is a file; give a directory")
     with console.progress("mmplan demo", enabled=not as_json) as note:
         result = run_demo(output, model=model, cluster=cluster, global_batch=global_batch, steps=steps, progress=note)
     if as_json:
-        print(dumps(result))
+        print(json.dumps(demo_json(result)))
     else:
-        console.out.print(render(result))
+        console.out.print(render_demo(result))
 
 
 def main() -> None:  # pragma: no cover - console-script entry

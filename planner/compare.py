@@ -1,26 +1,23 @@
-"""Offline comparison of plans: predicted figures side by side, Perfetto traces, and predicted vs measured."""
+"""Offline comparison of plans: their predicted figures, Perfetto traces, and predicted vs measured (printed by planner/report.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-from rich.text import Text
-
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.trace import chrome_trace
-from planner.console import human_bytes, human_count
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, load_plan
-from plans.serial import read_text, write_atomic
+from plans.serial import parse_json, read_text, validate, write_atomic
 
 TRACE_ALL_RANKS_UP_TO = 64  # traces of larger plans show one rank per class of identical ranks ("stands for ...")
 WARMUP_STEPS = 1  # measured steps left out of the medians (the first step builds caches, warms allocators)
@@ -65,96 +62,6 @@ def best_index(items: Sequence[Compared]) -> int | None:
 def max_memory(predicted: Predicted) -> dict[str, float]:
     """Peak bytes of the fullest rank in each tier."""
     return {tier: max((getattr(m, tier) for m in predicted.memory), default=0.0) for tier in ("gpu", "cpu", "nvme")}
-
-
-def layout_text(plan: Plan) -> str:
-    """One line per group: `name: tp8 pp2 dp32 zero1 [colocated with x]`."""
-    return "\n".join(f"{g.name}: tp{g.tp} pp{g.pp} dp{g.dp}" + (f" zero{g.zero}" if g.zero else "")
-                     + (f" (with {g.colocated_with})" if g.colocated_with else "") for g in plan.groups)
-
-
-def figures(item: Compared, *, best: bool = False) -> dict[str, Any]:
-    """The JSON object of one compared plan (`mmplan compare --json`)."""
-    p, plan, t = item.predicted, item.plan, item.plan.training
-    return {
-        "plan": item.name,
-        "model": plan.profile.model,
-        "cluster": plan.cluster.name,
-        "world_size": plan.world_size,
-        "source": "evaluated" if item.evaluation is not None else "plan file",
-        "groups": [{"name": g.name, "tp": g.tp, "pp": g.pp, "dp": g.dp, "zero": g.zero, "colocated_with": g.colocated_with}
-                   for g in plan.groups],
-        "global_batch": t.global_batch,
-        "micro_batches": t.micro_batches,
-        "schedule": t.schedule,
-        "step_time_s": p.step_time_s,
-        "samples_per_s": p.samples_per_s,
-        "tokens_per_s": p.tokens_per_s,
-        "tflops_per_gpu": p.tflops_per_gpu,
-        "mfu": p.mfu,
-        "peak_memory_bytes": [{"rank": m.rank, "gpu": m.gpu, "cpu": m.cpu, "nvme": m.nvme} for m in p.memory],
-        "max_memory_bytes": max_memory(p),
-        "device_memory_bytes": plan.cluster.device.memory_bytes,
-        "bubble_fraction": p.bubble_fraction,
-        "comm_bytes": p.comm_bytes,
-        "bottleneck": p.bottleneck,
-        "fits": p.fits,
-        "best": best,
-    }
-
-
-def compare_json(items: Sequence[Compared]) -> list[dict[str, Any]]:
-    """One object per plan, in the order given."""
-    best = best_index(items)
-    return [figures(c, best=i == best) for i, c in enumerate(items)]
-
-
-def compare_table(items: Sequence[Compared]) -> Table:
-    """Plans as columns, figures as rows; the best plan (fastest that fits) in green with a star."""
-    best = best_index(items)
-    source = "evaluated by the cost model" if all(c.evaluation for c in items) else "predictions stored in the plans"
-    table = Table(title=f"predicted step ({source})", title_justify="left", header_style="bold")
-    table.add_column("")
-    for i, c in enumerate(items):
-        label = Path(c.name).stem + (" ★ best" if i == best else "")
-        table.add_column(label, justify="right", header_style="bold green" if i == best else "bold",
-                         style="green" if i == best else None)
-
-    def row(name: str, cell) -> None:
-        table.add_row(name, *(cell(c) for c in items))
-
-    row("layout", lambda c: layout_text(c.plan))
-    row("GPUs", lambda c: f"{c.plan.world_size} of {c.plan.cluster.name}")
-    row("schedule", lambda c: _schedule_text(c.plan))
-    row("step time", lambda c: _seconds(c.predicted.step_time_s))
-    row("samples/s", lambda c: f"{c.predicted.samples_per_s:,.1f}")
-    row("tokens/s", lambda c: human_count(c.predicted.tokens_per_s) if c.predicted.tokens_per_s else "-")
-    row("TFLOP/s per GPU", lambda c: f"{c.predicted.tflops_per_gpu:.4g}")
-    row("MFU", lambda c: f"{c.predicted.mfu:.1%}")
-    row("peak GPU memory", lambda c: _memory_cell(c))
-    row("peak CPU memory", lambda c: human_bytes(max_memory(c.predicted)["cpu"]))
-    row("peak NVMe", lambda c: human_bytes(max_memory(c.predicted)["nvme"]))
-    row("bubble", lambda c: f"{c.predicted.bubble_fraction:.1%}")
-    row("comm per step", lambda c: human_bytes(c.predicted.comm_bytes))
-    row("bottleneck", lambda c: c.predicted.bottleneck or "-")
-    row("fits", lambda c: Text("yes") if c.predicted.fits else Text("no", style="bold red"))
-    return table
-
-
-def _schedule_text(plan: Plan) -> str:
-    t = plan.training
-    name = f"interleaved:{t.virtual_stages}" if t.schedule == "interleaved" else t.schedule
-    return f"{name}, {t.micro_batches} x {t.micro_batch} samples"
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
-def _memory_cell(c: Compared) -> Text:
-    """Fullest rank's GPU bytes of the device's; red when over."""
-    gpu, cap = max_memory(c.predicted)["gpu"], c.plan.cluster.device.memory_bytes
-    return Text(f"{human_bytes(gpu)} of {human_bytes(cap)}", style=None if gpu <= cap else "bold red")
 
 
 def write_traces(items: Sequence[Compared], directory: str | os.PathLike) -> list[Path]:
@@ -208,20 +115,12 @@ class MeasuredStep:
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[MeasuredStep, ...]:
-    """Parse a JSONL metrics log; every problem is one FormatError naming the line."""
+    """Parse a JSONL metrics log (plans/schema/metrics.json, one object per line); every problem is one
+    FormatError naming the line."""
     what = f"metrics log {path}"
     text = read_text(path, "metrics log")
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise FormatError(f"{what} line {n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
-        except (ValueError, RecursionError):  # an integer of too many digits, nesting too deep
-            raise FormatError(f"{what} line {n} is not usable JSON (a number too long or nesting too deep); "
-                              "each line must be one JSON object") from None
+    rows = [(n, parse_json(line, f"{what} line {n}", allow_nan=True)) for n, line in enumerate(text.splitlines(), 1)
+            if line.strip()]
     if not rows:
         raise _no_steps(what)
     return tuple(_step(row, f"{what} line {n}") for n, row in rows)
@@ -247,20 +146,12 @@ def _no_steps(what: str) -> FormatError:
 
 
 def _step(row: Any, where: str) -> MeasuredStep:
-    if not isinstance(row, Mapping):
-        raise FormatError(f"{where} is a JSON {type(row).__name__}, not an object with step, step_time_s, compute_s, ...")
-    for key in ("step", "step_time_s", "compute_s", "peak_memory_bytes"):
-        if key not in row:
-            raise FormatError(f"{where} lacks field {key!r}")
-    step = row["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise FormatError(f"{where}: field 'step' must be an integer >= 0, got {step!r}")
+    """One validated row (plans/schema/metrics.json) as a MeasuredStep."""
+    validate(row, "metrics", where, message=functools.partial(_schema_message, where))
     loss = row.get("loss")
-    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or abs(loss) > 1e308):
-        raise FormatError(f"{where}: field 'loss' must be a number, got {_brief(loss)}")
     return MeasuredStep(
-        step=step,
-        step_time_s=_number(row["step_time_s"], "step_time_s", where),
+        step=row["step"],
+        step_time_s=_finite(row["step_time_s"], "step_time_s", where),
         compute_s=_per_rank(row["compute_s"], "compute_s", where),
         comm_s=_per_rank(row.get("comm_s", 0.0), "comm_s", where),
         idle_s=_per_rank(row.get("idle_s", 0.0), "idle_s", where),
@@ -269,9 +160,23 @@ def _step(row: Any, where: str) -> MeasuredStep:
     )
 
 
-def _number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e308 \
-            or not math.isfinite(value):  # (compared before isfinite: a huge int does not convert to float)
+def _schema_message(where: str, err: Any) -> str:
+    """One sentence for the first schema error of a metrics row, naming the field as `key[i]`."""
+    path = list(err.absolute_path)
+    if not path and err.validator == "type":
+        return f"{where} is a JSON {type(err.instance).__name__}, not an object with step, step_time_s, compute_s, ..."
+    if err.validator == "required":
+        return f"{where} lacks field {next(k for k in err.validator_value if k not in err.instance)!r}"
+    key = str(path[0]) + "".join(f"[{i}]" for i in path[1:])
+    if err.validator == "minItems":
+        return f"{where}: field {key!r} is an empty list; give one number per rank"
+    expected = {"step": "an integer >= 0", "loss": "a number"}.get(key, "a finite number >= 0")
+    return f"{where}: field {key!r} must be {expected}, got {_brief(err.instance)}"
+
+
+def _finite(value: int | float, key: str, where: str) -> float:
+    """A schema-checked number as a float; NaN (which compares with nothing, so passes a schema's bounds) is refused."""
+    if not math.isfinite(value):
         raise FormatError(f"{where}: field {key!r} must be a finite number >= 0, got {_brief(value)}")
     return float(value)
 
@@ -284,10 +189,8 @@ def _brief(value: Any) -> str:
 def _per_rank(value: Any, key: str, where: str) -> PerRank:
     """A list of one number per rank; a bare number means the same on every rank."""
     if isinstance(value, list):
-        if not value:
-            raise FormatError(f"{where}: field {key!r} is an empty list; give one number per rank")
-        return tuple(_number(v, f"{key}[{i}]", where) for i, v in enumerate(value))
-    return _number(value, key, where)
+        return tuple(_finite(v, f"{key}[{i}]", where) for i, v in enumerate(value))
+    return _finite(value, key, where)
 
 
 def _on_ranks(values: PerRank, world: int, key: str, step: int) -> list[float]:
@@ -357,35 +260,6 @@ def _pair(predicted: float | None, measured: float) -> dict[str, float | None]:
             "deviation_pct": None if predicted is None else deviation(predicted, measured)}
 
 
-def measured_table(plan: Plan, evaluation_or_predicted: Evaluation | Predicted, metrics_rows: Sequence[Any]) -> Table:
-    """Predicted beside measured (see deviation_summary): step time, then per rank busy time and peak memory."""
-    summary = deviation_summary(plan, evaluation_or_predicted, metrics_rows)
-    skipped = summary["warmup_steps_skipped"]
-    table = Table(title=f"predicted vs measured (median of {summary['steps_used']} steps"
-                        + (f", first {skipped} skipped as warm-up)" if skipped else ")"),
-                  title_justify="left", header_style="bold")
-    for name in ("", "predicted", "measured", "deviation"):
-        table.add_column(name, justify="left" if not name else "right")
-
-    def add(name: str, pair: dict, fmt) -> None:
-        p = pair["predicted"]
-        table.add_row(name, "-" if p is None else fmt(p), fmt(pair["measured"]), _deviation_text(pair["deviation_pct"]))
-
-    add("step time", summary["step_time_s"], _seconds)
-    for r in summary["ranks"]:
-        add(f"rank {r['rank']} busy (compute + comm)", r["busy_s"], _seconds)
-    for r in summary["ranks"]:
-        add(f"rank {r['rank']} peak memory", r["peak_memory_bytes"], human_bytes)
-    return table
-
-
-def _deviation_text(pct: float | None) -> Text:
-    if pct is None:
-        return Text("-")
-    style = None if abs(pct) <= 20 else "yellow" if abs(pct) <= 50 else "bold red"
-    return Text(f"{pct:+.1f} %", style=style)
-
-
 # --- the `mmplan compare` command's core ---------------------------------------------------------------------
 
 
@@ -396,14 +270,6 @@ class Comparison:
     items: tuple[Compared, ...]
     measured: tuple[MeasuredStep, ...] | None = None
     traces: tuple[Path, ...] = ()
-
-    def as_json(self) -> list[dict[str, Any]]:
-        """compare_json, the plan's object carrying "measured": deviation_summary(...) when a log was given."""
-        out = compare_json(self.items)
-        if self.measured is not None:
-            c = self.items[0]
-            out[0]["measured"] = deviation_summary(c.plan, c.evaluation or c.predicted, self.measured)
-        return out
 
 
 def run_compare(paths: Sequence[str | os.PathLike], *, profile_path: str | os.PathLike | None = None,

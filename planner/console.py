@@ -1,4 +1,4 @@
-"""Terminal output shared by the CLI commands: rich consoles, progress, one-line errors, byte/FLOP units."""
+"""Terminal output shared by the CLI commands: rich consoles, progress, one-line errors, FLOP counts (bytes: plans/units.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -28,14 +28,6 @@ def progress(description: str, *, enabled: bool = True) -> Iterator[Callable[[st
                   TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task(description, total=1.0, step="")
         yield lambda step, fraction: bar.update(task, completed=fraction, step=step)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def human_count(n: float, unit: str = "") -> str:

@@ -6,7 +6,8 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from planner.console import human_bytes, human_count
+from planner.console import human_count
+from plans.units import format_bytes
 from plans.graph import Profile
 
 
@@ -39,11 +40,11 @@ def render_profile(profile: Profile, console: Console, top: int = 5) -> None:
     totals = group_totals(profile)
     for g, t in totals.items():
         table.add_row(g, f"{t['blocks']:.0f}", human_count(t["params"]), human_count(t["fwd_flops"], "FLOP"),
-                      human_count(t["bwd_flops"], "FLOP"), human_bytes(t["activation_bytes"]))
+                      human_count(t["bwd_flops"], "FLOP"), format_bytes(t["activation_bytes"]))
     all_t = {k: sum(t[k] for t in totals.values()) for k in ("blocks", "params", "fwd_flops", "bwd_flops", "activation_bytes")}
     table.add_row("[bold]total[/]", f"{all_t['blocks']:.0f}", human_count(all_t["params"]),
                   human_count(all_t["fwd_flops"], "FLOP"), human_count(all_t["bwd_flops"], "FLOP"),
-                  human_bytes(all_t["activation_bytes"]))
+                  format_bytes(all_t["activation_bytes"]))
     console.print(table)
 
     big = Table(title=f"Largest blocks (by forward FLOPs)", title_justify="left")
@@ -52,12 +53,12 @@ def render_profile(profile: Profile, console: Console, top: int = 5) -> None:
     for b in sorted(profile.blocks, key=lambda b: (-b.fwd_flops, -b.params))[:top]:
         ms = f"{b.fwd_ms:.2f}/{b.bwd_ms:.2f}" if b.fwd_ms is not None else "-"
         big.add_row(b.name, b.kind, human_count(b.params), human_count(b.fwd_flops, "FLOP"),
-                    human_bytes(b.activation_bytes), ms)
+                    format_bytes(b.activation_bytes), ms)
     console.print(big)
 
     edges = Table(title="Edges between groups (per sample)", title_justify="left")
     for col in ("from", "to", "blocks", "bytes"):
         edges.add_column(col, justify="right" if col == "bytes" else "left")
     for sg, dg, src, dst, nbytes in cross_group_edges(profile):
-        edges.add_row(sg, dg, f"{src} -> {dst}", human_bytes(nbytes))
+        edges.add_row(sg, dg, f"{src} -> {dst}", format_bytes(nbytes))
     console.print(edges)

@@ -1,4 +1,4 @@
-"""Memory tiers: an ILP placing each stage's params, grads, optimizer state and each block's activations in GPU / CPU / NVMe or recompute."""
+"""Memory tiers: an ILP choosing the tier (GPU / CPU / NVMe, or recompute) of each stage's params, grads, optimizer state and each block's activations."""
 from __future__ import annotations
 
 import itertools
@@ -7,18 +7,27 @@ from dataclasses import dataclass, replace
 
 import pulp
 
-from cost_models.comm import all_gather_time, link_for, reduce_scatter_time
-from cost_models.compute import block_time, measured_on, optimizer_step_time
+from cost_models.comm import dp_link, zero_collectives
+from cost_models.compute import block_time, measured_on
 from cost_models.evaluate import evaluate
-from cost_models.memory import DTYPE_BYTES, block_input_bytes, optimizer_bytes_per_param
-from cost_models.offload import transfer_time
+from cost_models.memory import (
+    DTYPE_BYTES,
+    TierBytes,
+    activation_residency,
+    activation_transient,
+    block_input_bytes,
+    state_residency,
+)
+from cost_models.offload import state_streaming, transfer_time
+from cost_models.tail import tail_over
 from planner.allocate import Solver, _solver, pick_solver
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import ActivationTier, Memory, Plan, Tier, check_plan
 
 # Formulation, for the stages s of a plan whose layout and ranks are fixed (cost_models/memory.stage_memory
-# and pipeline.py's _cost_chunk, term by term; every figure is one rank's, per micro-batch unless noted):
+# and pipeline.py's chunk costs, term by term, their constants computed by the cost_models functions named
+# below; every figure is one rank's, per micro-batch unless noted):
 #   z[s,k] in {0,1}    stage s puts (params, grads, optimizer state) in tiers k = (tp, tg, to), 27 choices
 #   a[s,b,x] in {0,1}  block b keeps its activations (x = keep), recomputes them, or offloads them to cpu/nvme
 #   o[s,t] in {0,1}    stage s offloads some activations to tier t (the transfer's latency is paid once)
@@ -27,15 +36,18 @@ from plans.plan import ActivationTier, Memory, Plan, Tier, check_plan
 #   T >= 0             the slowest rank class: its stages' m (forward + backward) + optimizer steps
 # (one)       sum_k z[s,k] = 1;   sum_x a[s,b,x] = 1                          every stage s, block b of s
 # (latency)   o[s,t] >= a[s,b,offload-t]
-# (transient) h[s] >= act_b a[s,b,recompute];  h[s] >= 2 act_b a[s,b,offload-t]
+# (transient) h[s] >= transient(x, act_b) a[s,b,x]    (memory.activation_transient: act_b recomputed, 2 act_b offloaded)
 # (expose)    ef[s] >= out[s] + pin[s] - F_s;             ef[s] >= gather_s - F_s
 #             eb[s] >= out[s] + pin[s] + gout[s] - B[s];  eb[s] >= gather_s + scatter_s - B[s]
 #             out[s] = sum_t (o[s,t] alpha_t + sum_b act_b a[s,b,offload-t] / beta_t): activations out and back
-#             pin[s], gout[s] = sum_k z[s,k] (params / grads streamed from k's tiers);  B[s] = B_s + sum_b f_b a[s,b,recompute]
+#             pin[s], gout[s] = sum_k z[s,k] (params / grads streamed from k's tiers: offload.state_streaming)
+#             B[s] = B_s + sum_b f_b a[s,b,recompute];  gather_s, scatter_s: comm.zero_collectives
 # (gpu)       sum_{s on class c} gpu[s] <= device memory                      every rank class c (colocated: several s)
-#             gpu[s] = sum_k z[s,k] state_gpu[s,k] + sum_b in_flight_s (act_b a[s,b,keep] + input_b a[s,b,recompute]) + h[s]
+#             gpu[s] = sum_k z[s,k] state_gpu[s,k] + in_flight_s sum_b,x residency_gpu(x, b) a[s,b,x] + h[s]
+#             (memory.state_residency, memory.activation_residency: act_b kept, input_b recomputed)
 # (host)      sum_s ranks_of_s_on_n * cpu[s] <= host memory of node n;  same for nvme
 # (time)      T >= sum_{s on c} (m (F_s + fcomm_s + ef[s] + B[s] + bcomm[s] + eb[s]) + sum_k z[s,k] opt[s,k])
+#             (opt[s,k]: the optimizer step of tail.tail_over)
 # minimise T + 1e-3 / stages * sum_s (its own term): the slowest class, then every other one.
 # Tiers by access frequency and lifetime: params are read by every forward and backward, gradients written
 # by every backward, optimizer state touched once a step (the natural first to leave the GPU); activations
@@ -61,7 +73,8 @@ class _Stage:
     recompute_fwd: dict[str, float]  # block -> forward seconds added to the backward when recomputed
     recompute_comm: dict[str, float]
     act: dict[str, float]  # block -> activation bytes of one micro-batch
-    checkpoint: dict[str, float]  # block -> input bytes of one micro-batch (kept when recomputed)
+    residency: dict[str, dict[str, TierBytes]]  # block -> tier x -> bytes per micro-batch in flight (activation_residency)
+    transient: dict[str, dict[str, float]]  # block -> tier x -> GPU bytes while it runs (activation_transient)
     gather: float
     scatter: float
     state: dict[tuple[str, str, str], tuple[float, float, float, float, float, float]]  # k -> gpu, cpu, nvme bytes, pin, gout, opt
@@ -69,7 +82,7 @@ class _Stage:
 
 def place_tiers(plan: Plan, profile: Profile, *, solver: Solver = "highs", time_limit: float = 30.0) -> Plan | None:
     """The plan with every stage's memory placed by the ILP above (predictions refreshed), or None when the
-    solver finds no placement in time. Raises MmplanError naming the shortfall when none can exist."""
+    solver finds no tier assignment in time. Raises MmplanError naming the shortfall when none can exist."""
     stages, m = _stages(plan, profile)
     _check_room(plan, stages)
     prob, z, a = _model(plan, stages, m)
@@ -97,7 +110,6 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
     inputs = block_input_bytes(profile)
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     width = DTYPE_BYTES[training.dtype]
-    k_opt = optimizer_bytes_per_param(training.dtype, training.optimizer)
     out = []
     for gi, g in enumerate(plan.groups):
         samples = training.micro_batch / g.dp
@@ -114,30 +126,24 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                 act[name] = blk.activation_bytes * samples / t
                 ckpt[name] = inputs.get(name, 0.0) * samples / t
                 params += blk.params / t
-                largest = max(largest, blk.params / t * width)
+                largest = max(largest, blk.params / t)
             param_bytes = params * width
-            link = link_for(cluster, s.ranks[:: g.tp])
-            gather = all_gather_time(param_bytes, g.dp, link) if g.zero >= 3 else 0.0
-            scatter = reduce_scatter_time(param_bytes, g.dp, link) if g.zero >= 2 else 0.0
+            link = dp_link(cluster, s.ranks, g.tp)
+            gather, scatter = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link)
             state = {}
             for k in STATES:
-                tiers = {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0}
-                tiers[k[0]] += width * params / (g.dp if g.zero >= 3 else 1)
-                tiers[k[1]] += width * params / (g.dp if g.zero >= 2 else 1)
-                tiers[k[2]] += k_opt * params / (g.dp if g.zero >= 1 else 1)
-                if k[0] != "gpu":
-                    tiers["gpu"] += 2 * largest / (g.dp if g.zero >= 3 else 1)
-                if k[1] != "gpu":
-                    tiers["gpu"] += 2 * largest / (g.dp if g.zero >= 2 else 1)
-                if g.zero >= 3:
-                    tiers["gpu"] += 2 * largest
-                pin = transfer_time(param_bytes / (g.dp if g.zero >= 3 else 1), k[0], cluster)
-                gout = transfer_time(param_bytes / (g.dp if g.zero >= 2 else 1), k[1], cluster)
-                opt = optimizer_step_time(params / g.dp if g.zero >= 1 else params, Memory(*k), cluster,
-                                          dtype=training.dtype, optimizer=training.optimizer)
-                state[k] = (tiers["gpu"], tiers["cpu"], tiers["nvme"], pin, gout, opt)
-            out.append(_Stage((gi, si), s.blocks, s.ranks, in_flight[g.name, si], f, fc, b, bc, rf, rc, act, ckpt,
-                              gather, scatter, state))
+                memory = Memory(*k)
+                tiers = state_residency(params, largest, dp=g.dp, zero=g.zero, memory=memory, dtype=training.dtype,
+                                        optimizer=training.optimizer)
+                pin, gout = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=memory, cluster=cluster)
+                opt = tail_over(params, dp=g.dp, zero=g.zero, memory=memory, link=link, cluster=cluster,
+                                dtype=training.dtype, optimizer=training.optimizer).optimizer
+                state[k] = (tiers.gpu, tiers.cpu, tiers.nvme, pin, gout, opt)
+            residency = {name: {x: activation_residency(x, act[name], ckpt[name]) for x in ACTIVATION_TIERS}
+                         for name in s.blocks}
+            transient = {name: {x: activation_transient(x, act[name]) for x in ACTIVATION_TIERS} for name in s.blocks}
+            out.append(_Stage((gi, si), s.blocks, s.ranks, in_flight[g.name, si], f, fc, b, bc, rf, rc, act, residency,
+                              transient, gather, scatter, state))
     return out, training.micro_batches
 
 
@@ -181,8 +187,8 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
         for i, b in enumerate(st.blocks):
             for t in ("cpu", "nvme"):
                 prob += o[t] >= av[b][f"offload-{t}"], f"latency_{n}_{i}_{t}"
-                prob += h >= 2 * st.act[b] * av[b][f"offload-{t}"], f"transient_{n}_{i}_{t}"
-            prob += h >= st.act[b] * av[b]["recompute"], f"transient_{n}_{i}_rc"
+                prob += h >= st.transient[b][f"offload-{t}"] * av[b][f"offload-{t}"], f"transient_{n}_{i}_{t}"
+            prob += h >= st.transient[b]["recompute"] * av[b]["recompute"], f"transient_{n}_{i}_rc"
         out = pulp.lpSum(o[t] * costs[t][0] + pulp.lpSum(st.act[b] * costs[t][1] * av[b][f"offload-{t}"] for b in st.blocks)
                          for t in ("cpu", "nvme"))
         pin = pulp.lpSum(st.state[k][3] * zs[k] for k in STATES)
@@ -196,10 +202,13 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
         prob += eb >= st.gather + st.scatter - bwd, f"expose_bz_{n}"
         opt = pulp.lpSum(st.state[k][5] * zs[k] for k in STATES)
         terms[st.key] = m * (st.fwd + st.fwd_comm + ef + bwd + bcomm + eb) + opt
-        gpu[st.key] = (pulp.lpSum(st.state[k][0] * zs[k] for k in STATES) + h
-                       + st.in_flight * pulp.lpSum(st.act[b] * av[b]["keep"] + st.checkpoint[b] * av[b]["recompute"] for b in st.blocks))
-        cpu = pulp.lpSum(st.state[k][1] * zs[k] for k in STATES) + st.in_flight * pulp.lpSum(st.act[b] * av[b]["offload-cpu"] for b in st.blocks)
-        nvme = pulp.lpSum(st.state[k][2] * zs[k] for k in STATES) + st.in_flight * pulp.lpSum(st.act[b] * av[b]["offload-nvme"] for b in st.blocks)
+        def resident(tier: str):  # activation bytes per micro-batch in flight on `tier` (activation_residency)
+            return pulp.lpSum(getattr(st.residency[b][x], tier) * av[b][x] for b in st.blocks for x in ACTIVATION_TIERS
+                              if getattr(st.residency[b][x], tier))
+
+        gpu[st.key] = pulp.lpSum(st.state[k][0] * zs[k] for k in STATES) + h + st.in_flight * resident("gpu")
+        cpu = pulp.lpSum(st.state[k][1] * zs[k] for k in STATES) + st.in_flight * resident("cpu")
+        nvme = pulp.lpSum(st.state[k][2] * zs[k] for k in STATES) + st.in_flight * resident("nvme")
         per_node = defaultdict(int)
         for r in st.ranks:
             per_node[cluster.node_of(r)] += 1
@@ -226,7 +235,7 @@ def _check_room(plan: Plan, stages: list[_Stage]) -> None:
 def _shortfall(plan: Plan, stages: list[_Stage], only_if_short: bool = False) -> str:
     """A sentence naming by how many bytes the plan's ranks or nodes are short of memory in every tier (from
     necessary conditions: a rank's GPU holds at least its stages' least GPU-resident state; a node's tiers
-    together hold at least its ranks' whole state)."""
+    combined hold at least its ranks' whole state)."""
     cluster = plan.cluster
     cap = cluster.device.memory_bytes
     gpu_need: dict[int, float] = defaultdict(float)  # rank -> least GPU bytes of its model states
@@ -249,5 +258,5 @@ def _shortfall(plan: Plan, stages: list[_Stage], only_if_short: bool = False) ->
                     f"{room / 1e9:,.1f} GB ({(need - room) / 1e9:,.1f} GB short); add nodes or NVMe")
     if only_if_short:
         return ""
-    return (f"no placement of {plan.profile.model}'s state and activations fits the GPU, host memory and NVMe of "
+    return (f"no assignment of tiers to {plan.profile.model}'s state and activations fits the GPU, host memory and NVMe of "
             f"{cluster.world_size} x {cluster.device.name}; add GPUs or nodes")

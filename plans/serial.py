@@ -1,4 +1,4 @@
-"""One serialiser for every file mmplan writes: frozen dataclasses <-> canonical JSON, with schema checks."""
+"""One serialiser for every file mmplan writes: frozen dataclasses <-> canonical JSON, schema checks, atomic writes."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +8,7 @@ import os
 import tempfile
 import types
 import typing
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -36,13 +37,20 @@ def dumps(obj: Any) -> str:
     return json.dumps(to_data(obj), indent=1, allow_nan=False) + "\n"
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to path via a temporary file and rename, so no half-written file is ever left."""
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = True) -> None:
+    """Write `data` to `path` so that no half-written file is ever left there: a temporary file beside it
+    (`.<name>.tmp-XXXXXXXX`), flushed and fsynced, renamed over `path`, then the directory fsynced so the rename
+    survives a crash too. durable=False skips both fsyncs (files handed between processes of one run, which a
+    crash makes worthless anyway). The one atomic writer of plans, profiles, traces, cluster files, checkpoints
+    and the launcher's results."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent or ".")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a written file gets the usual permissions
@@ -50,12 +58,29 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_text(path: str | os.PathLike, what: str) -> str:
     """A text file's contents; every I/O or decoding problem is one FormatError naming `what` and the path."""
     try:
         return Path(path).read_text()
+    except FileNotFoundError:
+        raise FormatError(f"cannot read {what} {path}: not found") from None
+    except IsADirectoryError:
+        raise FormatError(f"cannot read {what} {path}: it is a directory") from None
     except OSError as e:
         raise FormatError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
@@ -66,10 +91,16 @@ def read_text(path: str | os.PathLike, what: str) -> str:
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Load a JSON file, turning every I/O or syntax problem into one FormatError sentence."""
-    text = read_text(path, what)
+    return parse_json(read_text(path, what), f"{what} {path}")
+
+
+def parse_json(text: str, where: str, *, allow_nan: bool = False) -> Any:
+    """JSON text -> data; every syntax problem, and what JSON allows but we refuse (NaN, Infinity, numbers beyond
+    a float, unpaired surrogates, nesting deeper than Python recurses), is one FormatError starting with `where`.
+    allow_nan: read NaN / Infinity as Python's json does (a metrics log records a diverged loss as NaN)."""
 
     def not_a_number(token: str) -> float:  # NaN / Infinity: Python accepts them, JSON (and our writer) does not
-        raise FormatError(f"{what} {path} is not valid JSON: {token} is not a JSON number")
+        raise FormatError(f"{where} is not valid JSON: {token} is not a JSON number")
 
     def finite(token: str) -> float:
         value = float(token)
@@ -78,19 +109,19 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
         return value
 
     try:
-        data = json.loads(text, parse_constant=not_a_number, parse_float=finite)
+        data = json.loads(text) if allow_nan else json.loads(text, parse_constant=not_a_number, parse_float=finite)
         if "\\ud" in text.lower():  # \ud800-\udfff escapes: fine in pairs, an unpaired one is not text
             json.dumps(data, ensure_ascii=False).encode()
         return data
     except UnicodeEncodeError:
-        raise FormatError(f"{what} {path} is not usable JSON: a string holds an unpaired surrogate escape "
+        raise FormatError(f"{where} is not usable JSON: a string holds an unpaired surrogate escape "
                           "(\\ud800-\\udfff), which is no character") from None
     except json.JSONDecodeError as e:
-        raise FormatError(f"{what} {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        raise FormatError(f"{where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     except ValueError as e:  # valid JSON Python refuses to read: an integer of more digits than it converts
-        raise FormatError(f"{what} {path} is not usable JSON: {str(e).split('; use sys.set_int_max_str_digits')[0]}") from None
+        raise FormatError(f"{where} is not usable JSON: {str(e).split('; use sys.set_int_max_str_digits')[0]}") from None
     except RecursionError:
-        raise FormatError(f"{what} {path} is not usable JSON: arrays or objects nest too deeply") from None
+        raise FormatError(f"{where} is not usable JSON: arrays or objects nest too deeply") from None
 
 
 @lru_cache(maxsize=None)
@@ -99,12 +130,17 @@ def schema(name: str) -> dict:
     return json.loads(resources.files("plans").joinpath("schema", f"{name}.json").read_text())
 
 
-def validate(data: Any, schema_name: str, what: str) -> None:
-    """Validate against a JSON Schema; the error names the offending field by its JSON path."""
+def validate(data: Any, schema_name: str, what: str, *,
+             message: Callable[[jsonschema.ValidationError], str] | None = None) -> None:
+    """Validate against the JSON Schema plans/schema/<schema_name>.json; the first error (the shallowest) is one
+    FormatError: by default naming the offending field by its JSON path, or the sentence `message` makes of it
+    (file formats whose users know their fields by another name: cluster TOML tables, metrics log lines)."""
     validator = jsonschema.Draft202012Validator(schema(schema_name))
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         err = errors[0]
+        if message is not None:
+            raise FormatError(message(err))
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise FormatError(f"{what}: field {where}: {_short(err.message)}")
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from plans.errors import MmplanError
+from plans.units import format_bytes
 
 Category = Literal["params", "grads", "optimizer", "activations", "buffers"]
 CATEGORIES: tuple[Category, ...] = ("params", "grads", "optimizer", "activations", "buffers")
@@ -20,13 +21,6 @@ OffTier = Literal["cpu", "nvme"]
 
 class MemoryBudgetExceeded(MmplanError):
     """The device tier holds more bytes than the plan's budget allows."""
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 class _Held(weakref.ref):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from plans.errors import MmplanError
+from plans.serial import write_atomic
 
 FORMAT = "mmplan.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -112,7 +113,7 @@ def write_block_files(root: str | os.PathLike, step: int, blocks: Mapping[str, M
         torch.save(payload, buf)
         data = buf.getvalue()
         name = f"{block}.pt"
-        _write_atomic(d / name, data)
+        write_atomic(d / name, data)
         out[block] = BlockFile(block, name, hashlib.sha256(data).hexdigest(), len(data))
     return out
 
@@ -139,7 +140,7 @@ def write_manifest(root: str | os.PathLike, step: int, files: Mapping[str, Block
     doc["files"] = {b: asdict(bf) for b, bf in manifest.files.items()}
     for leftover in d.glob(".*.tmp-*"):  # every rank is done writing: temp files are from interrupted writes
         leftover.unlink(missing_ok=True)
-    _write_atomic(d / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
+    write_atomic(d / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
     _keep_newest(Path(root), step, keep)
     return manifest
 
@@ -156,27 +157,6 @@ def save_checkpoint(root: str | os.PathLike, step: int, blocks: Mapping[str, Map
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A detached CPU tensor owning exactly its bytes (torch.save would store a view's whole storage)."""
     return t.detach().to("cpu", copy=True).contiguous()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hash_file(d: Path, block: str, name: str) -> BlockFile:

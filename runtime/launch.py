@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plans.errors import MmplanError
+from plans.serial import write_atomic
 
 GRACE_S = 3.0  # after the first failure, how long the other ranks get to record their own errors
 _POLL_S = 0.05
@@ -140,9 +141,7 @@ def _run_torchrun_rank(worker: Worker, world_size: int, payload: Any, backend: s
 
 # ----------------------------------------------------------------------------------------------- child side
 def _write_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, pickle.dumps(obj), durable=False)  # a hand-over to the parent in a scratch directory
 
 
 def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:

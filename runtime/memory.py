@@ -26,7 +26,6 @@ from runtime.budget import (
     DeviceBudget,
     MemoryBudgetExceeded,
     OffTier,
-    format_bytes,
 )
 from runtime.param_tiers import GradTier, ParamStore, TieredAdam
 from runtime.rank_tiers import RankTiers, TieredBlocks
@@ -47,6 +46,5 @@ __all__ = [
     "TieredBlocks",
     "activation_context",
     "check_nvme_space",
-    "format_bytes",
     "run_block",
 ]

@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -19,7 +16,9 @@ from plans.plan import Tier
 from runtime.budget import DeviceBudget, OffTier
 from runtime.tier_io import (
     ALIGN,
+    MappedFile,
     TierIO,
+    aligned_nbytes,
     bytes_of,
     check_nvme_space,
     read_file,
@@ -233,16 +232,23 @@ class ParamStore:
 
 class GradTier:
     """Where accumulated gradients live. 'gpu': counted in the device tier while they exist. 'cpu' /
-    'nvme': after each accumulation the gradient is added to a host copy and dropped from the device
-    tier (same additions in the same order as autograd's accumulation, so the sums are bitwise equal);
-    collect() hands them back as p.grad for the reduction and the optimizer. NVMe is served from host
-    memory (gradients are rewritten every micro-batch; files would only add I/O)."""
+    'nvme': after each accumulation the gradient is added to its copy in the tier and dropped from the device
+    tier (same additions in the same order as autograd's accumulation, so the sums are bitwise equal): a host
+    tensor for 'cpu', a slice of one memory-mapped file under nvme_dir for 'nvme' (MappedFile, as Adam's state).
+    collect() hands them back as p.grad for the reduction and the optimizer. On the device a gradient exists
+    only from its accumulation until it is moved: at most one block's gradients (cost_models/memory.state_residency)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], tier: Tier, budget: DeviceBudget) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], tier: Tier, budget: DeviceBudget, *,
+                 nvme_dir: str | os.PathLike | None = None) -> None:
         self.tier, self.budget = tier, budget
         self.params = [p for p in params if p.requires_grad]
         self.host: dict[int, torch.Tensor] = {}
         self._by_id = {id(p): p for p in self.params}
+        self._file: MappedFile | None = None
+        self._slots: dict[int, torch.Tensor] = {}
+        if tier == "nvme":
+            self._file = MappedFile("grads", "gradients", nvme_dir, sum(aligned_nbytes(p) for p in self.params))
+            self._slots = {id(p): self._file.zeros_like(p) for p in self.params}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulated)
 
@@ -255,20 +261,34 @@ class GradTier:
         p.grad = None
         host = self.host.get(id(p))
         if host is None:
-            self.host[id(p)] = g.detach().to("cpu", copy=True)  # a real move: the device copy is freed
-            self.budget.add_host("cpu", g.numel() * g.element_size())
+            if self._file is not None:
+                host = self._slots[id(p)]
+                host.copy_(g)  # written to the file; the device copy is freed
+            else:
+                host = g.detach().to("cpu", copy=True)  # a real move: the device copy is freed
+            self.host[id(p)] = host
+            self.budget.add_host(self.tier, g.numel() * g.element_size())
         else:
             host.add_(g.to("cpu"))
 
     def collect(self) -> None:
-        """Move the host gradients into p.grad (call before reducing gradients and the optimizer step)."""
+        """Move the gradients held in the tier into p.grad (call before reducing gradients and the optimizer step)."""
         for key, g in self.host.items():
             p = self._by_id[key]
-            p.grad = g if p.device.type == "cpu" else g.to(p.device)
-            self.budget.remove_host("cpu", g.numel() * g.element_size())
+            if self._file is not None:  # read back from the file into memory of its own (the slot is reused)
+                p.grad = g.clone() if p.device.type == "cpu" else g.to(p.device)
+            else:
+                p.grad = g if p.device.type == "cpu" else g.to(p.device)
+            self.budget.remove_host(self.tier, g.numel() * g.element_size())
             if self.tier == "gpu" or p.device.type != "cpu":
                 self.budget.hold("grads", p.grad)
         self.host = {}
+
+    def close(self) -> None:
+        """Remove the NVMe tier's file (nothing to do for the other tiers)."""
+        if self._file is not None:
+            self._file.close()
+            self._file, self._slots = None, {}
 
 
 # --- Adam with its state in a tier -----------------------------------------------------------------
@@ -298,18 +318,10 @@ class TieredAdam:
             raise MmplanError(f"TieredAdam: parameter {unknown[0]} of a block is not among the named parameters")
         device = next((p.device for p in self.named.values()), torch.device("cpu"))
         self.on_host = tier != "gpu" and device.type != "cpu"
-        self._mmap = None
-        self._path: str | None = None
-        self._dir: str | None = None
+        self._file: MappedFile | None = None
         if tier == "nvme":
-            total = sum(_aligned(p) for p in self.named.values()) * 2
-            if nvme_dir is None:
-                raise MmplanError("optimizer state on the NVMe tier needs a directory; pass --nvme-dir")
-            check_nvme_space(nvme_dir, total)
-            self._dir = tempfile.mkdtemp(prefix="mmplan-optim-", dir=nvme_dir)
-            self._path = os.path.join(self._dir, "adam.bin")
-            self._mmap = np.memmap(self._path, dtype=np.uint8, mode="w+", shape=(max(total, 1),))
-        self._offset = 0
+            total = sum(aligned_nbytes(p) for p in self.named.values()) * 2
+            self._file = MappedFile("adam", "optimizer state", nvme_dir, total)
         self.masters: dict[str, torch.Tensor] = {}
         self.optimizers: dict[str, torch.optim.Adam] = {}
         for b, names in self.blocks.items():
@@ -337,12 +349,9 @@ class TieredAdam:
                 budget.add_host(tier, state_bytes)
 
     def _zeros_like(self, t: torch.Tensor) -> torch.Tensor:
-        if self._mmap is None:
+        if self._file is None:
             return torch.zeros_like(t, memory_format=torch.preserve_format, device="cpu" if self.on_host else t.device)
-        n = t.numel() * t.element_size()
-        view = torch.from_numpy(np.asarray(self._mmap[self._offset:self._offset + n]))
-        self._offset += _aligned(t)
-        return view.view(t.dtype).view(t.shape)
+        return self._file.zeros_like(t)
 
     def step(self) -> None:
         order = list(self.optimizers)
@@ -353,8 +362,8 @@ class TieredAdam:
                     self._step_block(b)
             else:
                 self._step_block(b)
-        if self._mmap is not None:
-            self._mmap.flush()
+        if self._file is not None:
+            self._file.flush()
 
     def _step_block(self, block: str) -> None:
         if self.on_host:
@@ -399,11 +408,6 @@ class TieredAdam:
     def close(self) -> None:
         """Drop the memory map and remove its file."""
         self.optimizers = {}
-        self._mmap = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-
-def _aligned(t: torch.Tensor) -> int:
-    return -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
+        if self._file is not None:
+            self._file.close()
+            self._file = None

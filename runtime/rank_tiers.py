@@ -124,7 +124,7 @@ class RankTiers:
                 store = ParamStore(mods, params_tier, self.budget, nvme_dir=nvme_dir, order=blocks, prefetch=prefetch)
                 self.stores.append(store)
                 self._store_of.update(dict.fromkeys(blocks, store))
-            self.grads.append(GradTier(named.values(), grads_tier, self.budget))
+            self.grads.append(GradTier(named.values(), grads_tier, self.budget, nvme_dir=nvme_dir))
             self.optimizers.append(TieredAdam(named, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
             self._persistent_grads.append(grads_tier == "gpu" and params_tier == "gpu")
         for m in modules.values():
@@ -187,3 +187,5 @@ class RankTiers:
             store.close()
         for opt in self.optimizers:
             opt.close()
+        for grads in self.grads:
+            grads.close()

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from plans.errors import MmplanError
-from runtime.budget import format_bytes
+from plans.units import format_bytes
 
 ALIGN = 64  # bytes; alignment of tensors packed into one NVMe file
 
@@ -106,3 +107,41 @@ def read_file(path: str, into: torch.Tensor, offset: int = 0) -> torch.Tensor:
     if n != into.numel() * into.element_size():
         raise MmplanError(f"NVMe tier file {path} is short: read {n} of {into.numel() * into.element_size()} bytes")
     return into
+
+
+def aligned_nbytes(t: torch.Tensor) -> int:
+    """Bytes a tensor takes in a MappedFile: its size rounded up to ALIGN."""
+    return -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
+
+
+class MappedFile:
+    """One memory-mapped file of `nbytes` in a fresh directory under nvme_dir, handed out as zero-filled tensors
+    (the NVMe tier of Adam's state and of gradients: every read and write of those tensors goes to the file,
+    through the page cache). close() removes the directory; the tensors must not be used after it."""
+
+    def __init__(self, name: str, what: str, nvme_dir: str | os.PathLike | None, nbytes: int) -> None:
+        if nvme_dir is None:
+            raise MmplanError(f"{what} on the NVMe tier needs a directory; pass --nvme-dir")
+        check_nvme_space(nvme_dir, nbytes)
+        self.dir: str | None = tempfile.mkdtemp(prefix=f"mmplan-{name}-", dir=nvme_dir)
+        self.path = os.path.join(self.dir, f"{name}.bin")
+        self._mmap: np.memmap | None = np.memmap(self.path, dtype=np.uint8, mode="w+", shape=(max(nbytes, 1),))
+        self._offset = 0
+
+    def zeros_like(self, t: torch.Tensor) -> torch.Tensor:
+        """The next ALIGN-aligned slice of the file as a tensor of t's dtype and shape (zeros: a new file)."""
+        n = t.numel() * t.element_size()
+        view = torch.from_numpy(np.asarray(self._mmap[self._offset:self._offset + n]))
+        self._offset += aligned_nbytes(t)
+        return view.view(t.dtype).view(t.shape)
+
+    def flush(self) -> None:
+        if self._mmap is not None:
+            self._mmap.flush()
+
+    def close(self) -> None:
+        """Drop the map and remove the file and its directory (once)."""
+        self._mmap = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None

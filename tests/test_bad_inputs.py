@@ -279,4 +279,5 @@ def test_bad_input_gives_one_line_exit_2_and_leaves_nothing(name, shared, tmp_pa
     assert case.needle in lines[0], (name, case.needle, lines[0])
     assert tree(tmp_path) == before, (name, "left behind", sorted(tree(tmp_path) - before))
     assert tree(shared) == shared_before, (name, "left behind", sorted(tree(shared) - shared_before))
-    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob(".mmplan-probe-*")), name
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob(".*.tmp-*")), name
+    assert not list(tmp_path.rglob(".mmplan-probe-*")), name

@@ -260,7 +260,7 @@ def test_plan_from_mutated_documents(plan_docs, profile, data):
 
 
 def shown_plan(path: Path, profile) -> None:
-    from planner.compare import layout_text
+    from planner.report import layout_text
     from plans.serial import dumps
 
     plan = load_plan(path, profile=profile)

@@ -14,13 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # (file stem, zoo model, cluster, global batch, placement)
 EXAMPLES: tuple[tuple[str, str, str, int, str], ...] = (
-    ("tiny-avlm-apart-4xlocal-cpu", "tiny-avlm", "4xlocal-cpu", 16, "auto"),  # encoders on own ranks, LLM dp 2
-    ("tiny-vlm-heavy-apart-4xlocal-cpu", "tiny-vlm-heavy", "4xlocal-cpu", 8, "non-colocated"),  # encoder pipelined over 2
+    ("tiny-avlm-non-colocated-4xlocal-cpu", "tiny-avlm", "4xlocal-cpu", 16, "auto"),  # encoders on own ranks, LLM dp 2
+    ("tiny-vlm-heavy-non-colocated-4xlocal-cpu", "tiny-vlm-heavy", "4xlocal-cpu", 8, "non-colocated"),  # encoder pipelined over 2
     ("tiny-vlm-colocated-2xlocal-cpu", "tiny-vlm", "2xlocal-cpu", 32, "auto"),  # encoder colocated with the LLM
     ("tiny-flamingo-colocated-2xlocal-cpu", "tiny-flamingo", "2xlocal-cpu", 32, "auto"),  # cross-attention consumer
     ("tiny-vlm-heavy-chain-4xlocal-cpu", "tiny-vlm-heavy", "4xlocal-cpu", 64, "auto"),  # one layout, DP cut points
     ("llava-1.5-13b-solved-64xh100-sxm", "llava-1.5-13b", "64xh100-sxm", 64, "auto"),
-    ("vit22b-llama70b-apart-128xh100-sxm", "vit22b-llama70b", "128xh100-sxm", 128, "non-colocated"),
+    ("vit22b-llama70b-non-colocated-128xh100-sxm", "vit22b-llama70b", "128xh100-sxm", 128, "non-colocated"),
 )
 TINY = tuple(e[0] for e in EXAMPLES if e[1].startswith("tiny-"))
 HERE = Path(__file__).resolve().parent

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tomllib
 from pathlib import Path
 from typing import Any
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 from .configs import ArchConfig, AudioConfig, ClipConfig, DecoderConfig, ProjectorConfig, VisionConfig
 

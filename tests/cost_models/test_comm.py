@@ -9,11 +9,15 @@ from cost_models.comm import (
     all_gather_time,
     all_reduce_time,
     broadcast_time,
+    dp_link,
+    fastest_link,
+    link_between,
     link_for,
     p2p_time,
     pair_link,
     reduce_scatter_time,
     ring_bytes_sent,
+    zero_collectives,
 )
 from cost_models.hardware import catalog_cluster
 from plans.cluster import Link
@@ -76,3 +80,27 @@ def test_link_for_is_the_slowest_link_the_ranks_span():
     assert pair_link(cluster, [0, 1], [8, 9]) == cluster.inter_node
     assert pair_link(cluster, [0, 1], [2, 3]) == cluster.intra_node
     assert pair_link(cluster, [0, 1], [0, 1]) is None  # every rank hands over to itself
+
+
+def test_dp_link_is_the_link_of_the_dp_group_of_tp_rank_0():
+    cluster = catalog_cluster("16xh100-sxm")
+    assert dp_link(cluster, range(8), 2) == cluster.intra_node  # a stage inside one node
+    assert dp_link(cluster, range(16), 8) == cluster.inter_node  # ranks 0 and 8: one per node
+    assert dp_link(cluster, range(8, 16), 8) == cluster.intra_node  # dp = 1: a single rank
+    assert link_between(cluster, crosses_nodes=False) == cluster.intra_node
+    assert link_between(cluster, crosses_nodes=True) == cluster.inter_node  # the slower of the two
+    fast = fastest_link(cluster)
+    assert fast.bandwidth >= cluster.intra_node.bandwidth and fast.latency_s <= cluster.intra_node.latency_s
+
+
+def test_zero_collectives_run_over_the_sharded_ranks():
+    link = Link(1e9, 1e-5)
+    assert zero_collectives(GIB, dp=8, zero=1, link=link) == (0.0, 0.0)
+    assert zero_collectives(GIB, dp=8, zero=2, link=link) == (0.0, reduce_scatter_time(GIB, 8, link))
+    assert zero_collectives(GIB, dp=8, zero=3, link=link) == (all_gather_time(GIB, 8, link), reduce_scatter_time(GIB, 8, link))
+
+
+def test_link_for_a_range_is_the_link_for_its_ranks():
+    cluster = catalog_cluster("32xh100-sxm")
+    for r in (range(0), range(3, 4), range(0, 8), range(4, 12), range(0, 32, 8), range(8, 16, 2), range(6, 10, 3)):
+        assert link_for(cluster, r) == link_for(cluster, list(r)), r

@@ -5,13 +5,18 @@ import pytest
 
 from cost_models.memory import (
     TierBytes,
+    activation_residency,
+    activation_transient,
     block_input_bytes,
     in_flight,
     model_state_bytes,
     optimizer_bytes_per_param,
     stage_memory,
+    state_residency,
     warmup_forwards,
+    zero_divisors,
 )
+from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
 from plans.plan import Memory
 
@@ -93,3 +98,30 @@ def test_block_input_bytes_falls_back_to_the_previous_output():
     assert block_input_bytes(profile) == {"b0": 0.0, "b1": 10.0, "b2": 20.0}
     bare = Profile("bare", "x", "bf16", 1, profile.blocks, ())
     assert block_input_bytes(bare) == {"b0": 0.0, "b1": 10.0, "b2": 20.0}
+
+
+@pytest.mark.parametrize("zero,shares", [(0, (1, 1, 1)), (1, (1, 1, 8)), (2, (1, 8, 8)), (3, (8, 8, 8))])
+def test_zero_divisors_name_the_sharded_states(zero, shares):
+    # ZeRO section 5: P_os shards the optimizer states, P_os+g also the gradients, P_os+g+p also the parameters
+    assert tuple(zero_divisors(zero, 8)) == shares
+    with pytest.raises(MmplanError, match="ZeRO stage"):
+        zero_divisors(4, 8)
+
+
+def test_off_device_gradients_keep_one_block_on_the_gpu():
+    # runtime/param_tiers.GradTier moves each gradient out as soon as it has accumulated: one block's gradients
+    # are on the device at a time; parameters streamed from another tier keep two blocks (in use + prefetched)
+    on_gpu = state_residency(3000, 2000, dp=1, zero=0, memory=Memory())
+    grads_off = state_residency(3000, 2000, dp=1, zero=0, memory=Memory(grads="nvme"))
+    params_off = state_residency(3000, 2000, dp=1, zero=0, memory=Memory(params="cpu"))
+    assert grads_off.nvme == 2 * 3000 and on_gpu.gpu - grads_off.gpu == 2 * 3000 - 2 * 2000
+    assert params_off.cpu == 2 * 3000 and on_gpu.gpu - params_off.gpu == 2 * 3000 - 2 * 2 * 2000
+    sharded = state_residency(3000, 2000, dp=4, zero=2, memory=Memory(grads="cpu"))
+    assert sharded.cpu == 2 * 3000 / 4 and sharded.gpu == 2 * 3000 + 12 * 3000 / 4 + 2 * 2000 / 4
+
+
+def test_activation_residency_by_tier():
+    assert activation_residency("keep", 100.0, 10.0) == TierBytes(gpu=100.0)
+    assert activation_residency("recompute", 100.0, 10.0) == TierBytes(gpu=10.0)
+    assert activation_residency("offload-nvme", 100.0, 10.0) == TierBytes(nvme=100.0)
+    assert [activation_transient(t, 100.0) for t in ("keep", "recompute", "offload-cpu")] == [0.0, 100.0, 200.0]

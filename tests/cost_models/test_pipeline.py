@@ -109,11 +109,11 @@ def test_non_colocated_encoders_run_in_parallel_and_colocated_ones_in_sequence()
     # The heterogeneous-parallelism paper (seed 002): disjoint rank sets run the encoders concurrently, so
     # the step is max(encoders) + LLM; colocated encoders time-share their ranks, so it is their sum + LLM.
     img, aud, llm = 3e9 / PEAK, 1e9 / PEAK, 4e9 / PEAK  # forward seconds; backward is twice as long
-    apart = simulate(*two_encoders(colocated=False))
-    shared = simulate(*two_encoders(colocated=True))
-    assert apart.pipeline_time_s == pytest.approx(3 * (max(img, aud) + llm), rel=1e-12)
-    assert shared.pipeline_time_s == pytest.approx(3 * (img + aud + llm), rel=1e-12)
-    assert len(shared.stages) == 3 and shared.representative[0] == 0
+    non_colocated = simulate(*two_encoders(colocated=False))
+    colocated = simulate(*two_encoders(colocated=True))
+    assert non_colocated.pipeline_time_s == pytest.approx(3 * (max(img, aud) + llm), rel=1e-12)
+    assert colocated.pipeline_time_s == pytest.approx(3 * (img + aud + llm), rel=1e-12)
+    assert len(colocated.stages) == 3 and colocated.representative[0] == 0
 
 
 def test_encoder_feeding_a_pipeline_warms_up_like_an_extra_stage():

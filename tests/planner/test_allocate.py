@@ -20,12 +20,12 @@ def candidates(seed: int, structure: str):
     sink = next(i for i, u in enumerate(units) if u.feeds)
     per_unit = [[] for _ in units]
     for m in divisors(batch):
-        sinks = unit_layouts(units[sink], setting, m, max_gpus=cluster.world_size - (len(units) - 1 if structure == "apart" else 0))
+        sinks = unit_layouts(units[sink], setting, m, max_gpus=cluster.world_size - (len(units) - 1 if structure == "non-colocated" else 0))
         depths = sorted({lay.pp for lay in sinks})
         for u, unit in enumerate(units):
             if u == sink:
                 per_unit[u] += sinks
-            elif structure == "apart":
+            elif structure == "non-colocated":
                 per_unit[u] += unit_layouts(unit, setting, m, max_gpus=cluster.world_size - 1, downstream=depths)
             else:
                 per_unit[u] += unit_layouts(unit, setting, m, max_gpus=cluster.world_size, downstream=depths, merge_depths=False, max_pp=1)
@@ -38,12 +38,12 @@ def feasible(units, combo, structure, cluster) -> bool:
         return False
     if any(lay.downstream is not None and lay.downstream != combo[sink].pp for i, lay in enumerate(combo) if i != sink):
         return False
-    if structure == "apart":
+    if structure == "non-colocated":
         return sum(lay.gpus for lay in combo) <= cluster.world_size
     return len({lay.gpus for lay in combo}) == 1 and sum(max(lay.gpu_bytes) for lay in combo) <= cluster.device.memory_bytes
 
 
-@pytest.mark.parametrize("seed,structure", [(0, "apart"), (9, "apart"), (10, "apart"), (17, "apart"), (0, "together"), (6, "together")])
+@pytest.mark.parametrize("seed,structure", [(0, "non-colocated"), (9, "non-colocated"), (10, "non-colocated"), (17, "non-colocated"), (0, "colocated"), (6, "colocated")])
 def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, structure):
     units, per_unit, cluster = candidates(seed, structure)
     if any(not c for c in per_unit):
@@ -69,8 +69,8 @@ def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, st
 
 
 def test_highs_and_cbc_agree():
-    units, per_unit, cluster = candidates(9, "apart")
-    first = [Allocator(units, per_unit, "apart", cluster, solver).next() for solver in ("highs", "cbc")]
+    units, per_unit, cluster = candidates(9, "non-colocated")
+    first = [Allocator(units, per_unit, "non-colocated", cluster, solver).next() for solver in ("highs", "cbc")]
     assert first[0].floor == pytest.approx(first[1].floor, rel=1e-6)
 
 
@@ -86,11 +86,11 @@ def test_rank_assignment_packs_node_aligned_and_keeps_tp_in_nodes():
     profile, _, _ = random_instance(17)
     cluster = parse_cluster("32xh100-sxm")
     setting = Setting(cluster, 8, "1f1b", "bf16")
-    units = profile_units(profile, "apart")
+    units = profile_units(profile, "non-colocated")
     lays = [unit_layouts(u, setting, 2, max_gpus=24) for u in units]
     checked = 0
     for combo in itertools.product(*(sorted(c, key=lambda lay: lay.gpus)[::7] for c in lays)):
-        ranks = assign_ranks(combo, "apart", cluster)
+        ranks = assign_ranks(combo, "non-colocated", cluster)
         if sum(lay.gpus for lay in combo) > 32:
             assert ranks is None
             continue
@@ -107,5 +107,5 @@ def test_rank_assignment_packs_node_aligned_and_keeps_tp_in_nodes():
                 assert rs[i] // 8 == rs[i + lay.tp - 1] // 8  # a tensor-parallel group never spans nodes
         checked += 1
     assert checked > 5
-    together = assign_ranks(combo, "together", cluster)
-    assert all(rs == tuple(range(len(rs))) for rs in together)
+    colocated = assign_ranks(combo, "colocated", cluster)
+    assert all(rs == tuple(range(len(rs))) for rs in colocated)

@@ -14,16 +14,14 @@ from planner.baselines import homogeneous_plan
 from planner.compare import (
     Compared,
     best_index,
-    compare_json,
-    compare_table,
     deviation,
     deviation_summary,
     load_compared,
-    measured_table,
     metrics_from_rows,
     read_metrics,
     write_traces,
 )
+from planner.report import compare_json, compare_table, measured_table
 from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Edge, Profile
 from plans.plan import save_plan

@@ -10,7 +10,8 @@ import pytest
 
 from cost_models.hardware import parse_cluster
 from planner.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_layouts
-from planner.solve import build_layouts, solve
+from planner.search import build_layouts
+from planner.solve import solve
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
@@ -52,7 +53,7 @@ def random_instance(seed: int, *, max_gpus: int = 8) -> tuple[Profile, Cluster, 
     return profile, cluster, rng.choice([2, 4, 8])
 
 
-STRUCTURES = {"auto": ("chain", "apart", "together"), "non-colocated": ("apart",), "colocated": ("together",)}
+STRUCTURES = {"auto": ("chain", "non-colocated", "colocated"), "non-colocated": ("non-colocated",), "colocated": ("colocated",)}
 
 
 def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule: str = "1f1b",
@@ -63,7 +64,7 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
     n = cluster.world_size
     best = math.inf
     structures = [s for s in STRUCTURES[placement]
-                  if profile_units(profile, s) is not None and (s != "apart" or n >= len(profile_units(profile, s)))]
+                  if profile_units(profile, s) is not None and (s != "non-colocated" or n >= len(profile_units(profile, s)))]
     for structure in structures or ["chain"]:  # the solver falls back to one layout for the whole model
         units = profile_units(profile, structure)
         sink = next((i for i, u in enumerate(units) if u.feeds), 0)
@@ -71,20 +72,20 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
             if structure == "chain":
                 options = [unit_layouts(units[0], setting, m, max_gpus=n)]
             else:
-                sink_layouts = unit_layouts(units[sink], setting, m, max_gpus=n - (len(units) - 1 if structure == "apart" else 0))
+                sink_layouts = unit_layouts(units[sink], setting, m, max_gpus=n - (len(units) - 1 if structure == "non-colocated" else 0))
                 depths = sorted({lay.pp for lay in sink_layouts})
                 options = []
                 for u, unit in enumerate(units):
                     if u == sink:
                         options.append(sink_layouts)
-                    elif structure == "apart":
+                    elif structure == "non-colocated":
                         options.append(unit_layouts(unit, setting, m, max_gpus=n - 1, downstream=depths))
                     else:
                         options.append(unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False, max_pp=1))
             for combo in itertools.product(*options):
-                if structure == "apart" and sum(lay.gpus for lay in combo) > n:
+                if structure == "non-colocated" and sum(lay.gpus for lay in combo) > n:
                     continue
-                if structure == "together" and len({lay.gpus for lay in combo}) > 1:
+                if structure == "colocated" and len({lay.gpus for lay in combo}) > 1:
                     continue
                 if any(lay.downstream is not None and lay.downstream != combo[sink].pp for i, lay in enumerate(combo) if i != sink):
                     continue
@@ -96,7 +97,7 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
 
 def check_optimal(seed: int, schedule: str = "1f1b", placement: str = "auto") -> None:
     profile, cluster, batch = random_instance(seed)
-    units = len(profile_units(profile, "apart") or ())
+    units = len(profile_units(profile, "non-colocated") or ())
     if placement == "non-colocated" and cluster.world_size < units:
         return  # an error naming the missing GPUs: test_too_few_gpus_for_non_colocated_groups
     want = brute_force(profile, cluster, batch, schedule, placement)
@@ -146,21 +147,21 @@ def test_every_candidate_bound_is_below_its_simulated_step():
         profile, cluster, batch = random_instance(seed, max_gpus=4)
         setting = Setting(cluster, batch, "1f1b" if seed % 2 else "gpipe", "bf16")
         rng = random.Random(seed)
-        for structure in ("chain", "apart", "together"):
+        for structure in ("chain", "non-colocated", "colocated"):
             units = profile_units(profile, structure)
             if units is None:
                 continue
             for m in divisors(batch):
-                per_unit = [unit_layouts(u, setting, m, max_gpus=cluster.world_size, max_pp=1 if structure == "together" and u.out_bytes else None)
+                per_unit = [unit_layouts(u, setting, m, max_gpus=cluster.world_size, max_pp=1 if structure == "colocated" and u.out_bytes else None)
                             for u in units]
                 for _ in range(10):
                     combo = tuple(rng.choice(c) for c in per_unit if c) if all(per_unit) else ()
                     if not combo:
                         break
                     plan = build_layouts(profile, cluster, batch, setting.schedule, structure, units, combo)
-                    if plan is None or (structure == "together" and len({lay.gpus for lay in combo}) > 1):
+                    if plan is None or (structure == "colocated" and len({lay.gpus for lay in combo}) > 1):
                         continue
-                    if structure == "apart" and sum(lay.gpus for lay in combo) > cluster.world_size:
+                    if structure == "non-colocated" and sum(lay.gpus for lay in combo) > cluster.world_size:
                         continue
                     assert combined_bound(units, combo, structure, cluster) <= plan.predicted.step_time_s * (1 + 1e-9)
 
@@ -262,7 +263,7 @@ def test_colocated_placement_shares_ranks(zoo_profiles):
     groups = {g.name: g for g in got.plan.groups}
     assert set(groups) == {"vision", "audio", "llm"}
     assert groups["vision"].colocated_with == "llm" and set(groups["vision"].ranks) == set(groups["llm"].ranks)
-    assert got.plan.solver.method == "ilp+dp:together"
+    assert got.plan.solver.method == "ilp+dp:colocated"
 
 
 def test_time_limit_returns_the_best_so_far(zoo_profiles):

@@ -7,7 +7,8 @@ import pytest
 
 from cost_models.evaluate import evaluate
 from planner.construct import GroupLayout, build_plan
-from planner.solve import solve, state_bytes
+from planner.diagnosis import state_bytes
+from planner.solve import solve
 from planner.tiers import place_tiers
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError

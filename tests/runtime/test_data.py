@@ -31,13 +31,13 @@ def _equal(a: dict, b: dict) -> bool:
 
 def test_a_sample_is_the_same_in_any_batch_and_any_instance():
     ds = _dataset("tiny-avlm", seed=3)
-    together = ds.sample_batch([3, 7, 5])
-    apart = [ds.sample_batch([5]), _dataset("tiny-avlm", seed=3).sample_batch([7, 3])]
-    assert set(together) == {"images", "mels", "tokens", "targets"}
-    for key in together:
-        assert torch.equal(together[key][0], apart[1][key][1])
-        assert torch.equal(together[key][1], apart[1][key][0])
-        assert torch.equal(together[key][2], apart[0][key][0])
+    one_batch = ds.sample_batch([3, 7, 5])
+    two_batches = [ds.sample_batch([5]), _dataset("tiny-avlm", seed=3).sample_batch([7, 3])]
+    assert set(one_batch) == {"images", "mels", "tokens", "targets"}
+    for key in one_batch:
+        assert torch.equal(one_batch[key][0], two_batches[1][key][1])
+        assert torch.equal(one_batch[key][1], two_batches[1][key][0])
+        assert torch.equal(one_batch[key][2], two_batches[0][key][0])
 
 
 def test_shapes_and_dtypes_follow_the_example_batch():

@@ -361,25 +361,39 @@ def test_params_off_device_train_bitwise_and_stream_one_block_ahead(tier, stack,
     assert os.listdir(tmp_path) == []
 
 
-def test_grads_on_host_accumulate_bitwise(tmp_path):
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_grads_off_device_accumulate_bitwise(tier, tmp_path):
     want = _model()
     xs = _batches(3)
     for x in xs:
         want(x).pow(2).mean().backward()
     m = _model()
     budget = DeviceBudget()
-    grads = GradTier(m.parameters(), "cpu", budget)
+    grads = GradTier(m.parameters(), tier, budget, nvme_dir=tmp_path)
+    nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    if tier == "nvme":  # one memory-mapped file in the NVMe directory holds every gradient
+        (sub,) = os.listdir(tmp_path)
+        assert os.path.getsize(tmp_path / sub / "grads.bin") >= nbytes
     for x in xs:
         m(x).pow(2).mean().backward()
         assert all(p.grad is None for p in m.parameters())  # moved off the device tier
+        assert budget.host == {"cpu": nbytes if tier == "cpu" else 0, "nvme": nbytes if tier == "nvme" else 0}
+    if tier == "nvme":  # the accumulated sums live in the file
+        assert all(any(h.data_ptr() == s.data_ptr() for s in grads._slots.values()) for h in grads.host.values())
     grads.collect()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(want.parameters(), m.parameters()))
     # each gradient is on the device only from its accumulation until it is moved: one tensor at a time
-    assert budget.host["cpu"] == 0 and 0 < budget.peak["grads"] <= max(p.numel() * p.element_size() for p in m.parameters())
+    assert budget.host == {"cpu": 0, "nvme": 0}
+    assert 0 < budget.peak["grads"] <= max(p.numel() * p.element_size() for p in m.parameters())
+    grads.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_grads_on_the_gpu_tier_stay_counted():
     budget_gpu = DeviceBudget()
     m2 = _model()
     GradTier(m2.parameters(), "gpu", budget_gpu)
-    m2(xs[0]).sum().backward()
+    m2(_batches(1)[0]).sum().backward()
     assert budget_gpu.current["grads"] == sum(p.numel() * 4 for p in m2.parameters())
 
 

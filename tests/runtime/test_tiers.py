@@ -15,14 +15,14 @@ FIRST = ["vision", "vision_proj", "llm.embed"]
 
 TIER_PLANS = {
     # every option appears once: optimizer cpu / nvme, activations offload-cpu / offload-nvme / recompute,
-    # parameters cpu / nvme, gradients cpu
+    # parameters cpu / nvme, gradients cpu / nvme
     "optimizer-cpu+offload-cpu | optimizer-nvme+recompute": [
         (FIRST, [0], Memory(optimizer="cpu", activations={"*": "offload-cpu"})),
         (["llm"], [1], Memory(optimizer="nvme", activations={"*": "recompute"})),
     ],
-    "params-nvme+grads-cpu+offload-nvme | params-cpu+optimizer-nvme": [
+    "params-nvme+grads-cpu+offload-nvme | params-cpu+grads-nvme+optimizer-nvme": [
         (FIRST, [0], Memory(params="nvme", grads="cpu", activations={"*": "offload-nvme"})),
-        (["llm"], [1], Memory(params="cpu", optimizer="nvme")),
+        (["llm"], [1], Memory(params="cpu", grads="nvme", optimizer="nvme")),
     ],
 }
 
@@ -46,8 +46,9 @@ def test_training_beyond_device_memory_with_the_solvers_tier_plan():
     import torch
 
     from cost_models.hardware import cluster_from_toml
+    from planner.diagnosis import state_bytes
     from planner.profile import profile_model
-    from planner.solve import solve, state_bytes
+    from planner.solve import solve
     from runtime.source import resolve
 
     prof = profile_model(resolve("tiny-vlm"))

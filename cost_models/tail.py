@@ -1,0 +1,59 @@
+"""A pipeline stage's per-step tail after its last backward: gradient sync, optimizer step, parameter all-gather."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.comm import all_gather_time, all_reduce_time, dp_link, reduce_scatter_time, ring_bytes_sent
+from cost_models.compute import optimizer_step_time
+from cost_models.memory import DTYPE_BYTES, StateTiers, zero_divisors
+from plans.cluster import Cluster, Link
+from plans.plan import Group, Training
+
+
+@dataclass(frozen=True, slots=True)
+class StageTail:
+    """Per-step work of a stage after its last backward (seconds, on each of its ranks), and the bytes one of its
+    ranks sends for it."""
+
+    grad_sync: float
+    optimizer: float
+    param_gather: float
+    bytes_sent: float
+
+    @property
+    def total(self) -> float:
+        """The three run one after another: sync, then step, then gather."""
+        return self.grad_sync + self.optimizer + self.param_gather
+
+
+def stage_tail(group: Group, stage_index: int, params_per_rank: float, training: Training, cluster: Cluster) -> StageTail:
+    """The tail of stage `stage_index` of `group` holding `params_per_rank` parameters on each rank (tp-parallel
+    blocks divided by tp), its collectives over the link of its dp group (dp_link); see tail_over."""
+    stage = group.stages[stage_index]
+    return tail_over(params_per_rank, dp=group.dp, zero=group.zero, memory=stage.memory,
+                     link=dp_link(cluster, stage.ranks, group.tp), cluster=cluster, dtype=training.dtype,
+                     optimizer=training.optimizer)
+
+
+def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers, link: Link, cluster: Cluster,
+              dtype: str = "bf16", optimizer: str = "adam") -> StageTail:
+    """The tail of a stage whose dp group communicates over `link` (stage_tail, for callers that know the link
+    but not the ranks yet: the solver's candidates).
+
+    ZeRO 0: ring all-reduce of the gradients; ZeRO 1: reduce-scatter, then all-gather of the updated
+    parameters (Megatron's distributed optimizer; the same 2(n-1)/n volume, ZeRO section 7.2.1);
+    ZeRO 2: the reduce-scatter ran after every backward, the all-gather remains; ZeRO 3: nothing. The
+    optimizer step updates the rank's ZeRO share of the parameters (zero_divisors; optimizer_step_time).
+    Collective times: cost_models/comm.py (Thakur, Rabenseifner & Gropp 2005).
+    """
+    nbytes = params_per_rank * DTYPE_BYTES[dtype]  # this rank's gradients (and parameters)
+    sync, sent = 0.0, 0.0
+    if zero == 0:
+        sync, sent = all_reduce_time(nbytes, dp, link), ring_bytes_sent(nbytes, dp, all_reduce=True)
+    elif zero == 1:
+        sync, sent = reduce_scatter_time(nbytes, dp, link), ring_bytes_sent(nbytes, dp, all_reduce=False)
+    gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
+    sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
+    updated = params_per_rank / zero_divisors(zero, dp).optimizer
+    opt = optimizer_step_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer)
+    return StageTail(sync, opt, gather, sent)

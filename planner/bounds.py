@@ -1,0 +1,128 @@
+"""Lower bounds of the simulated step time: per candidate layout, per (tp, dp) run, and per boundary between units."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cost_models.comm import fastest_link, link_between
+from cost_models.memory import warmup_forwards
+from plans.cluster import Cluster
+
+if TYPE_CHECKING:
+    from planner.candidates import Layout
+
+# Bounds. For the ILP and the branch-and-bound of planner/allocate.py every layout carries terms of a lower
+# bound on the simulated step time of any plan using it. For stage k of a unit with per-micro-batch
+# forward f, backward b, m micro-batches and warm-up w (1F1B: w = stages downstream, GPipe: w = m):
+#   In_k   earliest start of its first forward: the forward path of micro-batch 0 to it (sends included);
+#   Up_k   after any backward of stage k: the backward path to an earlier stage i, then i's gradient sync,
+#          optimizer step and parameter gather (its tail), maximised over i <= k;
+#   Down_k after a forward of stage k, the round trip of that micro-batch through the later stages.
+# Its ranks run its 2m operations one at a time in schedule order, so the step is at least
+#   In_k + max(m(f+b) + max(0, Down_k + b - r b),  m b + max(m f, (m-q+1) f + Down_k)) + Up_k
+# with r = q = min(w + 1, m): the first term follows micro-batch m-1 (whose forward comes after m - r
+# backwards and whose backward needs Down_k), the second micro-batch 0 (its backward waits for q forwards
+# and Down_k). And the schedule's forward of micro-batch j + q comes after the backward of j, so every q
+# micro-batches cost at least a round trip R_k = f + Down_k + b (1F1B's in-flight limit, which is where
+# the p2p sends cost time):  In_k + j0 f + ((m - 1 - j0) / q + 1) R_k + Up_k,  j0 = (m - 1) mod q.
+# The tests check bound <= simulated step time on random plans.
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """Terms of a layout's lower bound on the step time of any plan using it (see the module comment).
+
+    own: from the unit's stages alone. fwd_out / bwd_in (sources): forward latency of micro-batch 0 until
+    the unit's last forward ends; after the unit's last stage gets a gradient, its backward and the path
+    back with a tail. k1..k4 (sinks): the bound is the max of k1, k2[e] + Y_e, k3[e] + X_e and
+    k4[e][e'] + X_e + Y_e' with X_e = feed e's forward latency into the sink and Y_e its backward tail.
+    busy: the busiest stage's compute lane, m (f + b) + optimizer (colocated ranks add these up).
+    """
+
+    own: float
+    fwd_out: float
+    bwd_in: float
+    k1: float
+    k2: tuple[float, ...]
+    k3: tuple[float, ...]
+    k4: tuple[tuple[float, ...], ...]
+    busy: float
+
+
+def layout_bound(lay: Layout) -> Bound:
+    """The bound terms of a layout (computed once, when the Layout is made)."""
+    into, up, down = _paths(lay)
+    body = _body(lay, down)
+    p, f, b, lag, m = lay.pp, lay.fwd, lay.bwd, lay.lag, lay.micro_batches
+    ninf = -math.inf
+    fpath, bpath = [], []  # per feed: forward / backward path from its entry stage to stage k
+    for j in lay.entries:
+        fp, bp = [ninf] * p, [ninf] * p
+        for k in range(j, p):
+            fp[k] = 0.0 if k == j else fp[k - 1] + f[k - 1] + lag[k - 1]
+            bp[k] = 0.0 if k == j else bp[k - 1] + b[k - 1] + lag[k - 1]
+        fpath.append(fp)
+        bpath.append(bp)
+    own = max(into[k] + body[k] + up[k] for k in range(p))
+    return Bound(
+        own=own,
+        fwd_out=into[-1] + f[-1],
+        bwd_in=b[-1] + up[-1],
+        k1=own,
+        k2=tuple(max(into[k] + body[k] + bp[k] for k in range(p)) for bp in bpath),
+        k3=tuple(max(fp[k] + body[k] + up[k] for k in range(p)) for fp in fpath),
+        k4=tuple(tuple(max(fp[k] + body[k] + bp[k] for k in range(p)) for bp in bpath) for fp in fpath),
+        busy=max(m * (x + y) + o for x, y, o in zip(f, b, lay.optimizer)),
+    )
+
+
+def _paths(lay: Layout) -> tuple[list[float], list[float], list[float]]:
+    """In_k, Up_k, Down_k of the module comment (inside the unit)."""
+    p, f, b, lag, tail = lay.pp, lay.fwd, lay.bwd, lay.lag, lay.tail
+    into = [0.0] * p
+    for k in range(1, p):
+        into[k] = into[k - 1] + f[k - 1] + lag[k - 1]
+    up = [0.0] * p
+    for k in range(p):
+        up[k] = tail[k] if k == 0 else max(tail[k], b[k - 1] + lag[k - 1] + up[k - 1])
+    down = [0.0] * p
+    for k in range(p - 2, -1, -1):
+        down[k] = down[k + 1] + f[k + 1] + b[k + 1] + 2 * lag[k]
+    return into, up, down
+
+def _body(lay: Layout, down: list[float]) -> list[float]:
+    """Per stage: the middle term of the bound (its 2m operations and the waits they cannot avoid)."""
+    m, p = lay.micro_batches, lay.pp
+    out = []
+    for k in range(p):
+        f, b = lay.fwd[k], lay.bwd[k]
+        r = min(warmup_forwards(lay.schedule, m, p - 1 - k + lay.assumed_downstream) + 1, m)
+        j0 = (m - 1) % r
+        out.append(max(m * (f + b) + max(0.0, down[k] + b - r * b), m * b + max(m * f, (m - r + 1) * f + down[k]),
+                       j0 * f + ((m - 1 - j0) // r + 1) * (f + down[k] + b)))
+    return out
+
+
+def run_bound(work: float, micro_batches: int, depth: int) -> float:
+    """A lower bound of the step of every layout of a (tp, dp) run: one micro-batch goes through every block
+    (work), and the busiest of at most `depth` stages runs m micro-batches of at least work / depth."""
+    return max(work, micro_batches * work / depth)
+
+
+def boundary_bound(src: Layout, dst: Layout, cluster: Cluster) -> float:
+    """A lower bound of the boundary from a source unit (own ranks) to the sink per micro-batch and direction
+    (pipeline.boundary_time over plans/boundary.py's transfers, on the fastest link): a sink rank receives from
+    every source replica overlapping its slice, a source replica's tp-rank 0 sends its slice to every tp rank of
+    every overlapping sink replica; one message each, alpha + bytes / bandwidth. The link: between nodes when
+    either unit fills whole nodes (allocate.assign_ranks never puts another unit on them), else the fastest."""
+    if src.out_bytes <= 0:
+        return 0.0
+    fills_nodes = cluster.nodes > 1 and max(src.gpus, dst.gpus) >= cluster.gpus_per_node
+    link = link_between(cluster, crosses_nodes=True) if fills_nodes else fastest_link(cluster)
+    micro = src.samples * src.dp  # samples of a micro-batch
+    per = src.out_bytes
+    recv = max(1, src.dp // dst.dp) * link.latency_s + micro / dst.dp * per / link.bandwidth
+    sends = max(1, dst.dp // src.dp) * dst.tp
+    send = sends * link.latency_s + dst.tp * micro / src.dp * per / link.bandwidth
+    return max(recv, send)

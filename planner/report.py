@@ -1,0 +1,320 @@
+"""What `mmplan solve`, `demo` and `compare` print: rich tables and the --json objects, from their results."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Group as Stack
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from cost_models.evaluate import Evaluation
+from planner.compare import Compared, Comparison, best_index, deviation_summary, max_memory
+from planner.console import human_count
+from planner.show import group_totals
+from plans.graph import Profile
+from plans.plan import Group, Plan, Predicted
+from plans.units import format_bytes
+
+if TYPE_CHECKING:
+    from planner.demo import DemoResult
+    from planner.solve import Solution
+
+
+# --- shared cells -------------------------------------------------------------------------------------------
+
+
+def placement_text(group: Group) -> str:
+    """A group's placement: "colocated with <group>" (time-sharing its ranks) or "non-colocated" (its own ranks)."""
+    return f"colocated with {group.colocated_with}" if group.colocated_with else "non-colocated"
+
+
+def tiers_text(group: Group) -> str:
+    """A group's tiers in one cell: params/grads/optimizer tiers of its stages, then its blocks per activation tier."""
+    states = dict.fromkeys(f"{s.memory.params}/{s.memory.grads}/{s.memory.optimizer}" for s in group.stages)
+    acts: dict[str, int] = {}
+    for s in group.stages:
+        for b in s.blocks:
+            tier = s.memory.activations.get(b, "keep")
+            acts[tier] = acts.get(tier, 0) + 1
+    return f"{', '.join(states)}; " + ", ".join(f"{n} {tier}" for tier, n in acts.items())
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+# --- mmplan solve -------------------------------------------------------------------------------------------
+
+
+def solution_json(solution: Solution, output: str | os.PathLike) -> dict:
+    """The --json object: the written path, step times, speed-up, solve time, fit, and how the search went."""
+    plan, p = solution.plan, solution.plan.predicted
+    return {
+        "plan": str(output),
+        "step_time_s": p.step_time_s,
+        "baseline_step_time_s": solution.baseline_step_time_s,
+        "speedup_vs_homogeneous": solution.speedup,
+        "solve_time_s": solution.solve_time_s,
+        "fits": p.fits,
+        "method": plan.solver.method if plan.solver else None,
+        "structure": solution.structure,
+        "stopped_early": solution.stopped_early,
+        "proved_optimal": solution.proved_optimal,
+        "candidates": solution.candidates,
+        "simulated": solution.simulated,
+        "micro_batches": plan.training.micro_batches,
+        "schedule": plan.training.schedule,
+        "groups": [{"name": g.name, "gpus": len(g.ranks), "dp": g.dp, "tp": g.tp, "pp": g.pp, "zero": g.zero,
+                    "colocated_with": g.colocated_with, "cuts": [s.blocks[0] for s in g.stages[1:]]} for g in plan.groups],
+        "peak_gpu_bytes": max((m.gpu for m in p.memory), default=0.0),
+        "mfu": p.mfu,
+    }
+
+
+def render_solution(solution: Solution, profile: Profile, output: str | os.PathLike):
+    """Rich renderables of the summary: one row per group (layout, cut points, GPUs and their modalities, tiers),
+    then the predicted step, memory and the speed-up over the best homogeneous plan of the same run."""
+    plan, p = solution.plan, solution.plan.predicted
+    modality = {b.name: b.group for b in profile.blocks}
+    flops = {b.name: b.fwd_flops + b.bwd_flops for b in profile.blocks}
+    total = sum(flops.values()) or 1.0
+    world = plan.world_size
+    title = (f"{plan.profile.model} on {plan.cluster.world_size} x {plan.cluster.device.name}: {plan.training.global_batch} samples "
+             f"per step in {plan.training.micro_batches} micro-batches, {plan.training.schedule}")
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for col in ("group", "GPUs", "dp·tp·pp", "ZeRO", "placement", "blocks per stage (cuts before)", "params/grads/optim; activations"):
+        table.add_column(col, justify="right" if col in ("GPUs", "ZeRO") else "left", overflow="fold")
+    for g in plan.groups:
+        sizes = "+".join(str(len(s.blocks)) for s in g.stages)
+        cuts = ", ".join(s.blocks[0] for s in g.stages[1:])
+        table.add_row(g.name, str(len(g.ranks)), f"{g.dp}·{g.tp}·{g.pp}", str(g.zero), placement_text(g),
+                      sizes + (f" ({cuts})" if cuts else ""), tiers_text(g))
+    per_modality = []
+    for g in plan.groups:
+        mods = list(dict.fromkeys(modality[b] for b in g.blocks))
+        share = sum(flops[b] for b in g.blocks) / total
+        per_modality.append(f"{'+'.join(mods)}: {len(g.ranks)} GPUs ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
+    peak = {t: max((getattr(m, t) for m in p.memory), default=0.0) for t in ("gpu", "cpu", "nvme")}
+    lines = [
+        "GPUs per modality: " + "; ".join(per_modality),
+        f"predicted step {p.step_time_s:.4g} s, {p.samples_per_s:,.1f} samples/s, MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}, "
+        f"bottleneck {p.bottleneck}",
+        f"peak memory per rank: GPU {format_bytes(peak['gpu'])} of {format_bytes(plan.cluster.device.memory_bytes)}"
+        + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
+        + ("" if p.fits else "  [bold red]does not fit[/]"),
+    ]
+    if solution.speedup is not None:
+        lines.append(f"best homogeneous plan {solution.baseline_step_time_s:.4g} s: speed-up [bold]{solution.speedup:.2f}x[/]")
+    if solution.structure == "baseline" and solution.plan.solver:
+        lines.append(f"baseline: {solution.plan.solver.notes}")
+    else:
+        how = "proved optimal over the search space" if solution.proved_optimal else (
+            "stopped early at the time limit" if solution.stopped_early else f"bound gap {solution.gap:.1%}")
+        lines.append(f"solved in {solution.solve_time_s:.2f} s: {solution.candidates} candidate layouts, {solution.simulated} plans "
+                     f"simulated, {how}")
+    if solution.stopped_early:
+        lines.append("[yellow]the time limit stopped the search: this is the best plan found so far[/]")
+    lines.append(f"wrote [bold]{output}[/]")
+    return Stack(table, *(Text.from_markup(line) for line in lines))
+
+
+# --- mmplan compare -----------------------------------------------------------------------------------------
+
+
+def layout_text(plan: Plan) -> str:
+    """One line per group: `name: tp8 pp2 dp32 zero1 [(colocated with x)]`."""
+    return "\n".join(f"{g.name}: tp{g.tp} pp{g.pp} dp{g.dp}" + (f" zero{g.zero}" if g.zero else "")
+                     + (f" ({placement_text(g)})" if g.colocated_with else "") for g in plan.groups)
+
+
+def figures(item: Compared, *, best: bool = False) -> dict[str, Any]:
+    """The JSON object of one compared plan (`mmplan compare --json`)."""
+    p, plan, t = item.predicted, item.plan, item.plan.training
+    return {
+        "plan": item.name,
+        "model": plan.profile.model,
+        "cluster": plan.cluster.name,
+        "world_size": plan.world_size,
+        "source": "evaluated" if item.evaluation is not None else "plan file",
+        "groups": [{"name": g.name, "tp": g.tp, "pp": g.pp, "dp": g.dp, "zero": g.zero, "colocated_with": g.colocated_with}
+                   for g in plan.groups],
+        "global_batch": t.global_batch,
+        "micro_batches": t.micro_batches,
+        "schedule": t.schedule,
+        "step_time_s": p.step_time_s,
+        "samples_per_s": p.samples_per_s,
+        "tokens_per_s": p.tokens_per_s,
+        "tflops_per_gpu": p.tflops_per_gpu,
+        "mfu": p.mfu,
+        "peak_memory_bytes": [{"rank": m.rank, "gpu": m.gpu, "cpu": m.cpu, "nvme": m.nvme} for m in p.memory],
+        "max_memory_bytes": max_memory(p),
+        "device_memory_bytes": plan.cluster.device.memory_bytes,
+        "bubble_fraction": p.bubble_fraction,
+        "comm_bytes": p.comm_bytes,
+        "bottleneck": p.bottleneck,
+        "fits": p.fits,
+        "best": best,
+    }
+
+
+def compare_json(items: Sequence[Compared]) -> list[dict[str, Any]]:
+    """One object per plan, in the order given."""
+    best = best_index(items)
+    return [figures(c, best=i == best) for i, c in enumerate(items)]
+
+
+def compare_table(items: Sequence[Compared]) -> Table:
+    """Plans as columns, figures as rows; the best plan (fastest that fits) in green with a star."""
+    best = best_index(items)
+    source = "evaluated by the cost model" if all(c.evaluation for c in items) else "predictions stored in the plans"
+    table = Table(title=f"predicted step ({source})", title_justify="left", header_style="bold")
+    table.add_column("")
+    for i, c in enumerate(items):
+        label = Path(c.name).stem + (" ★ best" if i == best else "")
+        table.add_column(label, justify="right", header_style="bold green" if i == best else "bold",
+                         style="green" if i == best else None)
+
+    def row(name: str, cell) -> None:
+        table.add_row(name, *(cell(c) for c in items))
+
+    row("layout", lambda c: layout_text(c.plan))
+    row("GPUs", lambda c: f"{c.plan.world_size} of {c.plan.cluster.name}")
+    row("schedule", lambda c: _schedule_text(c.plan))
+    row("step time", lambda c: _seconds(c.predicted.step_time_s))
+    row("samples/s", lambda c: f"{c.predicted.samples_per_s:,.1f}")
+    row("tokens/s", lambda c: human_count(c.predicted.tokens_per_s) if c.predicted.tokens_per_s else "-")
+    row("TFLOP/s per GPU", lambda c: f"{c.predicted.tflops_per_gpu:.4g}")
+    row("MFU", lambda c: f"{c.predicted.mfu:.1%}")
+    row("peak GPU memory", lambda c: _memory_cell(c))
+    row("peak CPU memory", lambda c: format_bytes(max_memory(c.predicted)["cpu"]))
+    row("peak NVMe", lambda c: format_bytes(max_memory(c.predicted)["nvme"]))
+    row("bubble", lambda c: f"{c.predicted.bubble_fraction:.1%}")
+    row("comm per step", lambda c: format_bytes(c.predicted.comm_bytes))
+    row("bottleneck", lambda c: c.predicted.bottleneck or "-")
+    row("fits", lambda c: Text("yes") if c.predicted.fits else Text("no", style="bold red"))
+    return table
+
+
+def _schedule_text(plan: Plan) -> str:
+    t = plan.training
+    name = f"interleaved:{t.virtual_stages}" if t.schedule == "interleaved" else t.schedule
+    return f"{name}, {t.micro_batches} x {t.micro_batch} samples"
+
+
+def _memory_cell(c: Compared) -> Text:
+    """Fullest rank's GPU bytes of the device's; red when over."""
+    gpu, cap = max_memory(c.predicted)["gpu"], c.plan.cluster.device.memory_bytes
+    return Text(f"{format_bytes(gpu)} of {format_bytes(cap)}", style=None if gpu <= cap else "bold red")
+
+
+def comparison_json(result: Comparison) -> list[dict[str, Any]]:
+    """The `mmplan compare --json` list: compare_json, the plan's object carrying "measured":
+    deviation_summary(...) when a metrics log was given."""
+    out = compare_json(result.items)
+    if result.measured is not None:
+        c = result.items[0]
+        out[0]["measured"] = deviation_summary(c.plan, c.evaluation or c.predicted, result.measured)
+    return out
+
+
+def measured_table(plan: Plan, evaluation_or_predicted: Evaluation | Predicted, metrics_rows: Sequence[Any]) -> Table:
+    """Predicted beside measured (see deviation_summary): step time, then per rank busy time and peak memory."""
+    summary = deviation_summary(plan, evaluation_or_predicted, metrics_rows)
+    skipped = summary["warmup_steps_skipped"]
+    table = Table(title=f"predicted vs measured (median of {summary['steps_used']} steps"
+                        + (f", first {skipped} skipped as warm-up)" if skipped else ")"),
+                  title_justify="left", header_style="bold")
+    for name in ("", "predicted", "measured", "deviation"):
+        table.add_column(name, justify="left" if not name else "right")
+
+    def add(name: str, pair: dict, fmt) -> None:
+        p = pair["predicted"]
+        table.add_row(name, "-" if p is None else fmt(p), fmt(pair["measured"]), _deviation_text(pair["deviation_pct"]))
+
+    add("step time", summary["step_time_s"], _seconds)
+    for r in summary["ranks"]:
+        add(f"rank {r['rank']} busy (compute + comm)", r["busy_s"], _seconds)
+    for r in summary["ranks"]:
+        add(f"rank {r['rank']} peak memory", r["peak_memory_bytes"], format_bytes)
+    return table
+
+
+def _deviation_text(pct: float | None) -> Text:
+    if pct is None:
+        return Text("-")
+    style = None if abs(pct) <= 20 else "yellow" if abs(pct) <= 50 else "bold red"
+    return Text(f"{pct:+.1f} %", style=style)
+
+
+# --- mmplan demo --------------------------------------------------------------------------------------------
+
+
+def plan_table(plans: list[tuple[str, Plan]]) -> Table:
+    """Layouts side by side: per group its degrees, cut points, ranks and tiers."""
+    table = Table(title="Plans", title_justify="left", header_style="bold")
+    table.add_column("plan")
+    table.add_column("group")
+    table.add_column("dp x tp x pp", justify="right")
+    table.add_column("stages")
+    table.add_column("placement")
+    table.add_column("tiers")
+    for name, plan in plans:
+        for g in plan.groups:
+            stages = "; ".join(f"{len(s.blocks)} blocks @ rank {','.join(map(str, s.ranks))}" for s in g.stages)
+            table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages, placement_text(g), tiers_text(g))
+            name = ""
+        table.add_row("", "", "", f"[dim]{plan.training.micro_batches} micro-batches, {plan.training.schedule}[/]", "", "")
+    return table
+
+
+def results_table(result: DemoResult) -> Table:
+    """The demo's two trained plans: predicted and measured step, throughput, loss, peak device memory."""
+    table = Table(title="Predicted vs measured (median step after warm-up)", title_justify="left", header_style="bold")
+    for col in ("plan", "predicted step", "measured step", "deviation", "samples/s measured", "loss first -> last",
+                "peak device memory"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for t in (result.solved, result.baseline):
+        pred = t.plan.predicted.step_time_s
+        meas = t.measured_step_s
+        peak = max(max(r["peak_memory_bytes"]) for r in t.metrics)
+        table.add_row(t.name, f"{pred * 1e3:.1f} ms", f"{meas * 1e3:.1f} ms", f"{(pred - meas) / meas:+.0%}",
+                      f"{t.plan.training.global_batch / meas:.0f}", f"{t.metrics[0]['loss']:.3f} -> {t.metrics[-1]['loss']:.3f}",
+                      format_bytes(peak))
+    return table
+
+
+def render_demo(result: DemoResult) -> Stack:
+    """What `mmplan demo` prints: the module graph, both plans, predicted vs measured, the verdict."""
+    groups = Table(title=f"Module graph of {result.profile.model}", title_justify="left", header_style="bold")
+    for col in ("group", "blocks", "params", "fwd GFLOP/sample", "measured fwd+bwd ms"):
+        groups.add_column(col, justify="left" if col == "group" else "right")
+    totals = group_totals(result.profile)
+    for g, t in totals.items():
+        ms = sum((b.fwd_ms or 0) + (b.bwd_ms or 0) for b in result.profile.group_blocks(g))
+        groups.add_row(g, f"{t['blocks']:.0f}", f"{t['params'] / 1e6:.2f} M", f"{t['fwd_flops'] / 1e9:.3f}", f"{ms:.2f}")
+    s, b = result.solved, result.baseline
+    speedup = b.measured_step_s / s.measured_step_s
+    predicted = b.plan.predicted.step_time_s / s.plan.predicted.step_time_s
+    same = s.plan.groups == b.plan.groups and s.plan.training == b.plan.training
+    verdict = (f"measured speed-up of the solved plan over the best homogeneous one: [bold]{speedup:.2f}x[/] "
+               f"(predicted {predicted:.2f}x)" + (" — the solver chose the homogeneous layout itself" if same else ""))
+    files = (f"wrote {result.out}/: profile.json, plan.json, homogeneous.json, run-solved.jsonl, "
+             f"run-homogeneous.jsonl, traces/ (open in ui.perfetto.dev)")
+    return Stack(groups, plan_table([("solved", s.plan), ("homogeneous", b.plan)]), results_table(result),
+                     Panel(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}",
+                           title="mmplan demo", title_align="left"))
+
+
+def demo_json(result: DemoResult) -> dict[str, Any]:
+    """The `mmplan demo --json` object."""
+    return {
+        "out": str(result.out), "model": result.profile.model, "wall_s": result.wall_s, "solve_time_s": result.solve_time_s,
+        **{f"{t.name}_{k}": v for t in (result.solved, result.baseline) for k, v in (
+            ("predicted_step_s", t.plan.predicted.step_time_s), ("measured_step_s", t.measured_step_s),
+            ("first_loss", t.metrics[0]["loss"]), ("last_loss", t.metrics[-1]["loss"]))},
+        "measured_speedup": result.baseline.measured_step_s / result.solved.measured_step_s,
+    }

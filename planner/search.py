@@ -1,0 +1,281 @@
+"""The solver's search: candidates per unit, then the allocation ILP proposes and the simulator disposes (branch and bound)."""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from planner import baselines
+from planner.allocate import Allocator, Choice, Solver, assign_ranks
+from planner.candidates import (
+    RUNTIME_ZERO_STAGES,
+    Layout,
+    Setting,
+    Structure,
+    Unit,
+    unit_layouts,
+    unit_runs,
+)
+from planner.construct import GroupLayout, build_plan
+from planner.segments import BlockTimes
+from planner.tiers import place_tiers
+from plans.cluster import Cluster
+from plans.errors import MmplanError
+from plans.graph import Profile
+from plans.plan import Plan, Training
+from cost_models.memory import DTYPE_BYTES
+
+Schedule = Literal["gpipe", "1f1b"]
+Progress = Callable[[str, float], None]
+EXHAUSTIVE = 4000  # candidates per structure below which none is pruned by dominance (the search is exact)
+MAX_SIMULATED = 400  # plans simulated at most in one search
+TOLERANCE = 1e-9  # relative: a bound this close to the best step cannot beat it (exact searches)
+LARGE_GAP = 2e-3  # large searches stop once no bound is 0.2 % below the best step
+
+
+@dataclass
+class Search:
+    """Mutable bookkeeping of one solve (kept in one place, never in module globals)."""
+
+    profile: Profile
+    cluster: Cluster
+    global_batch: int
+    schedule: Schedule
+    deadline: float
+    progress: Progress
+    best: tuple[float, Plan, str] | None = None  # (step, plan, structure)
+    simulated: int = 0
+    candidates: int = 0
+    stopped_early: bool = False
+    gap_goal: float = TOLERANCE
+    solver: Solver = "highs"
+    seen: set = field(default_factory=set)  # combinations already simulated
+
+    def out_of_time(self) -> bool:
+        if time.perf_counter() > self.deadline:
+            self.stopped_early = True
+        return self.stopped_early
+
+    def simulate(self, structure: Structure, units: Sequence[Unit], layouts: Sequence[Layout]) -> bool:
+        """Build and simulate one combination (once); keep it when it fits and is the fastest so far."""
+        key = (structure, tuple(lay.key for lay in layouts))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        self.simulated += 1
+        self.offer(build_layouts(self.profile, self.cluster, self.global_batch, self.schedule, structure, units, layouts), structure)
+        return True
+
+    def offer(self, plan: Plan | None, structure: str) -> None:
+        if plan is None or plan.predicted is None or not plan.predicted.fits:
+            return
+        step = plan.predicted.step_time_s
+        if self.best is None or step < self.best[0]:
+            self.best = (step, plan, structure)
+
+
+def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[int], solver: Solver) -> tuple[bool, float]:
+    """Generate candidates and run the ILP-proposes / simulator-disposes loop; returns (proved optimal, gap)."""
+    cl = search.cluster
+    note = search.progress
+    times = BlockTimes(setting)
+    allocators: list[tuple[Structure, tuple[Unit, ...], Allocator]] = []
+    exhaustive = True
+    for si, (structure, units) in enumerate(structures):
+        if search.out_of_time():
+            break
+        note(f"candidate layouts: {structure}", 0.05 + 0.45 * si / len(structures))
+        cands = _candidates(search, structure, units, setting, _m_order(units, setting, ms, times, cl), times)
+        if any(not c for c in cands):
+            continue
+        search.candidates += sum(len(c) for c in cands)
+        if sum(len(c) for c in cands) > EXHAUSTIVE:
+            cands = [_pareto(c, structure) for c in cands]
+            exhaustive = False
+        allocators.append((structure, units, Allocator(units, cands, structure, cl, solver)))
+    search.gap_goal = TOLERANCE if exhaustive else LARGE_GAP
+    return _run(search, allocators, budget=MAX_SIMULATED)
+
+
+def _m_order(units: Sequence[Unit], setting: Setting, ms: Sequence[int], times: BlockTimes, cluster: Cluster) -> list[int]:
+    """Micro-batch counts, most promising first (by the 1F1B estimate (m + p - 1) work / p of the largest unit),
+    so that a good plan is simulated early and its step prunes the rest."""
+    unit = max(units, key=lambda u: len(u.blocks))
+
+    def estimate(m: int) -> float:
+        runs = unit_runs(unit, setting, m, max_gpus=cluster.world_size)
+        return min(((m + d - 1) * times.work(unit, tp, setting.global_batch / m / dp) / d for tp, dp, d in runs), default=math.inf)
+
+    return sorted(ms, key=estimate)
+
+
+def _run(search: Search, allocators, budget: int) -> tuple[bool, float]:
+    """Pop combinations in order of their sub-problem's floor; simulate those whose own bound can still beat
+    the best step; stop when the smallest floor cannot (proved), or at the time / simulation limit."""
+    heap: list[tuple[float, int, int, Choice]] = []
+    tick = 0
+    for i, (_, _, alloc) in enumerate(allocators):
+        c = alloc.next(_remaining(search))
+        if c is not None:
+            heapq.heappush(heap, (c.floor, tick, i, c))
+            tick += 1
+    simulated = 0
+    exact = True
+    while heap:
+        floor, _, i, choice = heap[0]
+        goal = search.best[0] * (1 - search.gap_goal) if search.best is not None else math.inf
+        if floor >= goal:
+            return exact and search.gap_goal <= TOLERANCE, max(0.0, 1 - floor / search.best[0])
+        if search.out_of_time() or simulated >= budget:
+            return False, (1 - floor / search.best[0]) if search.best else 1.0
+        heapq.heappop(heap)
+        structure, units, alloc = allocators[i]
+        exact &= choice.optimal
+        if choice.bound < goal:
+            search.progress(f"simulating {structure} plans ({search.simulated} so far)", min(0.8, 0.5 + 0.3 * simulated / budget))
+            if search.simulate(structure, units, choice.layouts):
+                simulated += 1
+        alloc.exclude(choice)
+        c = alloc.next(_remaining(search))
+        if c is not None:
+            heapq.heappush(heap, (c.floor, tick, i, c))
+            tick += 1
+    return exact and search.gap_goal <= TOLERANCE, 0.0
+
+
+def _remaining(search: Search) -> float:
+    return max(1.0, min(120.0, search.deadline - time.perf_counter()))
+
+
+def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], setting: Setting, ms: Sequence[int],
+                times: BlockTimes) -> list[list[Layout]]:
+    """Candidate layouts of each unit over every m (most promising first); (tp, dp) runs and layouts whose bound
+    cannot beat the best simulated step are skipped. Until a plan has been simulated, the best chain layouts
+    of the first m are simulated to get one."""
+    n = search.cluster.world_size
+    out: list[list[Layout]] = [[] for _ in units]
+    for m in ms:
+        if search.out_of_time():
+            break
+        limit = search.best[0] if search.best else math.inf
+        if structure == "chain":
+            lays = unit_layouts(units[0], setting, m, max_gpus=n, limit=limit, times=times)
+            out[0] += [lay for lay in lays if lay.bound.own < limit]
+            if search.best is None:
+                for lay in sorted(out[0], key=lambda lay: lay.bound.own)[:3]:
+                    search.simulate(structure, units, (lay,))
+            continue
+        sink = next(i for i, u in enumerate(units) if u.feeds)
+        reserve = len(units) - 1 if structure == "non-colocated" else 0
+        sink_layouts = [lay for lay in unit_layouts(units[sink], setting, m, max_gpus=n - reserve, limit=limit, times=times)
+                        if lay.bound.own < limit]
+        if not sink_layouts:
+            continue
+        depths = sorted({lay.pp for lay in sink_layouts})
+        per_unit = []
+        for u, unit in enumerate(units):
+            if u == sink:
+                per_unit.append(sink_layouts)
+            elif structure == "non-colocated":
+                per_unit.append(unit_layouts(unit, setting, m, max_gpus=n - min(lay.gpus for lay in sink_layouts),
+                                             downstream=depths, limit=limit, times=times))
+            else:
+                sizes = {lay.gpus for lay in sink_layouts}
+                per_unit.append([lay for lay in unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False,
+                                                             max_pp=1, limit=limit, times=times) if lay.gpus in sizes])
+        for u, lays in enumerate(per_unit):
+            out[u] += [lay for lay in lays if lay.bound.own < limit]
+        if search.best is None and all(out):
+            _seed(search, structure, units, out)
+    return out
+
+
+def _seed(search: Search, structure: Structure, units: tuple[Unit, ...], candidates: list[list[Layout]]) -> None:
+    """Simulate the few best-bounded combinations found so far, so that the rest of the generation is pruned."""
+    alloc = Allocator(units, candidates, structure, search.cluster, search.solver)
+    for _ in range(3):
+        choice = alloc.next(_remaining(search))
+        if choice is None or search.out_of_time():
+            return
+        search.simulate(structure, units, choice.layouts)
+        alloc.exclude(choice)
+
+
+def _pareto(layouts: list[Layout], structure: Structure) -> list[Layout]:
+    """Drop layouts dominated in every bound term, GPU count and memory by another of the same m, depth, dp and tp
+    (a heuristic on large searches: bounds, not simulated steps, are compared)."""
+    groups: dict[tuple, list[Layout]] = {}
+    for lay in layouts:
+        groups.setdefault((lay.micro_batches, lay.downstream, lay.pp if structure != "chain" else 0, lay.dp, lay.tp), []).append(lay)
+    out = []
+    for lays in groups.values():
+        vecs = [(lay, _vector(lay, structure)) for lay in lays]
+        vecs.sort(key=lambda lv: lv[1])
+        front: list[tuple[Layout, tuple]] = []
+        for lay, v in vecs:
+            if not any(all(a <= b for a, b in zip(fv, v)) for _, fv in front):
+                front.append((lay, v))
+        out += [lay for lay, _ in front]
+    return out
+
+
+def _vector(lay: Layout, structure: Structure) -> tuple:
+    b = lay.bound
+    head = (lay.gpus, b.own) if structure != "colocated" else (lay.gpus, b.own, b.busy, max(lay.gpu_bytes))
+    extra = (b.fwd_out, b.bwd_in, *b.k2, *b.k3, *(k for row in b.k4 for k in row))
+    return head + extra
+
+
+# --- building plans ----------------------------------------------------------------------------------------------
+
+
+def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedule: Schedule, structure: Structure,
+                  units: Sequence[Unit], layouts: Sequence[Layout]) -> Plan | None:
+    """The checked plan (with predictions) of one layout per unit, or None when its ranks do not pack."""
+    ranks = assign_ranks(layouts, structure, cluster)
+    if ranks is None:
+        return None
+    sink = next((i for i, u in enumerate(units) if u.feeds), None)
+    groups = []
+    for i, (unit, lay, r) in enumerate(zip(units, layouts, ranks)):
+        names = tuple(b.name for b in unit.blocks)
+        host = units[sink].name if structure == "colocated" and sink is not None and i != sink else None
+        groups.append(GroupLayout(unit.name, names, lay.cuts, lay.dp, lay.tp, r, zero=lay.zero, colocated_with=host,
+                                  memory=lay.memories(names)))
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+    training = Training(global_batch, layouts[0].micro_batches, schedule, dtype=dtype)
+    try:
+        return build_plan(profile, cluster, training, groups)
+    except MmplanError:
+        return None  # e.g. a deadlocking order: not a candidate
+
+
+def refine_tiers(search: Search) -> None:
+    """Per-block tiers of the best plan (planner/tiers.py); kept when the simulator says it is faster."""
+    _, plan, structure = search.best
+    stages = [s for g in plan.groups for s in g.stages]
+    if all(s.memory == type(s.memory)() for s in stages):
+        return  # everything on the GPU, nothing recomputed: no other tiers are faster
+    try:
+        refined = place_tiers(plan, search.profile)
+    except MmplanError:
+        return
+    if refined is not None:
+        search.offer(refined, structure)
+
+
+def best_baseline(profile: Profile, cluster: Cluster, global_batch: int, schedule: Schedule, micro_batch: int | None) -> Plan | None:
+    """The best homogeneous plan of planner/baselines.py for the same request (None when there is none)."""
+    try:
+        zeros = RUNTIME_ZERO_STAGES  # the same runnable space as the solver's (candidates.zero_stages)
+        specs = baselines.grid_layouts(profile, cluster, global_batch, schedules=(schedule,), zeros=zeros)
+        if micro_batch is not None:
+            specs = [s for s in specs if s.dp * s.micro_batch == micro_batch]
+        if not specs:
+            return None
+        return baselines.search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
+    except MmplanError:
+        return None

@@ -1,0 +1,175 @@
+"""The solver's stage figures for every segment [i, j) of a unit at once: cost_models' functions, vectorised."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cost_models.comm import dp_link, zero_collectives
+from cost_models.compute import block_time
+from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, state_residency
+from cost_models.offload import state_streaming, transfer_time
+from cost_models.tail import tail_over
+from plans.cluster import Link
+
+if TYPE_CHECKING:
+    from planner.candidates import Policy, Setting, Unit
+
+# A stage of blocks [i, j) of a unit costs what cost_models/ says of those blocks: op times (the simulator's
+# chunk costs), its tail (tail.tail_over) and its bytes per tier (memory.stage_memory's terms). Here they are
+# computed for every (i, j) at once: per-block figures summed with prefix sums (_span), largest blocks with
+# range maxima (_range_max), and every alpha-beta cost -- affine in bytes for bytes > 0 and 0 at 0 -- applied
+# through its affine form (_affine), so the functions of cost_models/ are called, never rewritten.
+# tests/planner/test_candidates.py checks the result equals evaluate() on random built plans.
+
+_BIG = 2.0**31  # bytes at which the affine fits of alpha-beta costs are taken (well-conditioned)
+
+
+def _affine(fn: Callable[[float], float], x: np.ndarray) -> np.ndarray:
+    """fn (an alpha-beta cost, affine in bytes for bytes > 0 and 0 at 0) applied to an array."""
+    b = (fn(2 * _BIG) - fn(_BIG)) / _BIG
+    a = fn(_BIG) - b * _BIG
+    return np.where(x > 0, a + b * x, 0.0)
+
+
+def _span(values: np.ndarray) -> np.ndarray:
+    """S[i, j] = sum of values[i:j] (j > i)."""
+    c = np.concatenate(([0.0], np.cumsum(values)))
+    return c[None, :] - c[:, None]
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """R[i, j] = max of values[i:j] (0 for j <= i)."""
+    n = len(values)
+    out = np.zeros((n + 1, n + 1))
+    for i in range(n):
+        out[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return out
+
+
+class BlockTimes:
+    """Per-block op times of a unit at (tp, samples), cached for one search (block_time is the costly call)."""
+
+    def __init__(self, setting: Setting):
+        self.setting = setting
+        self._cache: dict[tuple, list] = {}
+
+    def of(self, unit: Unit, tp: int, samples: float) -> list:
+        key = (unit.name, tp, samples)
+        if key not in self._cache:
+            st = self.setting
+            self._cache[key] = [block_time(b, samples, tp, st.cluster, dtype=st.dtype, measured_micro_batch=st.measured_micro_batch)
+                                for b in unit.blocks]
+        return self._cache[key]
+
+    def work(self, unit: Unit, tp: int, samples: float) -> float:
+        """Seconds of one micro-batch's forward and backward through every block (no recompute, no transfers)."""
+        return sum(o.fwd + o.fwd_comm + o.bwd + o.bwd_comm for o in self.of(unit, tp, samples))
+
+
+@dataclass
+class Segments:
+    """Op durations, tails and memory of a stage of blocks [i, j) of a unit, for every (i, j), at one
+    (tp, dp, ZeRO stage, micro-batch count), for each policy; figures are cached per policy."""
+
+    unit: Unit
+    setting: Setting
+    tp: int
+    dp: int
+    zero: int
+    micro_batches: int
+    times: BlockTimes | None = None
+    _cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        st = self.setting
+        self.samples = st.global_batch / self.micro_batches / self.dp  # per replica and micro-batch
+        blocks = self.unit.blocks
+        ops = (self.times or BlockTimes(st)).of(self.unit, self.tp, self.samples)
+        shard = np.array([self.tp if b.supports_tp else 1 for b in blocks], dtype=float)
+        self.n = len(blocks)
+        self.fwd, self.fwd_comm = _span(np.array([o.fwd for o in ops])), _span(np.array([o.fwd_comm for o in ops]))
+        self.bwd, self.bwd_comm = _span(np.array([o.bwd for o in ops])), _span(np.array([o.bwd_comm for o in ops]))
+        params = np.array([b.params for b in blocks], dtype=float) / shard
+        act = np.array([b.activation_bytes for b in blocks], dtype=float) * self.samples / shard
+        inp = np.array(self.unit.input_bytes, dtype=float) * self.samples / shard
+        self.width = DTYPE_BYTES[st.dtype]
+        self.params = _span(params)
+        self.largest = _range_max(params)  # parameters of the largest block
+        self.act, self.act_max = _span(act), _range_max(act)
+        self.checkpoint = _span(inp)
+        valid = np.arange(self.n + 1)[:, None] < np.arange(self.n + 1)[None, :]
+        self.valid = valid
+        self.dp_link = self._dp_link()
+
+    def _dp_link(self) -> Link:
+        """The link of a stage's data-parallel group when the unit's ranks start at a node's first rank (or inside
+        one node; allocate.assign_ranks places them so)."""
+        return dp_link(self.setting.cluster, range(self.dp * self.tp), self.tp)
+
+    def time(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(forward op, backward op, tail, optimizer step, parameter gather) of every segment: the cost_models
+        functions the simulator composes (pipeline.py's chunk costs and stage tail), applied to every segment's
+        bytes at once through their affine form (_affine)."""
+        key = ("time", policy)
+        if key in self._cache:
+            return self._cache[key]
+        st, cl, dp, z = self.setting, self.setting.cluster, self.dp, self.zero
+        recompute = policy.activations == "recompute"
+        fwd, fwd_comm = self.fwd, self.fwd_comm
+        bwd = self.bwd + (self.fwd if recompute else 0.0)
+        bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
+        param_bytes = self.params * self.width
+        act_out = 0.0
+        if policy.activations.startswith("offload-"):
+            act_out = _affine(lambda x: transfer_time(x, policy.activations.removeprefix("offload-"), cl), self.act)
+        params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl)[0], param_bytes)
+        grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl)[1], param_bytes)
+        link = self.dp_link
+        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link)[0], param_bytes)
+        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link)[1], param_bytes)
+        t_fwd = act_out + params_in
+        t_bwd = act_out + params_in + grads_out
+        fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)
+        bwd_op = bwd + bwd_comm + np.maximum(0.0, np.maximum(t_bwd, gather + scatter) - bwd)
+
+        def tail(x: float):
+            return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
+
+        sync = _affine(lambda x: tail(x).grad_sync, self.params)
+        opt = _affine(lambda x: tail(x).optimizer, self.params)
+        gathered = _affine(lambda x: tail(x).param_gather, self.params)
+        out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
+        self._cache[key] = out
+        return out
+
+    def memory(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(gpu, cpu, nvme) bytes per rank of every segment as base + in_flight * per_micro_batch pairs: the
+        terms of cost_models/memory.stage_memory (state_residency, activation_residency, activation_transient)
+        applied to every segment's sums at once (activation_residency is linear; the transient is that of the
+        segment's largest block)."""
+        key = ("memory", policy)
+        if key in self._cache:
+            return self._cache[key]
+        st = self.setting
+        base = state_residency(self.params, self.largest, dp=self.dp, zero=self.zero, memory=policy, dtype=st.dtype,
+                               optimizer=st.optimizer)
+        base = base.put("gpu", activation_transient(policy.activations, self.act_max))
+        per_mb = activation_residency(policy.activations, self.act, self.checkpoint)
+        zeros = np.zeros_like(self.params)
+        out = tuple(zeros + x for x in (base.gpu, per_mb.gpu, base.cpu, per_mb.cpu, base.nvme, per_mb.nvme))
+        self._cache[key] = out
+        return out
+
+    def fits(self, policy: Policy, in_flight: float) -> np.ndarray:
+        """Segments whose stage fits the GPU and this rank's share of host memory and NVMe."""
+        g0, g1, c0, c1, n0, n1 = self.memory(policy)
+        st = self.setting
+        return (self.valid & (g0 + in_flight * g1 <= st.cluster.device.memory_bytes)
+                & (c0 + in_flight * c1 <= st.host_share) & (n0 + in_flight * n1 <= st.nvme_share))
+
+    def binds(self, policy: Policy, low: float, high: float) -> bool:
+        """Whether some segment fits at `low` micro-batches in flight but not at `high`."""
+        return bool(np.any(self.fits(policy, low) & ~self.fits(policy, high)))

@@ -1,0 +1,84 @@
+"""The solver's vectorised stage figures (planner/candidates.Segments) are the cost model's own: over random plans,
+every segment's op times, tail and memory equal what cost_models computes for the built plan."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cost_models.evaluate import evaluate
+from cost_models.memory import block_input_bytes, stage_memory
+from cost_models.tail import stage_tail
+from planner.candidates import GPU_ONLY, OFFLOAD, Setting, allowed_gpus, profile_units, stage_in_flight
+from planner.construct import GroupLayout, build_plan, megatron_ranks
+from planner.segments import Segments
+from plans.cluster import Cluster, Device, Link
+from plans.graph import Block, Edge, Profile
+from plans.plan import Training
+
+REL = 1e-9  # the vectorised forms use the affine fit of each alpha-beta cost: equal up to rounding
+
+
+def random_plan(seed: int):
+    """A chain of 3-8 random blocks on a random 1-2 node cluster, with a random layout: tp, dp, ZeRO stage 0-3, cut
+    points, schedule, micro-batches and one tier policy for every stage."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 8)
+    tp_blocks = rng.random() < 0.6
+    blocks = tuple(Block(f"b{i}", "g", "Layer", int(10 ** rng.uniform(5, 8)), int(10 ** rng.uniform(5, 8)),
+                         10 ** rng.uniform(9, 12), 10 ** rng.uniform(9, 12), 10 ** rng.uniform(4, 7), 10 ** rng.uniform(3, 6),
+                         supports_tp=tp_blocks and i > 0, signature=f"b{i}") for i in range(n))
+    edges = tuple(Edge(f"b{i}", f"b{i + 1}", blocks[i].output_bytes) for i in range(n - 1))
+    profile = Profile.build(f"random-{seed}", "bf16", 1, blocks, edges)
+    per_node = rng.choice([2, 4, 8])
+    nodes = rng.choice([1, 2])
+    device = Device("sim", {"bf16": 1e14}, 10**12, 1e12, ((1e6, 0.05), (1e9, 0.4), (1e12, 0.7)))
+    cluster = Cluster("sim", nodes, per_node, device, intra_node=Link(1e11, 2e-6), inter_node=Link(1e10, 1e-5),
+                      host_to_device=Link(2e10, 1e-5), nvme=Link(8e9, 1e-4), host_memory_bytes=10**13, nvme_bytes=10**14)
+    world = cluster.world_size
+    while True:
+        tp = rng.choice([t for t in (1, 2, 4) if t <= per_node]) if tp_blocks else 1
+        dp = rng.choice([1, 2, 4, 8])
+        pp = rng.randint(1, n)
+        if tp * dp * pp <= world and allowed_gpus(tp * dp, cluster) and allowed_gpus(tp * dp * pp, cluster):
+            break
+    m = rng.choice([1, 2, 4, 8])
+    global_batch = m * dp * rng.choice([1, 2])
+    cuts = tuple(sorted(rng.sample(range(1, n), pp - 1)))
+    return profile, cluster, tp, dp, rng.choice([0, 1, 2, 3]) if dp > 1 else 0, cuts, m, global_batch, \
+        rng.choice(["1f1b", "gpipe"]), rng.choice(GPU_ONLY + OFFLOAD)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_vectorised_stage_figures_equal_the_cost_model(seed):
+    profile, cluster, tp, dp, zero, cuts, m, global_batch, schedule, policy = random_plan(seed)
+    unit = profile_units(profile, "chain")[0]
+    setting = Setting(cluster, global_batch, schedule, "bf16", "adam", None, (policy,))
+    seg = Segments(unit, setting, tp, dp, zero, m)
+    names = tuple(b.name for b in profile.blocks)
+    pp = len(cuts) + 1
+    bounds = (0, *cuts, len(names))
+    memories = tuple(policy.memory(names[a:b]) for a, b in zip(bounds, bounds[1:]))
+    training = Training(global_batch, m, schedule, dtype="bf16")
+    plan = build_plan(profile, cluster, training, [GroupLayout("model", names, cuts, dp, tp, megatron_ranks(dp, tp, pp),
+                                                               zero=zero, memory=memories)])
+    ev = evaluate(plan, profile)
+    fwd, bwd, tail, opt, gather = seg.time(policy)
+    g0, g1, c0, c1, n0, n1 = seg.memory(policy)
+    inputs = block_input_bytes(profile)
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        sc, mem = ev.stages[k], ev.stage_memory[k]
+        flight = stage_in_flight(schedule, m, pp - 1 - k)
+        assert flight == sc.in_flight
+        assert fwd[a, b] == pytest.approx(sc.fwd_s, rel=REL) and bwd[a, b] == pytest.approx(sc.bwd_s, rel=REL)
+        params = sum(x.params / (tp if x.supports_tp else 1) for x in profile.blocks[a:b])
+        scalar = stage_tail(plan.groups[0], k, params, training, cluster)
+        assert (scalar.grad_sync, scalar.optimizer, scalar.param_gather) == (sc.grad_sync_s, sc.optimizer_s, sc.param_gather_s)
+        assert tail[a, b] == pytest.approx(scalar.total, rel=REL)
+        assert opt[a, b] == pytest.approx(scalar.optimizer, rel=REL) and gather[a, b] == pytest.approx(scalar.param_gather, rel=REL, abs=1e-15)
+        direct = stage_memory(profile.blocks[a:b], samples=global_batch / m / dp, tp=tp, dp=dp, zero=zero,
+                              memory=memories[k], in_flight_micro_batches=flight, input_bytes=inputs)
+        assert direct == mem
+        assert g0[a, b] + flight * g1[a, b] == pytest.approx(mem.gpu, rel=REL)
+        assert c0[a, b] + flight * c1[a, b] == pytest.approx(mem.cpu, rel=REL, abs=1e-6)
+        assert n0[a, b] + flight * n1[a, b] == pytest.approx(mem.nvme, rel=REL, abs=1e-6)
