@@ -25,12 +25,19 @@ app = typer.Typer(
 
 
 def user_errors(fn: Callable) -> Callable:
-    """Turn MmplanError (and unwritable paths) into one line on stderr and exit code 2."""
+    """Turn MmplanError (and unwritable paths) into one line on stderr and exit code 2; SIGTERM and SIGHUP stop
+    the command like Ctrl-C (its cleanup runs: ranks killed, temporary files removed) with one line and 128+signal."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from runtime.signals import Terminated, terminate_like_interrupt
+
         try:
-            return fn(*args, **kwargs)
+            with terminate_like_interrupt():
+                return fn(*args, **kwargs)
+        except Terminated as e:
+            console.fail(f"terminated by {e}")
+            raise typer.Exit(code=e.exit_code) from None
         except MmplanError as e:
             console.fail(str(e))
             raise typer.Exit(code=2) from None
@@ -62,6 +69,19 @@ def check_writable(path: Path) -> None:
     os.unlink(probe)
 
 
+def check_not_input(output: Path, option: str, inputs: list) -> None:
+    """Refuse an output path that is one of the command's input files (the same file, through any link)."""
+    for inp in inputs:
+        if inp is None:
+            continue
+        try:
+            same = output.exists() and Path(inp).exists() and os.path.samefile(output, inp)
+        except (OSError, ValueError):
+            same = False
+        if same:
+            raise MmplanError(f"{option} {output} is the input file {inp}; writing it would replace that input: choose another path")
+
+
 @app.command()
 @user_errors
 def profile(
@@ -83,6 +103,7 @@ def profile(
     if device not in ("meta", "cpu", "cuda"):
         raise MmplanError(f"--device must be meta, cpu or cuda, got {device!r}")
     check_writable(output)
+    check_not_input(output, "--output", [Path(model)] if model.endswith(".toml") else [])
     source = resolve(model)
     with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
         prof = profile_model(source, micro_batch=micro_batch, device=device, dtype=dtype, measure=measure,
@@ -141,6 +162,7 @@ def solve(
     from planner.solve import render_solution, run_solve, solution_json
 
     check_writable(output)
+    check_not_input(output, "--output", [profile_path, Path(cluster)])
     with console.progress("solving", enabled=not quiet and not as_json) as note:
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
                                    gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
@@ -158,7 +180,7 @@ def solve(
 def run(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json from [cyan]mmplan solve[/] (or written by hand).")],
     steps: Annotated[int, typer.Option(help="Optimizer steps to train.")] = 20,
-    log: Annotated[Optional[Path], typer.Option(help="Write one JSON line per step (loss, step time, per-rank compute/comm/idle, peak memory).")] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", "--log-file", help="Write one JSON line per step (loss, step time, per-rank compute/comm/idle, peak memory); appended to when resuming. Under torchrun write [cyan]--log-file[/] (torchrun takes [cyan]--log[/] for its own --log-dir).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the built-in dataset.")] = 0,
     lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 1e-3,
     data: Annotated[str, typer.Option(help="[cyan]builtin[/] (a learnable synthetic multimodal dataset) or [cyan]package.module:factory[/].")] = "builtin",
@@ -171,6 +193,7 @@ def run(
     checkpoint_every: Annotated[int, typer.Option(help="Write a checkpoint every K steps (0: never).")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Let this run replace the checkpoints already in --checkpoint-dir (once its own first one is complete) and an existing --log.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -183,6 +206,7 @@ def run(
 
     if log:
         check_writable(log)
+        check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
     from plans.graph import load_profile
     from plans.plan import check_plan, load_plan
 
@@ -191,7 +215,7 @@ def run(
         check_plan(load_plan(plan_path), measured_profile, f"plan {plan_path}")
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume)
+                      checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite)
     if result.rank != 0:
         return
     from cost_models.evaluate import evaluate

@@ -1,8 +1,24 @@
-"""`mmplan run`: check a plan against its model, launch the ranks (or join torchrun), report predicted vs measured."""
+"""`mmplan run`: check a plan against its model, launch the ranks (or join torchrun), report predicted vs measured.
+
+What a run owns, and gives back on every exit path (success, refusal, a failing rank, Ctrl-C, SIGTERM, SIGHUP):
+- its --checkpoint-dir, locked for the run (a second run on it is refused); a directory holding another run's
+  checkpoints is refused unless resumed from (--resume) or --overwrite is given, and even then they are only
+  replaced once this run's first checkpoint is complete; incomplete step directories are removed on failure;
+- its --log, appended to when resuming, else refused when it holds a log unless --overwrite; never followed
+  through a symbolic link; removed again when a failed run wrote nothing into a file it created;
+- a directory of its own inside --nvme-dir (locked; removed at the end, and by the next run if this one was
+  SIGKILLed), so no tier file outlives the run;
+- the directories it created, removed again when the run fails while they are empty.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import statistics
+import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +46,25 @@ def checked_plan(plan_path: Path, model: str | None) -> tuple[Plan, Profile, str
     from runtime.source import resolve
 
     plan = load_plan(plan_path)
-    spec = model or plan.profile.model
+    spec = model or _plan_model(plan, plan_path)
     profile = profile_model(resolve(spec), micro_batch=1, device="meta", dtype="fp32")
     if profile.fingerprint != plan.profile.fingerprint:
         raise MmplanError(
             f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
             f"but {spec!r} builds a model with fingerprint {profile.fingerprint}: re-profile and re-solve")
     return check_plan(plan, profile, f"plan {plan_path}"), profile, spec
+
+
+def _plan_model(plan: Plan, plan_path: Path) -> str:
+    """The plan's model when it names no code: a zoo name or an architecture TOML. A plan file must not choose
+    code to import and run, so a `package.module:factory` in it is used only when the user passes it as --model."""
+    from runtime.source import is_factory
+
+    spec = plan.profile.model
+    if is_factory(spec):
+        raise MmplanError(f"plan {plan_path} names the Python factory {spec!r} as its model; a plan does not choose "
+                          f"code to run: pass --model {spec} to run that factory")
+    return spec
 
 
 def _backend(plan: Plan) -> str:
@@ -49,8 +77,11 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
              data: str | None = None, log: Path | None = None, timeout_s: float = 600.0,
              op_timeout_s: float = 60.0, device_budget: float | None = None, nvme_dir: Path | None = None,
              prefetch: bool = True, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
-             resume: Path | None = None) -> RunResult:
-    """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics."""
+             resume: Path | None = None, overwrite: bool = False) -> RunResult:
+    """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics.
+
+    `overwrite`: let this run replace the checkpoints in `checkpoint_dir` and the log in `log` (see the module
+    docstring for what is refused without it)."""
     from runtime.launch import launch
     from runtime.train import Job, train_rank
 
@@ -64,6 +95,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
         raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
     launched = _launched_world_size()
     plan, profile, spec = checked_plan(plan_path, model)
+    _check_rank_numbering(plan, plan_path)
     world = plan.world_size
     if launched is not None:
         if launched != world:
@@ -81,40 +113,168 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
         raise MmplanError(f"--resume {resume}: no such checkpoint directory")
     if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
         raise MmplanError(f"--checkpoint-dir {checkpoint_dir} is a file, not a directory")
-    # every refusal above leaves nothing behind; from here on directories are created, and removed again when
-    # the run is refused after all (no space for the nvme tier, a dataset or budget the ranks refuse) while empty
+    _check_log(log, resuming=resume is not None, overwrite=overwrite)
+    # every refusal above leaves nothing behind; from here on directories are created and locked, and given back
+    # on every exit path (see the module docstring)
+    lead = int(os.environ.get("RANK", "0")) == 0  # the process of a torchrun job that holds the directories
     created: list[Path] = []
+    locks: list[Any] = []
+    nvme_run: Path | None = None
+    log_existed = log is not None and log.exists()
+    holds_checkpoints = ok = False
     try:
-        nvme_dir = _nvme_dir(plan, nvme_dir, created)
         if checkpoint_dir is not None:
             _make_dir(checkpoint_dir, "--checkpoint-dir", created)
+            if lead:
+                locks.append(_lock(checkpoint_dir, "--checkpoint-dir"))
+                holds_checkpoints = True
+                _check_checkpoint_dir(checkpoint_dir, resume, overwrite)
+        if resume is not None and lead and not _same_dir(resume, checkpoint_dir):
+            locks.append(_lock(resume, "--resume", shared=True))
+        lineage = _resumable(resume, plan).lineage if resume is not None else ""
+        nvme_run = _nvme_dir(plan, nvme_dir, created, locks)
         job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
-                  log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_dir) if nvme_dir else None,
+                  log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_run) if nvme_run else None,
                   prefetch=prefetch, checkpoint_every=checkpoint_every,
-                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None)
+                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None,
+                  lineage=lineage or uuid.uuid4().hex[:16])
         results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
-    except BaseException:
-        for top in created:
-            _remove_empty_dirs(top)
-        raise
+        ok = True
+    finally:
+        if nvme_run is not None:
+            shutil.rmtree(nvme_run, ignore_errors=True)
+        if not ok:
+            if holds_checkpoints and checkpoint_dir.is_dir():
+                from runtime.checkpoint import remove_incomplete
+
+                remove_incomplete(checkpoint_dir)  # a save cut short: its space comes back, resume is unaffected
+            if log is not None and not log_existed:
+                with contextlib.suppress(OSError):
+                    if log.stat().st_size == 0:
+                        log.unlink()
+        for lock in reversed(locks):
+            lock.release()
+        if not ok:
+            for top in created:
+                _remove_empty_dirs(top)
     rank = int(os.environ.get("RANK", 0))
     return RunResult(plan, profile, results[0]["metrics"], rank)
 
 
-def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path]) -> Path | None:
-    """The directory for the nvme tier: required when the plan uses it, and it must have the space."""
+def _check_rank_numbering(plan: Plan, plan_path: Path) -> None:
+    """The runtime starts one process per rank of the plan: the ranks must be 0..N-1 without gaps."""
+    used = sorted({r for g in plan.groups for r in g.ranks})
+    if used != list(range(len(used))):
+        missing = sorted(set(range(used[-1] + 1)) - set(used))
+        raise MmplanError(f"plan {plan_path} uses ranks {_ranks(used)} but not {_ranks(missing)}; the runtime starts one "
+                          f"process per rank of the plan, numbered 0..{len(used) - 1}: renumber its ranks without gaps")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
+
+def _check_log(log: Path | None, *, resuming: bool, overwrite: bool) -> None:
+    """A log is appended to when resuming; otherwise one holding rows is replaced only with --overwrite."""
+    if log is None:
+        return
+    if log.is_symlink():
+        raise MmplanError(f"--log {log} is a symbolic link; give the path of the log file itself")
+    if log.exists():
+        if not log.is_file():
+            raise MmplanError(f"--log {log} is not a regular file")
+        if log.stat().st_size and not resuming and not overwrite:
+            raise MmplanError(f"--log {log} already holds a run's log; continue it with --resume, choose another file, "
+                              "or pass --overwrite to replace it")
+
+
+def _lock(directory: Path, option: str, *, shared: bool = False):
+    from runtime.dirlock import DirLock
+
+    return DirLock(directory, option, shared=shared).acquire()
+
+
+def _same_dir(a: Path | None, b: Path | None) -> bool:
+    try:
+        return a is not None and b is not None and a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_checkpoint_dir(checkpoint_dir: Path, resume: Path | None, overwrite: bool) -> None:
+    """Refuse a directory holding checkpoints this run does not continue, unless --overwrite."""
+    from runtime.checkpoint import complete_steps
+
+    existing = complete_steps(checkpoint_dir)
+    if existing and not overwrite and not _same_dir(resume, checkpoint_dir):
+        names = ", ".join(p.name for p in existing[-3:])
+        raise MmplanError(f"--checkpoint-dir {checkpoint_dir} already holds checkpoints ({names}); continue from them "
+                          f"with --resume {checkpoint_dir}, choose another directory, or pass --overwrite to let this run "
+                          "replace them")
+
+
+def _resumable(resume: Path, plan: Plan):
+    """The checkpoint a run resumes from: complete, verified, of the plan's model (its manifest says so)."""
+    from runtime.checkpoint import latest_checkpoint
+
+    manifest = latest_checkpoint(resume)
+    if manifest is None:
+        raise MmplanError(f"--resume {resume}: no complete checkpoint to resume from")
+    if not manifest.fingerprint:
+        raise MmplanError(f"checkpoint {manifest.path} records no model fingerprint (written by an older mmplan), so it "
+                          f"cannot be checked against {plan.profile.model!r}; refusing to resume")
+    if manifest.fingerprint != plan.profile.fingerprint:
+        raise MmplanError(f"checkpoint {manifest.path} is of model {manifest.model!r} (fingerprint {manifest.fingerprint}) "
+                          f"but the plan trains {plan.profile.model!r} (fingerprint {plan.profile.fingerprint}); resume "
+                          "with a plan for that model or from another directory")
+    return manifest
+
+
+NVME_RUN_PREFIX = "mmplan-run-"
+_STALE_UNLOCKED_S = 60.0  # a run directory without a lock file is another run's being created, or a stale one
+
+
+def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path], locks: list[Any]) -> Path | None:
+    """This run's own directory for the nvme tier, inside --nvme-dir (None when the plan does not use the tier):
+    required when the plan uses it, writable, with the space; stale directories of killed runs are removed first."""
+    from runtime.dirlock import DirLock
     from runtime.memory import check_nvme_space
 
     uses = any(s.memory.params == "nvme" or s.memory.grads == "nvme" or s.memory.optimizer == "nvme"
                or "offload-nvme" in s.memory.activations.values() for g in plan.groups for s in g.stages)
     if not uses:
-        return nvme_dir
+        return None
     if nvme_dir is None:
         raise MmplanError("the plan places state in the nvme tier: give a directory for it with --nvme-dir")
     _make_dir(nvme_dir, "--nvme-dir", created)
+    _remove_stale_runs(nvme_dir)
     needed = sum(m.nvme for m in plan.predicted.memory) if plan.predicted else 0.0
     check_nvme_space(nvme_dir, needed)
-    return nvme_dir
+    try:
+        run_dir = Path(tempfile.mkdtemp(prefix=NVME_RUN_PREFIX, dir=nvme_dir))
+    except OSError as e:
+        raise MmplanError(f"cannot write in --nvme-dir {nvme_dir}: {e.strerror or e}") from None
+    try:
+        locks.append(DirLock(run_dir, "--nvme-dir run directory").acquire())
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir
+
+
+def _remove_stale_runs(nvme_dir: Path) -> None:
+    """Remove the run directories in --nvme-dir that no live run holds (left by a SIGKILLed run)."""
+    from runtime.dirlock import LOCK_NAME, is_locked
+
+    for d in nvme_dir.glob(f"{NVME_RUN_PREFIX}*"):
+        try:
+            if d.is_symlink() or not d.is_dir() or is_locked(d):
+                continue
+            if not (d / LOCK_NAME).exists() and time.time() - d.stat().st_mtime < _STALE_UNLOCKED_S:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _launched_world_size() -> int | None:
