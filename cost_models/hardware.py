@@ -12,6 +12,7 @@ from typing import Any
 
 from plans.cluster import BACKENDS, DTYPES, Cluster, Device, Link
 from plans.errors import FormatError, MmplanError
+from plans.serial import read_bounded
 
 # Units. Datasheets use SI: "GB/s" = 1e9 bytes/s, "TFLOPS" = 1e12 FLOP/s. The TOML format uses the same
 # (memory_gb = 1e9 bytes, bandwidth_gbps = 1e9 bytes/s, latency_us = 1e-6 s, peak_tflops = 1e12 FLOP/s).
@@ -268,7 +269,7 @@ def _regroup(cluster: Cluster, gpus_per_node: int, source: str) -> Cluster:
 def load_cluster_toml(path: str | Path) -> Cluster:
     """Read a cluster TOML file (format: docs/cluster-toml.md); every problem is one FormatError."""
     try:
-        text = Path(path).read_text()
+        text = read_bounded(path, "cluster file").decode("utf-8")
     except FileNotFoundError:
         raise FormatError(f"cluster file {path} not found") from None
     except IsADirectoryError:

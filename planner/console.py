@@ -38,6 +38,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def short_by(need: float, have: float) -> str:
+    """"(3.2 MB short)": the shortfall in a unit that shows it (a fixed 0.00 GB hid small ones)."""
+    return f"({human_bytes(need - have)} short)"
+
+
 def human_count(n: float, unit: str = "") -> str:
     for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

@@ -96,6 +96,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     launched = _launched_world_size()
     plan, profile, spec = checked_plan(plan_path, model)
     _check_rank_numbering(plan, plan_path)
+    _check_tensor_parallel(plan, spec, plan_path)
     world = plan.world_size
     if launched is not None:
         if launched != world:
@@ -109,6 +110,8 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
                           "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
+    if launched is None:
+        _check_host_memory(plan, profile, plan_path)
     if resume is not None and not resume.is_dir():
         raise MmplanError(f"--resume {resume}: no such checkpoint directory")
     if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
@@ -165,13 +168,64 @@ def _check_rank_numbering(plan: Plan, plan_path: Path) -> None:
     """The runtime starts one process per rank of the plan: the ranks must be 0..N-1 without gaps."""
     used = sorted({r for g in plan.groups for r in g.ranks})
     if used != list(range(len(used))):
-        missing = sorted(set(range(used[-1] + 1)) - set(used))
+        present = set(used)
+        missing = [r for r in range(min(used[-1], len(used) + 8)) if r not in present]  # bounded: ranks may be huge
         raise MmplanError(f"plan {plan_path} uses ranks {_ranks(used)} but not {_ranks(missing)}; the runtime starts one "
                           f"process per rank of the plan, numbered 0..{len(used) - 1}: renumber its ranks without gaps")
 
 
+def _check_tensor_parallel(plan: Plan, spec: str, plan_path: Path) -> None:
+    """Every tensor-parallel block must shard exactly (tp divides its heads, kv heads and MLP width): checked on
+    the model built on the meta device (no memory) before any rank starts, not by the ranks mid-setup."""
+    sharded = [(g, b) for g in plan.groups if g.tp > 1 for b in g.blocks]
+    if not sharded:
+        return
+    import torch
+
+    from runtime.source import resolve
+    from runtime.tensor_parallel import check_tp, supports_tp
+
+    with torch.device("meta"):
+        model, _ = resolve(spec).factory(1)
+    for g, b in sharded:
+        block = model.get_submodule(b)
+        if supports_tp(block):
+            try:
+                check_tp(block, g.tp)
+            except MmplanError as e:
+                raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
+
+
+def _check_host_memory(plan: Plan, profile: Profile, plan_path: Path) -> None:
+    """A local run must fit this machine: the ranks' training state and activations (the cost model's prediction)
+    plus the input samples of two steps (the data loader builds the next step ahead), refused before any rank
+    allocates them (a plan's global batch may be 16 M samples)."""
+    from cost_models.evaluate import evaluate
+    from planner.console import human_bytes
+
+    available = _available_memory()
+    if available is None:
+        return
+    data = 2 * plan.training.global_batch * sum(i.bytes for i in profile.inputs)
+    model = sum(m.gpu + m.cpu for m in evaluate(plan, profile).memory)
+    if data + model > available:
+        raise MmplanError(f"plan {plan_path} needs about {human_bytes(data + model)} of memory here ({human_bytes(model)} "
+                          f"for its ranks' state and activations, {human_bytes(data)} for the input samples of two steps of "
+                          f"{plan.training.global_batch:,}) but this machine has {human_bytes(available)} available; "
+                          "lower the global batch or run the plan on its cluster")
+
+
+def _available_memory() -> float | None:
+    """MemAvailable + SwapFree from /proc/meminfo, in bytes (None where unknown)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return sum(float(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree") if k in fields) or None
+    except (OSError, ValueError):
+        return None
+
+
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
 def _check_log(log: Path | None, *, resuming: bool, overwrite: bool) -> None:

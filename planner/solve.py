@@ -35,6 +35,7 @@ from planner.candidates import (
     unit_runs,
     zero_stages,
 )
+from planner.console import short_by
 from planner.construct import GroupLayout, build_plan
 from planner.partition import cut_table
 from plans.cluster import Cluster
@@ -231,6 +232,13 @@ def _check_request(profile: Profile, cluster: Cluster, global_batch: int, placem
                    micro_batch: int | None, time_limit: float | None) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise MmplanError(f"--global-batch must be a positive integer, got {global_batch!r}")
+    from plans.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES
+
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise MmplanError(f"--global-batch {global_batch} is more than {MAX_GLOBAL_BATCH:,} samples, the largest step mmplan plans")
+    if micro_batch is not None and micro_batch >= 1 and global_batch // micro_batch > MAX_MICRO_BATCHES:
+        raise MmplanError(f"--micro-batch {micro_batch} makes {global_batch // micro_batch:,} micro-batches per step, more than "
+                          f"the {MAX_MICRO_BATCHES:,} mmplan plans; choose a larger micro-batch")
     if placement not in PLACEMENTS:
         raise MmplanError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     if schedule not in SCHEDULES:
@@ -273,7 +281,7 @@ def _check_capacity(profile: Profile, cluster: Cluster, dtype: str) -> None:
         raise MmplanError(
             f"{profile.model} cannot fit on {cluster.world_size} x {cluster.device.name} even with every memory tier: its training "
             f"state needs {need / 1e9:,.1f} GB but GPU memory, host memory and NVMe hold {have / 1e9:,.1f} GB "
-            f"({(need - have) / 1e9:,.1f} GB short); add nodes or NVMe")
+            f"{short_by(need, have)}; add nodes or NVMe")
 
 
 def _no_fit(profile: Profile, cluster: Cluster, setting: Setting, structures, memory_tiers: bool, stopped: bool) -> MmplanError:
@@ -289,7 +297,7 @@ def _no_fit(profile: Profile, cluster: Cluster, setting: Setting, structures, me
                            f"{setting.global_batch} with the placements searched ({single}); add GPUs or change the global batch")
     return MmplanError(
         f"{profile.model} does not fit on {cluster.world_size} x {cluster.device.name} {how}: its least-loaded layout needs "
-        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {cap / 1e9:,.2f} GB ({(need - cap) / 1e9:,.2f} GB short); add GPUs")
+        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {cap / 1e9:,.2f} GB {short_by(need, cap)}; add GPUs")
 
 
 def _least_gpu_bytes(profile: Profile, cluster: Cluster, setting: Setting, memory_tiers: bool) -> float | None:

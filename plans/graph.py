@@ -124,6 +124,11 @@ def check(profile: Profile, what: str = "profile") -> Profile:
     for i in profile.inputs:
         if i.dst not in seen:
             raise FormatError(f"{what}: input {i.input!r} feeds unknown block {i.dst!r}")
+    flow = nx.DiGraph((e.src, e.dst) for e in profile.edges)
+    if not nx.is_directed_acyclic_graph(flow):
+        cycle = [u for u, _ in nx.find_cycle(flow)]
+        loop = " -> ".join(cycle[:6] + (["..."] if len(cycle) > 6 else []) + [cycle[0]])
+        raise FormatError(f"{what}: its edges form a cycle ({loop}); data flows from earlier blocks to later ones only")
     expected = fingerprint(profile.blocks, profile.edges, profile.inputs)
     if profile.fingerprint != expected:
         raise FormatError(f"{what}: fingerprint {profile.fingerprint} does not match its blocks ({expected}); was it edited?")

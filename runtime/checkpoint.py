@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from plans.errors import MmplanError
+from plans.serial import read_bounded
 
 FORMAT = "mmplan.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -307,7 +308,7 @@ def read_manifest(d: str | os.PathLike) -> Manifest:
     """Parse and check D/step-N/manifest.json (no file verification)."""
     path = Path(d) / MANIFEST
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_bounded(path, "checkpoint manifest"))
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
         if not isinstance(doc.get("files"), dict) or not doc["files"]:
@@ -370,9 +371,14 @@ def _verified_bytes(manifest: Manifest, block: str) -> bytes:
     bf = manifest.files[block]
     path = Path(manifest.path) / bf.file
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        data = path.read_bytes() if size == bf.bytes else b""  # never read more than the manifest promises
     except FileNotFoundError:
         raise MmplanError(f"checkpoint {path} is missing; refusing to resume") from None
+    except OSError as e:
+        raise MmplanError(f"cannot read checkpoint {path}: {e.strerror or e}; refusing to resume") from None
+    if size != bf.bytes:
+        raise MmplanError(f"checkpoint {path} is corrupt: {size} bytes, the manifest says {bf.bytes} (truncated?); refusing to resume")
     if len(data) != bf.bytes:
         raise MmplanError(f"checkpoint {path} is corrupt: {len(data)} bytes, the manifest says {bf.bytes} (truncated?); refusing to resume")
     if hashlib.sha256(data).hexdigest() != bf.sha256:

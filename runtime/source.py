@@ -45,7 +45,8 @@ def resolve(spec: str) -> ModelSource:
         if is_dir:
             raise MmplanError(f"architecture file {spec} is a directory, not a .toml file")
         if not is_file:
-            raise MmplanError(f"architecture file {spec} does not exist")
+            what = "is not a regular file" if Path(spec).exists() else "does not exist"
+            raise MmplanError(f"architecture file {spec} {what}")
         try:
             config = zoo.resolve(spec)
         except (ValueError, KeyError, OSError) as e:
