@@ -117,7 +117,7 @@ def profile(
         from planner.show import render_profile
 
         render_profile(prof, console.out)
-        console.out.print(f"wrote [bold]{output}[/]")
+        console.out.print(f"wrote [bold]{console.safe(output)}[/]", markup=True)
 
 
 @app.command()
@@ -193,7 +193,7 @@ def run(
     checkpoint_every: Annotated[int, typer.Option(help="Write a checkpoint every K steps (0: never).")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Let this run replace the checkpoints already in --checkpoint-dir (once its own first one is complete) and an existing --log.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Let this run replace the checkpoints already in --checkpoint-dir (once its own first one is complete) and an existing --log.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -240,7 +240,7 @@ def run(
 
         console.out.print(measured_table(result.plan, evaluation, result.metrics))
         console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {len(result.metrics)} steps"
-                          + (f"; log in [bold]{log}[/]" if log else ""))
+                          + (f"; log in [bold]{console.safe(log)}[/]" if log else ""), markup=True)
 
 
 @app.command()
@@ -268,7 +268,7 @@ def compare(
         c = result.items[0]
         console.out.print(measured_table(c.plan, c.evaluation or c.predicted, result.measured))
     for path in result.traces:
-        console.out.print(f"wrote [bold]{path}[/]", soft_wrap=True)
+        console.out.print(f"wrote [bold]{console.safe(path)}[/]", soft_wrap=True, markup=True)
 
 
 @app.command()
@@ -290,7 +290,8 @@ def calibrate(
     cluster = to_cluster(cal)
     write_atomic(output, cluster_to_toml(cluster))
     console.out.print(_calibration_table(cal, cluster))
-    console.out.print(f"wrote [bold]{output}[/] (use it as [cyan]--cluster {output}[/])", soft_wrap=True)
+    console.out.print(f"wrote [bold]{console.safe(output)}[/] (use it as [cyan]--cluster {console.safe(output)}[/])", soft_wrap=True,
+                      markup=True)
 
 
 def _calibration_table(cal, cluster):

@@ -12,8 +12,9 @@ from typing import Any, Callable
 from rich.console import Group as RichGroup
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
-from planner.console import human_bytes
+from planner.console import human_bytes, safe
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
@@ -95,7 +96,7 @@ def _run_demo(out: Path, source, spec, global_batch: int, steps: int, note: Call
     for i, (name, plan) in enumerate((("solved", solution.plan), ("homogeneous", baseline_plan))):
         note(f"training the {name} plan for {steps} steps", 0.25 + 0.35 * i)
         log = out / f"run-{name}.jsonl"
-        result = run_plan(paths[name], steps=steps, log=log)
+        result = run_plan(paths[name], steps=steps, log=log, overwrite=True)  # the demo owns its output directory
         trained[name] = Trained(name, plan, paths[name], log, result.metrics)
     note("comparing", 0.95)
     write_traces(load_compared(list(paths.values()), profile=profile), out / "traces")
@@ -120,7 +121,7 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
             table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages,
                           f"with {g.colocated_with}" if g.colocated_with else "own ranks", " | ".join(tiers))
             name = ""
-        table.add_row("", "", "", f"[dim]{plan.training.micro_batches} micro-batches, {plan.training.schedule}[/]", "", "")
+        table.add_row("", "", "", Text(f"{plan.training.micro_batches} micro-batches, {plan.training.schedule}", style="dim"), "", "")
     return table
 
 
@@ -162,10 +163,10 @@ def render(result: DemoResult) -> RichGroup:
     same = s.plan.groups == b.plan.groups and s.plan.training == b.plan.training
     verdict = (f"measured speed-up of the solved plan over the best homogeneous one: [bold]{speedup:.2f}x[/] "
                f"(predicted {predicted:.2f}x)" + (" — the solver chose the homogeneous layout itself" if same else ""))
-    files = (f"wrote {result.out}/: profile.json, plan.json, homogeneous.json, run-solved.jsonl, "
+    files = (f"wrote {safe(result.out)}/: profile.json, plan.json, homogeneous.json, run-solved.jsonl, "
              f"run-homogeneous.jsonl, traces/ (open in ui.perfetto.dev)")
     return RichGroup(groups, plan_table([("solved", s.plan), ("homogeneous", b.plan)]), results_table(result),
-                     Panel(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}",
+                     Panel(Text.from_markup(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}"),
                            title="mmplan demo", title_align="left"))
 
 

@@ -623,7 +623,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     from rich.table import Table
     from rich.text import Text
 
-    from planner.console import human_bytes
+    from planner.console import human_bytes, safe
 
     plan, p = solution.plan, solution.plan.predicted
     modality = {b.name: b.group for b in profile.blocks}
@@ -645,12 +645,12 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     for g in plan.groups:
         mods = list(dict.fromkeys(modality[b] for b in g.blocks))
         share = sum(flops[b] for b in g.blocks) / total
-        per_modality.append(f"{'+'.join(mods)}: {len(g.ranks)} GPUs ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
+        per_modality.append(f"{safe('+'.join(mods))}: {len(g.ranks)} GPUs ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
     peak = {t: max((getattr(m, t) for m in p.memory), default=0.0) for t in ("gpu", "cpu", "nvme")}
     lines = [
         "GPUs per modality: " + "; ".join(per_modality),
         f"predicted step {p.step_time_s:.4g} s, {p.samples_per_s:,.1f} samples/s, MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}, "
-        f"bottleneck {p.bottleneck}",
+        f"bottleneck {safe(p.bottleneck)}",
         f"peak memory per rank: GPU {human_bytes(peak['gpu'])} of {human_bytes(plan.cluster.device.memory_bytes)}"
         + (f", CPU {human_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {human_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
@@ -658,7 +658,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     if solution.speedup is not None:
         lines.append(f"best homogeneous plan {solution.baseline_step_time_s:.4g} s: speed-up [bold]{solution.speedup:.2f}x[/]")
     if solution.structure == "baseline" and solution.plan.solver:
-        lines.append(f"baseline: {solution.plan.solver.notes}")
+        lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
     else:
         how = "proved optimal over the search space" if solution.proved_optimal else (
             "stopped early at the time limit" if solution.stopped_early else f"bound gap {solution.gap:.1%}")
@@ -666,7 +666,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
                      f"simulated, {how}")
     if solution.stopped_early:
         lines.append("[yellow]the time limit stopped the search: this is the best plan found so far[/]")
-    lines.append(f"wrote [bold]{output}[/]")
+    lines.append(f"wrote [bold]{safe(output)}[/]")
     return Stack(table, *(Text.from_markup(line) for line in lines))
 
 
