@@ -11,6 +11,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,26 @@ def test_a_save_that_fails_leaves_no_partial_checkpoint_and_names_the_file(ckpt,
     assert "cannot write checkpoint file" in lines[0] and str(ck / "step-000005") in lines[0] and ".pt" in lines[0]
     assert snapshot(ck) == before  # no partial step directory, no temporary file
     assert [p.name for p in ck.iterdir()] and all(p.name.startswith("step-") for p in ck.iterdir())
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_unharmed(tmp_path):
+    ck = tmp_path / "ck"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(PP2), "--steps", "100000", "--checkpoint-every", "2",
+                              "--checkpoint-dir", str(ck), "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not complete_steps(ck):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        for args in (["--checkpoint-dir", str(ck), "--checkpoint-every", "1"], ["--checkpoint-dir", str(ck), "--overwrite"],
+                     ["--resume", str(ck)]):
+            line = one_line_error(run(PP2, "--steps", "2", *args))
+            assert f"in use by another mmplan run (pid {first.pid})" in line
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=30)
+    assert first.returncode == 128 + signal.SIGTERM and err.strip() == "error: terminated by SIGTERM"
+    newest = complete_steps(ck)[-1]
+    res = run(PP2, "--steps", int(newest.name.split("-")[1]) + 1, "--resume", ck, "--quiet")  # what it left resumes
+    assert res.exit_code == 0, res.output
