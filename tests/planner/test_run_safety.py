@@ -280,3 +280,13 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_un
     newest = complete_steps(ck)[-1]
     res = run(PP2, "--steps", int(newest.name.split("-")[1]) + 1, "--resume", ck, "--quiet")  # what it left resumes
     assert res.exit_code == 0, res.output
+
+
+def test_a_resumed_logs_redone_steps_replace_the_abandoned_ones_when_read(tmp_path):
+    from planner.compare import read_metrics
+
+    row = {"step_time_s": 1.0, "compute_s": [0.5], "comm_s": [0.1], "idle_s": [0.4], "peak_memory_bytes": [1.0]}
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps({**row, "step": s, "loss": float(i)}) + "\n" for i, s in enumerate([0, 1, 2, 1, 2, 3])))
+    steps = read_metrics(log)
+    assert [s.step for s in steps] == [0, 1, 2, 3] and [s.loss for s in steps] == [0.0, 3.0, 4.0, 5.0]
