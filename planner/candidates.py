@@ -162,7 +162,9 @@ class Layout:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order, in O(sqrt n) steps (n may be a global batch of 10^12)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_degrees(unit: Unit, cluster: Cluster) -> list[int]:
@@ -180,10 +182,13 @@ def allowed_gpus(n: int, cluster: Cluster) -> bool:
 
 
 def micro_batch_counts(global_batch: int, fixed_micro_batch: int | None = None) -> list[int]:
-    """Numbers of micro-batches m: every divisor of the global batch, or the one a fixed micro-batch gives."""
+    """Numbers of micro-batches m: every divisor of the global batch up to MAX_MICRO_BATCHES, or the one a fixed
+    micro-batch gives."""
+    from plans.limits import MAX_MICRO_BATCHES
+
     if fixed_micro_batch is not None:
         return [global_batch // fixed_micro_batch]
-    return divisors(global_batch)
+    return [m for m in divisors(global_batch) if m <= MAX_MICRO_BATCHES]
 
 
 # --- candidate layouts of a unit --------------------------------------------------------------------------

@@ -25,12 +25,19 @@ app = typer.Typer(
 
 
 def user_errors(fn: Callable) -> Callable:
-    """Turn MmplanError (and unwritable paths) into one line on stderr and exit code 2."""
+    """Turn MmplanError (and unwritable paths) into one line on stderr and exit code 2; SIGTERM and SIGHUP stop
+    the command like Ctrl-C (its cleanup runs: ranks killed, temporary files removed) with one line and 128+signal."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from runtime.signals import Terminated, terminate_like_interrupt
+
         try:
-            return fn(*args, **kwargs)
+            with terminate_like_interrupt():
+                return fn(*args, **kwargs)
+        except Terminated as e:
+            console.fail(f"terminated by {e}")
+            raise typer.Exit(code=e.exit_code) from None
         except MmplanError as e:
             console.fail(str(e))
             raise typer.Exit(code=2) from None
@@ -62,6 +69,19 @@ def check_writable(path: Path) -> None:
     os.unlink(probe)
 
 
+def check_not_input(output: Path, option: str, inputs: list) -> None:
+    """Refuse an output path that is one of the command's input files (the same file, through any link)."""
+    for inp in inputs:
+        if inp is None:
+            continue
+        try:
+            same = output.exists() and Path(inp).exists() and os.path.samefile(output, inp)
+        except (OSError, ValueError):
+            same = False
+        if same:
+            raise MmplanError(f"{option} {output} is the input file {inp}; writing it would replace that input: choose another path")
+
+
 @app.command()
 @user_errors
 def profile(
@@ -83,6 +103,7 @@ def profile(
     if device not in ("meta", "cpu", "cuda"):
         raise MmplanError(f"--device must be meta, cpu or cuda, got {device!r}")
     check_writable(output)
+    check_not_input(output, "--output", [Path(model)] if model.endswith(".toml") else [])
     source = resolve(model)
     with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
         prof = profile_model(source, micro_batch=micro_batch, device=device, dtype=dtype, measure=measure,
@@ -96,7 +117,7 @@ def profile(
         from planner.show import render_profile
 
         render_profile(prof, console.out)
-        console.out.print(f"wrote [bold]{output}[/]")
+        console.out.print(f"wrote [bold]{console.safe(output)}[/]", markup=True)
 
 
 @app.command()
@@ -142,6 +163,7 @@ def solve(
     from planner.solve import run_solve
 
     check_writable(output)
+    check_not_input(output, "--output", [profile_path, Path(cluster)])
     with console.progress("solving", enabled=not quiet and not as_json) as note:
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
                                    gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
@@ -159,7 +181,7 @@ def solve(
 def run(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json from [cyan]mmplan solve[/] (or written by hand).")],
     steps: Annotated[int, typer.Option(help="Optimizer steps to train.")] = 20,
-    log: Annotated[Optional[Path], typer.Option(help="Write one JSON line per step (loss, step time, per-rank compute/comm/idle, peak memory).")] = None,
+    log: Annotated[Optional[Path], typer.Option("--log", "--log-file", help="Write one JSON line per step (loss, step time, per-rank compute/comm/idle, peak memory); appended to when resuming. Under torchrun write [cyan]--log-file[/] (torchrun takes [cyan]--log[/] for its own --log-dir).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the initial weights and the built-in dataset.")] = 0,
     lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 1e-3,
     data: Annotated[str, typer.Option(help="[cyan]builtin[/] (a learnable synthetic multimodal dataset) or [cyan]package.module:factory[/].")] = "builtin",
@@ -173,6 +195,7 @@ def run(
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan.")] = None,
     trace: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write the last step's measured timeline as a Perfetto/Chrome trace: one process per rank, the event names of [cyan]mmplan compare --trace[/].")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Let this run replace the checkpoints already in --checkpoint-dir (once its own first one is complete) and an existing --log.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -185,13 +208,14 @@ def run(
 
     if log:
         check_writable(log)
+        check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
     from plans.graph import load_profile
     measured_profile = load_profile(profile_path) if profile_path else None
     if trace:
         check_writable(trace)
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume, profile=measured_profile, trace=trace)
+                      checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite, profile=measured_profile, trace=trace)
     if result.rank != 0:
         return
     from cost_models.evaluate import evaluate
@@ -216,7 +240,7 @@ def run(
 
         console.out.print(measured_table(result.plan, evaluation, result.metrics))
         console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {len(result.metrics)} steps"
-                          + (f"; log in [bold]{log}[/]" if log else ""))
+                          + (f"; log in [bold]{console.safe(log)}[/]" if log else ""), markup=True)
 
 
 @app.command()
@@ -245,7 +269,7 @@ def compare(
         c = result.items[0]
         console.out.print(measured_table(c.plan, c.evaluation or c.predicted, result.measured))
     for path in result.traces:
-        console.out.print(f"wrote [bold]{path}[/]", soft_wrap=True)
+        console.out.print(f"wrote [bold]{console.safe(path)}[/]", soft_wrap=True, markup=True)
 
 
 @app.command()
@@ -267,7 +291,8 @@ def calibrate(
     cluster = to_cluster(cal)
     write_atomic(output, cluster_to_toml(cluster))
     console.out.print(_calibration_table(cal, cluster))
-    console.out.print(f"wrote [bold]{output}[/] (use it as [cyan]--cluster {output}[/])", soft_wrap=True)
+    console.out.print(f"wrote [bold]{console.safe(output)}[/] (use it as [cyan]--cluster {console.safe(output)}[/])", soft_wrap=True,
+                      markup=True)
 
 
 def _calibration_table(cal, cluster):

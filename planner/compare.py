@@ -123,7 +123,11 @@ def read_metrics(path: str | os.PathLike) -> tuple[MeasuredStep, ...]:
             if line.strip()]
     if not rows:
         raise _no_steps(what)
-    return tuple(_step(row, f"{what} line {n}") for n, row in rows)
+    latest = {}  # a resumed run appends to its log: a step redone after the checkpoint replaces the earlier row
+    for n, row in rows:
+        step = _step(row, f"{what} line {n}")
+        latest[step.step] = step
+    return tuple(sorted(latest.values(), key=lambda s: s.step))
 
 
 def metrics_from_rows(rows: Sequence[Any], what: str = "metrics") -> tuple[MeasuredStep, ...]:

@@ -1,4 +1,9 @@
-"""Terminal output shared by the CLI commands: rich consoles, progress, one-line errors, FLOP counts (bytes: plans/units.py)."""
+"""Terminal output shared by the CLI commands: rich consoles, progress, one-line errors, FLOP counts (bytes: plans/units.py).
+
+Names come from users (model, group and block names, file paths): the consoles print strings literally (no
+rich markup unless a call asks for it, with the user's parts escape()d) and show control characters, ANSI
+escapes included, as visible symbols instead of sending them to the terminal.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,14 +13,41 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
-out = Console(highlight=False, emoji=False)
-err = Console(stderr=True, highlight=False, emoji=False)
+# C0 controls (but newline and tab) -> their Unicode control pictures (U+2400..), DEL -> U+2421, C1 -> U+FFFD:
+# one character for one, so the styles of a rich Text keep their places
+_VISIBLE = {c: chr(0x2400 + c) for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\u2421"} | {c: "\ufffd" for c in range(0x80, 0xA0)}
+
+
+def visible(text: str) -> str:
+    """`text` with its control characters shown as symbols (an ESC byte can no longer restyle the terminal)."""
+    return text.translate(_VISIBLE)
+
+
+def safe(text: object) -> str:
+    """A user's string to put inside rich markup: markup escaped, control characters made visible."""
+    return escape(visible(str(text)))
+
+
+class SafeConsole(Console):
+    """A rich Console that never sends a control character of the text it renders to the terminal."""
+
+    def render_str(self, text: str, **kwargs) -> Text:  # every str rendered (print, table cells, titles) passes here
+        rendered = super().render_str(text, **kwargs)
+        clean = visible(rendered.plain)
+        if clean != rendered.plain:
+            rendered.plain = clean
+        return rendered
+
+
+out = SafeConsole(highlight=False, emoji=False, markup=False)
+err = SafeConsole(stderr=True, highlight=False, emoji=False, markup=False)
 
 
 def fail(message: str) -> None:
     """The one way a command reports a user error: one line on stderr (exit code set by the caller)."""
-    err.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}", markup=True, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {safe(' '.join(message.split()))}", markup=True, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -24,10 +56,15 @@ def progress(description: str, *, enabled: bool = True) -> Iterator[Callable[[st
     if not enabled or not err.is_terminal:
         yield lambda step, fraction: None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[step]}"),
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), TextColumn("{task.fields[step]}", markup=False),
                   TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task(description, total=1.0, step="")
-        yield lambda step, fraction: bar.update(task, completed=fraction, step=step)
+        task = bar.add_task(visible(description), total=1.0, step="")
+        yield lambda step, fraction: bar.update(task, completed=fraction, step=visible(step))
+
+
+def short_by(need: float, have: float) -> str:
+    """"(3.2 MB short)": the shortfall in a unit that shows it (a fixed 0.00 GB hid small ones)."""
+    return f"({format_bytes(need - have)} short)"
 
 
 def human_count(n: float, unit: str = "") -> str:

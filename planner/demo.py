@@ -89,7 +89,7 @@ def _run_demo(out: Path, source, spec, global_batch: int, steps: int, note: Call
     for i, (name, plan) in enumerate((("solved", solution.plan), ("homogeneous", baseline_plan))):
         note(f"training the {name} plan for {steps} steps", 0.25 + 0.35 * i)
         log = out / f"run-{name}.jsonl"
-        result = run_plan(paths[name], steps=steps, log=log)
+        result = run_plan(paths[name], steps=steps, log=log, overwrite=True)  # the demo owns its output directory
         trained[name] = Trained(name, plan, paths[name], log, result.metrics)
     note("comparing", 0.95)
     write_traces(load_compared(list(paths.values()), profile=profile), out / "traces")

@@ -1,8 +1,24 @@
-"""`mmplan run`: check a plan against its model, launch the ranks (or join torchrun), report predicted vs measured."""
+"""`mmplan run`: check a plan against its model, launch the ranks (or join torchrun), report predicted vs measured.
+
+What a run owns, and gives back on every exit path (success, refusal, a failing rank, Ctrl-C, SIGTERM, SIGHUP):
+- its --checkpoint-dir, locked for the run (a second run on it is refused); a directory holding another run's
+  checkpoints is refused unless resumed from (--resume) or --overwrite is given, and even then they are only
+  replaced once this run's first checkpoint is complete; incomplete step directories are removed on failure;
+- its --log, appended to when resuming, else refused when it holds a log unless --overwrite; never followed
+  through a symbolic link; removed again when a failed run wrote nothing into a file it created;
+- a directory of its own inside --nvme-dir (locked; removed at the end, and by the next run if this one was
+  SIGKILLed), so no tier file outlives the run;
+- the directories it created, removed again when the run fails while they are empty.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import statistics
+import tempfile
+import time
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +50,7 @@ def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = N
     plan = load_plan(plan_path)
     if profile is not None:
         plan = check_plan(plan, profile, f"plan {plan_path}")
-    spec = model or plan.profile.model
+    spec = model or _plan_model(plan, plan_path)
     with torch.device("meta"):
         module, batch = call_factory(resolve(spec), 1)
     program = trace_program(module, batch)
@@ -48,6 +64,18 @@ def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = N
     return plan, profile, spec
 
 
+def _plan_model(plan: Plan, plan_path: Path) -> str:
+    """The plan's model when it names no code: a zoo name or an architecture TOML. A plan file must not choose
+    code to import and run, so a `package.module:factory` in it is used only when the user passes it as --model."""
+    from runtime.source import is_factory
+
+    spec = plan.profile.model
+    if is_factory(spec):
+        raise MmplanError(f"plan {plan_path} names the Python factory {spec!r} as its model; a plan does not choose "
+                          f"code to run: pass --model {spec} to run that factory")
+    return spec
+
+
 def _backend(plan: Plan) -> str:
     if plan.cluster.backend == "nccl" and torch.cuda.is_available():
         return "nccl"
@@ -58,8 +86,12 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
              data: str | None = None, log: Path | None = None, timeout_s: float = 600.0,
              op_timeout_s: float = 60.0, device_budget: float | None = None, nvme_dir: Path | None = None,
              prefetch: bool = True, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
-             resume: Path | None = None, profile: Profile | None = None, trace: Path | None = None) -> RunResult:
-    """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics."""
+             resume: Path | None = None, overwrite: bool = False, profile: Profile | None = None,
+             trace: Path | None = None) -> RunResult:
+    """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics.
+
+    `overwrite`: let this run replace the checkpoints in `checkpoint_dir` and the log in `log` (see the module
+    docstring for what is refused without it)."""
     from runtime.launch import launch
     from runtime.train import Job, train_rank
 
@@ -73,6 +105,8 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
         raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
     launched = _launched_world_size()
     plan, profile, spec = checked_plan(plan_path, model, profile)
+    _check_rank_numbering(plan, plan_path)
+    _check_tensor_parallel(plan, spec, plan_path)
     world = plan.world_size
     if launched is not None:
         if launched != world:
@@ -86,27 +120,56 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
                           "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
+    if launched is None:
+        _check_host_memory(plan, profile, plan_path)
     if resume is not None and not resume.is_dir():
         raise MmplanError(f"--resume {resume}: no such checkpoint directory")
     if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
         raise MmplanError(f"--checkpoint-dir {checkpoint_dir} is a file, not a directory")
-    # every refusal above leaves nothing behind; from here on directories are created, and removed again when
-    # the run is refused after all (no space for the nvme tier, a dataset or budget the ranks refuse) while empty
+    _check_log(log, resuming=resume is not None, overwrite=overwrite)
+    # every refusal above leaves nothing behind; from here on directories are created and locked, and given back
+    # on every exit path (see the module docstring)
+    lead = int(os.environ.get("RANK", "0")) == 0  # the process of a torchrun job that holds the directories
     created: list[Path] = []
+    locks: list[Any] = []
+    nvme_run: Path | None = None
+    log_existed = log is not None and log.exists()
+    holds_checkpoints = ok = False
     try:
-        nvme_dir = _nvme_dir(plan, nvme_dir, created)
         if checkpoint_dir is not None:
             _make_dir(checkpoint_dir, "--checkpoint-dir", created)
+            if lead:
+                locks.append(_lock(checkpoint_dir, "--checkpoint-dir"))
+                holds_checkpoints = True
+                _check_checkpoint_dir(checkpoint_dir, resume, overwrite)
+        if resume is not None and lead and not _same_dir(resume, checkpoint_dir):
+            locks.append(_lock(resume, "--resume", shared=True))
+        lineage = _resumable(resume, plan).lineage if resume is not None else ""
+        nvme_run = _nvme_dir(plan, nvme_dir, created, locks)
         job = Job(plan=plan, model=spec, steps=steps, seed=seed, lr=lr, data=None if data in (None, "builtin") else data,
-                  log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_dir) if nvme_dir else None,
+                  log=str(log) if log else None, device_budget=device_budget, nvme_dir=str(nvme_run) if nvme_run else None,
                   prefetch=prefetch, checkpoint_every=checkpoint_every,
                   checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None,
-                  trace=trace is not None)
+                  trace=trace is not None, lineage=lineage or uuid.uuid4().hex[:16])
         results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
-    except BaseException:
-        for top in created:
-            _remove_empty_dirs(top)
-        raise
+        ok = True
+    finally:
+        if nvme_run is not None:
+            shutil.rmtree(nvme_run, ignore_errors=True)
+        if not ok:
+            if holds_checkpoints and checkpoint_dir.is_dir():
+                from runtime.checkpoint import remove_incomplete
+
+                remove_incomplete(checkpoint_dir)  # a save cut short: its space comes back, resume is unaffected
+            if log is not None and not log_existed:
+                with contextlib.suppress(OSError):
+                    if log.stat().st_size == 0:
+                        log.unlink()
+        for lock in reversed(locks):
+            lock.release()
+        if not ok:
+            for top in created:
+                _remove_empty_dirs(top)
     rank = int(os.environ.get("RANK", 0))
     if trace is not None and rank == 0 and results[0].get("trace"):
         write_trace(trace, results[0]["trace"], results[0]["metrics"])
@@ -125,20 +188,172 @@ def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, 
     write_atomic(path, json.dumps(chrome_trace(timelines, other={"measured": True, **other})))
 
 
-def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path]) -> Path | None:
-    """The directory for the nvme tier: required when the plan uses it, and it must have the space."""
+def _check_rank_numbering(plan: Plan, plan_path: Path) -> None:
+    """The runtime starts one process per rank of the plan: the ranks must be 0..N-1 without gaps."""
+    used = sorted({r for g in plan.groups for r in g.ranks})
+    if used != list(range(len(used))):
+        present = set(used)
+        missing = [r for r in range(min(used[-1], len(used) + 8)) if r not in present]  # bounded: ranks may be huge
+        raise MmplanError(f"plan {plan_path} uses ranks {_ranks(used)} but not {_ranks(missing)}; the runtime starts one "
+                          f"process per rank of the plan, numbered 0..{len(used) - 1}: renumber its ranks without gaps")
+
+
+def _check_tensor_parallel(plan: Plan, spec: str, plan_path: Path) -> None:
+    """Every tensor-parallel block must shard exactly (tp divides its heads, kv heads and MLP width): checked on
+    the model built on the meta device (no memory) before any rank starts, not by the ranks mid-setup."""
+    sharded = [(g, b) for g in plan.groups if g.tp > 1 for b in g.blocks]
+    if not sharded:
+        return
+    import torch
+
+    from runtime.source import resolve
+    from runtime.tensor_parallel import check_tp, supports_tp
+
+    with torch.device("meta"):
+        model, _ = resolve(spec).factory(1)
+    for g, b in sharded:
+        block = model.get_submodule(b)
+        if supports_tp(block):
+            try:
+                check_tp(block, g.tp)
+            except MmplanError as e:
+                raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
+
+
+def _check_host_memory(plan: Plan, profile: Profile, plan_path: Path) -> None:
+    """A local run must fit this machine: the ranks' training state and activations (the cost model's prediction)
+    plus the input samples of two steps (the data loader builds the next step ahead), refused before any rank
+    allocates them (a plan's global batch may be 16 M samples)."""
+    from cost_models.evaluate import evaluate
+    from plans.units import format_bytes as human_bytes
+
+    available = _available_memory()
+    if available is None:
+        return
+    data = 2 * plan.training.global_batch * sum(i.bytes for i in profile.inputs) if profile is not None else 0.0
+    predicted = evaluate(plan, profile).memory if profile is not None else (plan.predicted.memory if plan.predicted else ())
+    model = sum(m.gpu + m.cpu for m in predicted)
+    if data + model > available:
+        raise MmplanError(f"plan {plan_path} needs about {human_bytes(data + model)} of memory here ({human_bytes(model)} "
+                          f"for its ranks' state and activations, {human_bytes(data)} for the input samples of two steps of "
+                          f"{plan.training.global_batch:,}) but this machine has {human_bytes(available)} available; "
+                          "lower the global batch or run the plan on its cluster")
+
+
+def _available_memory() -> float | None:
+    """MemAvailable + SwapFree from /proc/meminfo, in bytes (None where unknown)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return sum(float(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree") if k in fields) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+def _check_log(log: Path | None, *, resuming: bool, overwrite: bool) -> None:
+    """A log is appended to when resuming; otherwise one holding rows is replaced only with --overwrite."""
+    if log is None:
+        return
+    if log.is_symlink():
+        raise MmplanError(f"--log {log} is a symbolic link; give the path of the log file itself")
+    if log.exists():
+        if not log.is_file():
+            raise MmplanError(f"--log {log} is not a regular file")
+        if log.stat().st_size and not resuming and not overwrite:
+            raise MmplanError(f"--log {log} already holds a run's log; continue it with --resume, choose another file, "
+                              "or pass --overwrite to replace it")
+
+
+def _lock(directory: Path, option: str, *, shared: bool = False):
+    from runtime.dirlock import DirLock
+
+    return DirLock(directory, option, shared=shared).acquire()
+
+
+def _same_dir(a: Path | None, b: Path | None) -> bool:
+    try:
+        return a is not None and b is not None and a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_checkpoint_dir(checkpoint_dir: Path, resume: Path | None, overwrite: bool) -> None:
+    """Refuse a directory holding checkpoints this run does not continue, unless --overwrite."""
+    from runtime.checkpoint import complete_steps
+
+    existing = complete_steps(checkpoint_dir)
+    if existing and not overwrite and not _same_dir(resume, checkpoint_dir):
+        names = ", ".join(p.name for p in existing[-3:])
+        raise MmplanError(f"--checkpoint-dir {checkpoint_dir} already holds checkpoints ({names}); continue from them "
+                          f"with --resume {checkpoint_dir}, choose another directory, or pass --overwrite to let this run "
+                          "replace them")
+
+
+def _resumable(resume: Path, plan: Plan):
+    """The checkpoint a run resumes from: complete, verified, of the plan's model (its manifest says so)."""
+    from runtime.checkpoint import latest_checkpoint
+
+    manifest = latest_checkpoint(resume)
+    if manifest is None:
+        raise MmplanError(f"--resume {resume}: no complete checkpoint to resume from")
+    if not manifest.fingerprint:
+        raise MmplanError(f"checkpoint {manifest.path} records no model fingerprint (written by an older mmplan), so it "
+                          f"cannot be checked against {plan.profile.model!r}; refusing to resume")
+    if manifest.fingerprint != plan.profile.fingerprint:
+        raise MmplanError(f"checkpoint {manifest.path} is of model {manifest.model!r} (fingerprint {manifest.fingerprint}) "
+                          f"but the plan trains {plan.profile.model!r} (fingerprint {plan.profile.fingerprint}); resume "
+                          "with a plan for that model or from another directory")
+    return manifest
+
+
+NVME_RUN_PREFIX = "mmplan-run-"
+_STALE_UNLOCKED_S = 60.0  # a run directory without a lock file is another run's being created, or a stale one
+
+
+def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path], locks: list[Any]) -> Path | None:
+    """This run's own directory for the nvme tier, inside --nvme-dir (None when the plan does not use the tier):
+    required when the plan uses it, writable, with the space; stale directories of killed runs are removed first."""
+    from runtime.dirlock import DirLock
     from runtime.memory import check_nvme_space
 
     uses = any(s.memory.params == "nvme" or s.memory.grads == "nvme" or s.memory.optimizer == "nvme"
                or "offload-nvme" in s.memory.activations.values() for g in plan.groups for s in g.stages)
     if not uses:
-        return nvme_dir
+        return None
     if nvme_dir is None:
         raise MmplanError("the plan places state in the nvme tier: give a directory for it with --nvme-dir")
     _make_dir(nvme_dir, "--nvme-dir", created)
+    _remove_stale_runs(nvme_dir)
     needed = sum(m.nvme for m in plan.predicted.memory) if plan.predicted else 0.0
     check_nvme_space(nvme_dir, needed)
-    return nvme_dir
+    try:
+        run_dir = Path(tempfile.mkdtemp(prefix=NVME_RUN_PREFIX, dir=nvme_dir))
+    except OSError as e:
+        raise MmplanError(f"cannot write in --nvme-dir {nvme_dir}: {e.strerror or e}") from None
+    try:
+        locks.append(DirLock(run_dir, "--nvme-dir run directory").acquire())
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir
+
+
+def _remove_stale_runs(nvme_dir: Path) -> None:
+    """Remove the run directories in --nvme-dir that no live run holds (left by a SIGKILLed run)."""
+    from runtime.dirlock import LOCK_NAME, is_locked
+
+    for d in nvme_dir.glob(f"{NVME_RUN_PREFIX}*"):
+        try:
+            if d.is_symlink() or not d.is_dir() or is_locked(d):
+                continue
+            if not (d / LOCK_NAME).exists() and time.time() - d.stat().st_mtime < _STALE_UNLOCKED_S:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _launched_world_size() -> int | None:

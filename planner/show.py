@@ -5,8 +5,9 @@ from collections import defaultdict
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from planner.console import human_count
+from planner.console import human_count, safe
 from plans.units import format_bytes
 from plans.graph import Profile
 
@@ -31,9 +32,9 @@ def cross_group_edges(profile: Profile) -> list[tuple[str, str, str, str, float]
 
 def render_profile(profile: Profile, console: Console, top: int = 5) -> None:
     measured = f", measured on {profile.measured_on}" if profile.measured_on else ""
-    console.print(f"[bold]{profile.model}[/]  {len(profile.blocks)} blocks, {len(profile.groups)} groups, "
-                  f"dtype {profile.dtype}, profiled at micro-batch {profile.micro_batch}{measured}  "
-                  f"[dim]fingerprint {profile.fingerprint}[/]")
+    console.print(f"[bold]{safe(profile.model)}[/]  {len(profile.blocks)} blocks, {len(profile.groups)} groups, "
+                  f"dtype {safe(profile.dtype)}, profiled at micro-batch {profile.micro_batch}{safe(measured)}  "
+                  f"[dim]fingerprint {safe(profile.fingerprint)}[/]", markup=True)
     table = Table(title="Module groups (per sample)", title_justify="left")
     for col in ("group", "blocks", "params", "fwd FLOPs", "bwd FLOPs", "activations"):
         table.add_column(col, justify="left" if col == "group" else "right")
@@ -42,7 +43,7 @@ def render_profile(profile: Profile, console: Console, top: int = 5) -> None:
         table.add_row(g, f"{t['blocks']:.0f}", human_count(t["params"]), human_count(t["fwd_flops"], "FLOP"),
                       human_count(t["bwd_flops"], "FLOP"), format_bytes(t["activation_bytes"]))
     all_t = {k: sum(t[k] for t in totals.values()) for k in ("blocks", "params", "fwd_flops", "bwd_flops", "activation_bytes")}
-    table.add_row("[bold]total[/]", f"{all_t['blocks']:.0f}", human_count(all_t["params"]),
+    table.add_row(Text("total", style="bold"), f"{all_t['blocks']:.0f}", human_count(all_t["params"]),
                   human_count(all_t["fwd_flops"], "FLOP"), human_count(all_t["bwd_flops"], "FLOP"),
                   format_bytes(all_t["activation_bytes"]))
     console.print(table)

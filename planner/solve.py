@@ -163,6 +163,13 @@ def _check_request(profile: Profile, cluster: Cluster, global_batch: int, placem
                    micro_batch: int | None, time_limit: float | None) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise MmplanError(f"--global-batch must be a positive integer, got {global_batch!r}")
+    from plans.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES
+
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise MmplanError(f"--global-batch {global_batch} is more than {MAX_GLOBAL_BATCH:,} samples, the largest step mmplan plans")
+    if micro_batch is not None and micro_batch >= 1 and global_batch // micro_batch > MAX_MICRO_BATCHES:
+        raise MmplanError(f"--micro-batch {micro_batch} makes {global_batch // micro_batch:,} micro-batches per step, more than "
+                          f"the {MAX_MICRO_BATCHES:,} mmplan plans; choose a larger micro-batch")
     if placement not in PLACEMENTS:
         raise MmplanError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     if schedule not in SCHEDULES:

@@ -21,6 +21,7 @@ from cost_models.memory import (
 from cost_models.offload import state_streaming, transfer_time
 from cost_models.tail import tail_over
 from planner.allocate import Solver, _solver, pick_solver
+from planner.console import short_by
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import ActivationTier, Memory, Plan, Tier, check_plan
@@ -249,13 +250,13 @@ def _shortfall(plan: Plan, stages: list[_Stage], only_if_short: bool = False) ->
     rank, worst = max(gpu_need.items(), key=lambda kv: kv[1])
     if worst > cap:
         return (f"rank {rank} needs at least {worst / 1e9:,.2f} GB of GPU memory even with its model states on CPU / NVMe, "
-                f"but has {cap / 1e9:,.2f} GB ({(worst - cap) / 1e9:,.2f} GB short); add GPUs")
+                f"but has {cap / 1e9:,.2f} GB {short_by(worst, cap)}; add GPUs")
     for node, need in sorted(node_need.items()):
         ranks = len({r for r in gpu_need if cluster.node_of(r) == node})
         room = ranks * cap + cluster.host_memory_bytes + cluster.nvme_bytes
         if need > room:
             return (f"node {node} must hold {need / 1e9:,.1f} GB of training state but its GPUs, host memory and NVMe hold "
-                    f"{room / 1e9:,.1f} GB ({(need - room) / 1e9:,.1f} GB short); add nodes or NVMe")
+                    f"{room / 1e9:,.1f} GB {short_by(need, room)}; add nodes or NVMe")
     if only_if_short:
         return ""
     return (f"no assignment of tiers to {plan.profile.model}'s state and activations fits the GPU, host memory and NVMe of "

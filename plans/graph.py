@@ -161,6 +161,11 @@ def check(profile: Profile, what: str = "profile") -> Profile:
     for b in profile.loss:
         if b not in seen:
             raise FormatError(f"{what}: the loss reads unknown block {b!r}")
+    flow = nx.DiGraph((e.src, e.dst) for e in profile.edges)
+    if not nx.is_directed_acyclic_graph(flow):
+        cycle = [u for u, _ in nx.find_cycle(flow)]
+        loop = " -> ".join(cycle[:6] + (["..."] if len(cycle) > 6 else []) + [cycle[0]])
+        raise FormatError(f"{what}: its edges form a cycle ({loop}); data flows from earlier blocks to later ones only")
     expected = profile_fingerprint(profile)
     if profile.fingerprint != expected:
         raise FormatError(f"{what}: fingerprint {profile.fingerprint} does not match its blocks ({expected}); was it edited?")

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import jsonschema
 
 from plans.errors import FormatError
+from plans.limits import MAX_FILE_BYTES
 
 T = TypeVar("T")
 
@@ -73,12 +74,21 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_text(path: str | os.PathLike, what: str) -> str:
-    """A text file's contents; every I/O or decoding problem is one FormatError naming `what` and the path."""
+def read_bounded(path: str | os.PathLike, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """A file's bytes, reading at most `limit` (+1 to notice more): a larger file, or an endless one such as
+    /dev/zero, is refused with a FormatError before it can fill memory. OSError / ValueError pass through."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FormatError(f"{what} {path} is larger than {limit / 2**20:g} MiB, more than mmplan reads; is it the right file?")
+    return data
+
+
+def read_text(path: str | os.PathLike, what: str, limit: int = MAX_FILE_BYTES) -> str:
+    """A text file's contents (at most `limit` bytes); every I/O or decoding problem is one FormatError naming
+    `what` and the path."""
     try:
-        return Path(path).read_text()
-    except FileNotFoundError:
-        raise FormatError(f"cannot read {what} {path}: not found") from None
+        return read_bounded(path, what, limit).decode("utf-8")
     except IsADirectoryError:
         raise FormatError(f"cannot read {what} {path}: it is a directory") from None
     except OSError as e:

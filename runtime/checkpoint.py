@@ -10,13 +10,19 @@ other cut points, degrees or tiers. Every file is written to a temporary name, f
 
 Multi-rank protocol: every rank calls write_block_files() for the blocks it owns (one replica of each
 stage: dp replica 0), all ranks meet at a barrier, then one rank calls write_manifest(), which also
-deletes all but the newest `keep` checkpoints.
+deletes all but the newest `keep` checkpoints of the same lineage (one training run and its resumptions).
+
+The manifest names the model (`model`, `fingerprint`: the plan's ProfileRef) so a resume under another model is
+refused, and its fields are checked when read (step, data position, RNG states). A write that fails (a full
+disk) removes its temporary file and raises MmplanError naming the path; the caller removes the incomplete
+step directory (remove_incomplete) so the disk space comes back.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
 import io
+import contextlib
 import json
 import os
 import random
@@ -32,7 +38,7 @@ import torch
 from torch import nn
 
 from plans.errors import MmplanError
-from plans.serial import write_atomic
+from plans.serial import read_bounded
 
 FORMAT = "mmplan.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -61,7 +67,10 @@ class Manifest:
     rng: dict[str, Any]  # rank (as a string) -> rng_state() of that rank
     data_position: int  # where the data stream resumes (the caller's unit, e.g. the next step's first sample)
     format: str = FORMAT
-    extra: dict[str, Any] = field(default_factory=dict)  # informative: model, plan fingerprint, ...
+    extra: dict[str, Any] = field(default_factory=dict)  # informative only
+    model: str = ""  # the model spec of the plan that wrote it ("" in checkpoints of older versions)
+    fingerprint: str = ""  # that model's structural fingerprint (the plan's profile.fingerprint)
+    lineage: str = ""  # the training run (kept across its resumptions): rotation only deletes its own checkpoints
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -94,11 +103,13 @@ def write_block_files(root: str | os.PathLike, step: int, blocks: Mapping[str, M
     write_manifest runs. Returns what write_manifest needs.
     """
     d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
     try:
+        d.mkdir(parents=True, exist_ok=True)
         os.unlink(d / MANIFEST)
     except FileNotFoundError:
         pass
+    except OSError as e:
+        raise MmplanError(f"cannot write checkpoint directory {d}: {e.strerror or e}") from None
     out = {}
     for block, params in blocks.items():
         if not _BLOCK_NAME.match(block):
@@ -120,12 +131,13 @@ def write_block_files(root: str | os.PathLike, step: int, blocks: Mapping[str, M
 
 def write_manifest(root: str | os.PathLike, step: int, files: Mapping[str, BlockFile] | Iterable[str], *,
                    rng: Mapping[int | str, Mapping[str, Any]], data_position: int, extra: Mapping[str, Any] | None = None,
-                   keep: int = KEEP) -> Manifest:
-    """Complete step `step`: write its manifest (atomically, last), then keep only the newest `keep` checkpoints.
+                   keep: int = KEEP, model: str = "", fingerprint: str = "", lineage: str = "") -> Manifest:
+    """Complete step `step`: write its manifest (atomically, last), then keep only the newest `keep` checkpoints
+    (of `lineage` when given: checkpoints of other runs in the directory are deleted, never kept in its place).
 
     `files`: the merged return values of every rank's write_block_files (e.g. gathered with
     dist.all_gather_object), or just the block names, whose files are then hashed from disk here.
-    `rng`: rank -> rng_state() of that rank.
+    `rng`: rank -> rng_state() of that rank. `model`, `fingerprint`: the plan's profile reference.
     """
     d = step_dir(root, step)
     if not isinstance(files, Mapping):
@@ -135,28 +147,59 @@ def write_manifest(root: str | os.PathLike, step: int, files: Mapping[str, Block
         if not p.is_file() or p.stat().st_size != bf.bytes:
             raise MmplanError(f"cannot complete checkpoint {d}: block file {p} is missing or has the wrong size; did every rank write its blocks?")
     manifest = Manifest(path=str(d), step=step, files=dict(files), rng={str(k): dict(v) for k, v in rng.items()},
-                        data_position=int(data_position), extra=dict(extra or {}))
+                        data_position=int(data_position), extra=dict(extra or {}), model=model, fingerprint=fingerprint,
+                        lineage=lineage)
     doc = {k: v for k, v in asdict(manifest).items() if k != "path"}
     doc["files"] = {b: asdict(bf) for b, bf in manifest.files.items()}
     for leftover in d.glob(".*.tmp-*"):  # every rank is done writing: temp files are from interrupted writes
         leftover.unlink(missing_ok=True)
-    write_atomic(d / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
-    _keep_newest(Path(root), step, keep)
+    _write_atomic(d / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
+    _keep_newest(Path(root), step, keep, lineage)
     return manifest
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, blocks: Mapping[str, Mapping[str, torch.Tensor]],
                     optimizer_state: Mapping[str, Mapping[str, torch.Tensor]], *, rng: Mapping[int | str, Mapping[str, Any]] | None = None,
-                    data_position: int, extra: Mapping[str, Any] | None = None, keep: int = KEEP) -> Manifest:
+                    data_position: int, extra: Mapping[str, Any] | None = None, keep: int = KEEP,
+                    model: str = "", fingerprint: str = "", lineage: str = "") -> Manifest:
     """Single-process checkpoint: write_block_files then write_manifest (rng defaults to this process's)."""
     files = write_block_files(root, step, blocks, optimizer_state)
     return write_manifest(root, step, files, rng=rng if rng is not None else {0: rng_state()},
-                          data_position=data_position, extra=extra, keep=keep)
+                          data_position=data_position, extra=extra, keep=keep, model=model, fingerprint=fingerprint,
+                          lineage=lineage)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A detached CPU tensor owning exactly its bytes (torch.save would store a view's whole storage)."""
     return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename. A failure (ENOSPC, EFBIG, EIO) removes the temp file and raises one MmplanError
+    naming the path."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise MmplanError(f"cannot write checkpoint file {path}: {e.strerror or e} (checkpoint directory "
+                          f"{path.parent.parent}); free space there or choose another --checkpoint-dir") from None
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _hash_file(d: Path, block: str, name: str) -> BlockFile:
@@ -179,14 +222,60 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _keep_newest(root: Path, step: int, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints up to `step`; delete every other step directory
-    (older ones, incomplete leftovers of interrupted writes, and newer ones of an abandoned run)."""
-    complete = [s for s, p in _step_dirs(root) if s <= step and (p / MANIFEST).is_file()]
+def _keep_newest(root: Path, step: int, keep: int, lineage: str = "") -> None:
+    """Keep the newest `keep` complete checkpoints up to `step` (of `lineage` when given); delete every other
+    step directory (older ones, incomplete leftovers of interrupted writes, newer ones of an abandoned run, and
+    those of other runs, which the caller let it replace)."""
+    complete = [s for s, p in _step_dirs(root) if s <= step and (p / MANIFEST).is_file()
+                and (not lineage or _lineage_of(p) == lineage)]
     kept = set(complete[-keep:]) | {step}
     for s, p in _step_dirs(root):
         if s not in kept:
+            _remove_step_dir(p)
+
+
+def _lineage_of(d: Path) -> str | None:
+    try:
+        return json.loads((d / MANIFEST).read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _remove_step_dir(d: Path) -> None:
+    """Manifest first, so a removal cut short leaves an incomplete step (ignored), never a corrupt one."""
+    with contextlib.suppress(OSError):
+        os.unlink(d / MANIFEST)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# --- the directory as a whole --------------------------------------------------------------------
+
+
+def complete_steps(root: str | os.PathLike) -> list[Path]:
+    """Step directories under `root` that hold a manifest (oldest first)."""
+    return [p for _, p in _step_dirs(Path(root)) if (p / MANIFEST).is_file()]
+
+
+def remove_incomplete(root: str | os.PathLike) -> None:
+    """Delete what interrupted or failed writes left: step directories without a manifest and temporary files.
+
+    Call it only while holding the directory (runtime/dirlock.py): another run's save in progress looks the same.
+    """
+    for _, p in _step_dirs(Path(root)):
+        if not (p / MANIFEST).is_file():
             shutil.rmtree(p, ignore_errors=True)
+        else:
+            for leftover in p.glob(".*.tmp-*"):
+                leftover.unlink(missing_ok=True)
+
+
+def discard(root: str | os.PathLike, step: int) -> bool:
+    """Delete the checkpoint of `step` (e.g. weights that made the loss diverge); True when there was one."""
+    d = step_dir(root, step)
+    if not d.is_dir():
+        return False
+    _remove_step_dir(d)
+    return True
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -219,17 +308,60 @@ def read_manifest(d: str | os.PathLike) -> Manifest:
     """Parse and check D/step-N/manifest.json (no file verification)."""
     path = Path(d) / MANIFEST
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_bounded(path, "checkpoint manifest"))
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
+        if not isinstance(doc.get("files"), dict) or not doc["files"]:
+            raise ValueError("'files' must name at least one block file")
         files = {b: BlockFile(**f) for b, f in doc["files"].items()}
         for b, f in files.items():
             if b != f.block or not _BLOCK_NAME.match(f.file) or "/" in f.file:
                 raise ValueError(f"bad entry for block {b!r}")
-        return Manifest(path=str(Path(d)), step=int(doc["step"]), files=files, rng=dict(doc["rng"]),
-                        data_position=int(doc["data_position"]), format=doc["format"], extra=dict(doc.get("extra", {})))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise MmplanError(f"checkpoint manifest {path} is unreadable ({type(e).__name__}: {e}); refusing to resume") from None
+            if not (_is_int(f.bytes) and f.bytes >= 0 and isinstance(f.sha256, str)):
+                raise ValueError(f"bad size or checksum for block {b!r}")
+        step, position = doc["step"], doc["data_position"]
+        match = _STEP_DIR.match(Path(d).name)
+        if not (_is_int(step) and step >= 0) or (match and int(match.group(1)) != step):
+            raise ValueError(f"step {step!r} is not the step of directory {Path(d).name}")
+        if not (_is_int(position) and position >= 0):
+            raise ValueError(f"data_position {position!r} is not a count >= 0")
+        identity = {k: doc.get(k, "") for k in ("model", "fingerprint", "lineage")}
+        if not all(isinstance(v, str) for v in identity.values()):
+            raise ValueError("model, fingerprint and lineage must be strings")
+        _check_rng(doc["rng"])
+        return Manifest(path=str(Path(d)), step=step, files=files, rng=dict(doc["rng"]), data_position=position,
+                        format=doc["format"], extra=dict(doc.get("extra", {})), **identity)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise MmplanError(f"checkpoint manifest {path} is unreadable ({type(e).__name__}: {_short(e)}); refusing to resume") from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _short(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_rng(rng: Any) -> None:
+    """Every rank's saved RNG state must be restorable: tried on this process's generators, which are put back."""
+    if not isinstance(rng, dict) or not rng:
+        raise ValueError("'rng' must map ranks to RNG states")
+    saved = rng_state()
+    try:
+        for rank, state in rng.items():
+            if not (isinstance(rank, str) and rank.isdigit() and isinstance(state, dict)):
+                raise ValueError(f"rng entry {rank!r} is not a rank's RNG state")
+            unknown = set(state) - {"torch", "python", "numpy", "cuda"}
+            if unknown:
+                raise ValueError(f"rng of rank {rank} has unknown generators {sorted(unknown)}")
+            try:
+                set_rng_state({k: v for k, v in state.items() if k != "cuda"})
+            except Exception as e:  # noqa: BLE001 - whatever a bad state makes torch, random or numpy raise
+                raise ValueError(f"rng of rank {rank} cannot be restored ({type(e).__name__}: {_short(e, 80)})") from None
+    finally:
+        set_rng_state(saved)
 
 
 def _verified_bytes(manifest: Manifest, block: str) -> bytes:
@@ -239,9 +371,14 @@ def _verified_bytes(manifest: Manifest, block: str) -> bytes:
     bf = manifest.files[block]
     path = Path(manifest.path) / bf.file
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        data = path.read_bytes() if size == bf.bytes else b""  # never read more than the manifest promises
     except FileNotFoundError:
         raise MmplanError(f"checkpoint {path} is missing; refusing to resume") from None
+    except OSError as e:
+        raise MmplanError(f"cannot read checkpoint {path}: {e.strerror or e}; refusing to resume") from None
+    if size != bf.bytes:
+        raise MmplanError(f"checkpoint {path} is corrupt: {size} bytes, the manifest says {bf.bytes} (truncated?); refusing to resume")
     if len(data) != bf.bytes:
         raise MmplanError(f"checkpoint {path} is corrupt: {len(data)} bytes, the manifest says {bf.bytes} (truncated?); refusing to resume")
     if hashlib.sha256(data).hexdigest() != bf.sha256:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from plans.errors import MmplanError
 from plans.serial import write_atomic
+from runtime.signals import default_in_child
 
 GRACE_S = 3.0  # after the first failure, how long the other ranks get to record their own errors
 _POLL_S = 0.05
@@ -155,6 +156,7 @@ def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:
         "message": message,
         "traceback": "".join(traceback.format_exception(exc)),
         "time": time.time(),
+        "user_error": isinstance(exc, MmplanError),  # the user's to fix (diverged, disk full): reported as it is
     }
 
 
@@ -164,6 +166,7 @@ def _child_main(
     """One local rank: own process group (so the parent can kill its descendants too), run, record, _exit."""
     parent = os.getppid()
     os.setpgid(0, 0)
+    default_in_child()
     _die_with_parent(parent)
     torch.set_num_threads(1)
     run = Path(run_dir)
@@ -249,9 +252,10 @@ def _run_local(
     try:
         _start(procs, ctx, worker, payload, world_size, backend, str(run_dir), op_timeout_s)
         outcome = _watch(procs, run_dir, timeout_s)
+        states = {r: _proc_state(p.pid) for r, p in enumerate(procs) if p.exitcode is None}
         killed = _kill_all(procs)
         if outcome != "ok":
-            raise _failure(outcome, procs, killed, run_dir, timeout_s)
+            raise _failure(outcome, procs, killed, run_dir, timeout_s, states)
         return [_read_result(run_dir, rank, procs[rank]) for rank in range(world_size)]
     finally:
         _kill_all(procs)  # also on KeyboardInterrupt: no orphans
@@ -341,24 +345,46 @@ def _exit_text(exitcode: int | None) -> str:
     return f"exited with code {exitcode} without recording an error"
 
 
-def _failure(outcome: str, procs: list[mp.Process], killed: set[int], run_dir: Path, timeout_s: float) -> RankFailure:
-    """The root cause: an own error (earliest) > a silent death > a peer-caused connection error (earliest)."""
+def _failure(outcome: str, procs: list[mp.Process], killed: set[int], run_dir: Path, timeout_s: float,
+             states: dict[int, str] | None = None) -> RankFailure:
+    """The root cause: an own error (earliest) > a silent death > a rank that was still running without an error
+    while its peers only saw connection errors or time-outs (it stopped responding) > such a peer error.
+
+    `states`: rank -> its /proc state letter when it was killed ("T": stopped by a signal)."""
+    states = states or {}
     if outcome == "timeout":
-        running = ", ".join(str(r) for r in sorted(killed)) or "none"
+        running = ", ".join(f"{r}{' (stopped by a signal)' if states.get(r) == 'T' else ''}" for r in sorted(killed)) or "none"
         return RankFailure(f"timed out after {timeout_s:g} s; ranks still running: {running}")
     candidates = []
     for rank, proc in enumerate(procs):
         record = _load(run_dir / f"error-{rank}.pkl") if _has_error(run_dir, rank) else None
         if record is not None:
-            secondary = bool(_SECONDARY.search(f"{record['type']} {record['message']}"))
-            text = f"rank {rank} failed: {record['type']}: {_one_line(record['message'])}"
-            candidates.append((2 if secondary else 0, record["time"], rank, text, record["traceback"]))
+            user = record.get("user_error", False)
+            secondary = not user and bool(_SECONDARY.search(f"{record['type']} {record['message']}"))
+            text = _one_line(record["message"]) if user else f"rank {rank} failed: {record['type']}: {_one_line(record['message'])}"
+            candidates.append((3 if secondary else 0, record["time"], rank, text, record["traceback"]))
         elif rank not in killed and proc.exitcode not in (None, 0):
             candidates.append((1, 0.0, rank, f"rank {rank} {_exit_text(proc.exitcode)}", ""))
+    if candidates and min(candidates)[0] == 3:  # only peers' time-outs / connection errors: blame the silent ones
+        silent = sorted(r for r in killed if not _has_error(run_dir, r))
+        if silent:
+            how = "was stopped by a signal" if states.get(silent[0]) == "T" else "stopped responding"
+            peer = min(candidates)
+            candidates.append((2, 0.0, silent[0], f"rank {silent[0]} {how} (still running, no error of its own); "
+                               f"rank {peer[2]} then failed waiting for it: {peer[3].split(': ', 1)[-1]}", ""))
     if not candidates:  # cannot happen: "failed" means some rank failed
         return RankFailure("a rank failed without a trace")
     _, _, rank, text, tb = min(candidates)
     return RankFailure(text, rank=rank, remote_traceback=tb)
+
+
+def _proc_state(pid: int | None) -> str:
+    """The state letter of /proc/<pid>/stat (R, S, D, T, Z...), "" where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return ""
 
 
 def _read_result(run_dir: Path, rank: int, proc: mp.Process) -> Any:

@@ -26,9 +26,14 @@ class ModelSource:
     default_dtype: str = "fp32"
 
 
+def is_factory(spec: str) -> bool:
+    """True when `spec` names Python code to import (`package.module:factory`), not a zoo name or a TOML file."""
+    return ":" in spec and not spec.endswith(".toml")
+
+
 def resolve(spec: str) -> ModelSource:
     """Zoo name | path to an architecture .toml | `package.module:factory`."""
-    if ":" in spec and not spec.endswith(".toml"):
+    if is_factory(spec):
         return ModelSource(spec, _import_factory(spec), "fp32")
     from runtime.models import zoo
 
@@ -40,7 +45,8 @@ def resolve(spec: str) -> ModelSource:
         if is_dir:
             raise MmplanError(f"architecture file {spec} is a directory, not a .toml file")
         if not is_file:
-            raise MmplanError(f"architecture file {spec} does not exist")
+            what = "is not a regular file" if Path(spec).exists() else "does not exist"
+            raise MmplanError(f"architecture file {spec} {what}")
         try:
             config = zoo.resolve(spec)
         except (ValueError, KeyError, OSError) as e:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import json
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,7 @@ class Job:
     checkpoint_dir: str | None = None
     resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
     trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
+    lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)
 
 
 @dataclass
@@ -153,19 +156,28 @@ class RankTrainer:
         return out
 
     def run(self) -> dict[str, Any]:
+        """Train the job's steps. Rank 0 writes the log, opened at its first row (a run failing before it leaves
+        none): appended to when resuming, else truncated (the launcher refused to replace a log without
+        --overwrite); never through a symbolic link. A non-finite loss stops every rank before that step is
+        logged or checkpointed, and removes the checkpoint whose weights produced it."""
         results: dict[str, Any] = {"metrics": [], "grads": {}}
-        log = open(self.job.log, "w") if self.job.log and self.ctx.rank == 0 else None
+        log = None
         try:
             steps = range(self.start_step, self.job.steps)
             with Prefetcher(self._batches(s) for s in steps) as batches:
                 for step in steps:
                     metrics = self.step(step, next(batches), results)
+                    if not math.isfinite(metrics.loss):  # the same gathered loss on every rank: all stop together
+                        raise _diverged(self.job, step, metrics.loss, self.start_step, self.ctx.rank == 0)
                     if self.job.checkpoint_every and (step + 1) % self.job.checkpoint_every == 0:
                         self.save_checkpoint(step + 1)
                     if self.ctx.rank == 0:
                         results["metrics"].append(metrics.__dict__)
-                        if log:
-                            log.write(json.dumps(metrics.__dict__) + "\n")
+                        if self.job.log:
+                            if log is None:
+                                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if self.job.resume else os.O_TRUNC)
+                                log = os.fdopen(os.open(self.job.log, flags, 0o666), "w")
+                            log.write(json.dumps(metrics.__dict__, allow_nan=False) + "\n")
                             log.flush()
         finally:
             if log:
@@ -342,7 +354,8 @@ class RankTrainer:
         dist.all_gather_object(gathered, (files, rng_state()))  # also the barrier before the manifest
         if self.ctx.rank == 0:
             write_manifest(self.job.checkpoint_dir, done, {b: f for fs, _ in gathered for b, f in fs.items()},
-                           rng={r: state for r, (_, state) in enumerate(gathered)}, data_position=done)
+                           rng={r: state for r, (_, state) in enumerate(gathered)}, data_position=done,
+                           model=self.plan.profile.model, fingerprint=self.plan.profile.fingerprint, lineage=self.job.lineage)
         dist.barrier()
 
     def _resume(self, directory: str) -> int:
@@ -390,6 +403,21 @@ class RankTrainer:
         self.tiers.close()  # removes the nvme tier's files
         self.rm = None
         gc.collect()
+
+
+def _diverged(job: Job, step: int, loss: float, start_step: int, removes: bool) -> Exception:
+    """The error every rank raises when the loss of `step` is NaN or infinite. The checkpoint taken just before
+    that step (this run's, at data position `step`) holds the weights that diverged: rank 0 removes it."""
+    from plans.errors import MmplanError
+    from runtime.checkpoint import discard
+
+    bad = bool(job.checkpoint_dir and job.checkpoint_every and step > start_step and step % job.checkpoint_every == 0)
+    if bad and removes:
+        discard(job.checkpoint_dir, step)
+    kept = (f"; removed checkpoint step-{step:06d} (its weights gave that loss), the older ones in {job.checkpoint_dir} are kept"
+            if bad else f"; the checkpoints in {job.checkpoint_dir} are from before it" if job.checkpoint_dir else "")
+    return MmplanError(f"training diverged at step {step}: the loss is {loss} (try a lower --lr); stopped without "
+                       f"logging that step or saving its weights{kept}")
 
 
 def _stage_inputs(rm: RankModel, blocks: tuple[str, ...], loss: bool) -> tuple[str, ...]:

@@ -8,6 +8,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
+from plans.serial import read_bounded
+
 from .configs import ArchConfig, AudioConfig, ClipConfig, DecoderConfig, ProjectorConfig, VisionConfig
 
 # Each table is named after the ArchConfig field it fills.
@@ -26,8 +30,7 @@ def load_arch_toml(path: str | os.PathLike) -> ArchConfig:
     """Read and validate an architecture TOML; `name` defaults to the file name without .toml."""
     path = Path(path)
     try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
+        raw = tomllib.loads(read_bounded(path, "architecture file").decode("utf-8"))
         return parse_arch(raw, default_name=path.stem)
     except (tomllib.TOMLDecodeError, ValueError) as e:  # ValueError also: an integer of too many digits
         raise ValueError(f"{path}: {str(e).split('; use sys.set_int_max_str_digits')[0]}") from e

@@ -1,6 +1,7 @@
 """Tests of launch(): results in rank order, root-cause failures, dead and hung ranks, no orphans, torchrun mode."""
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -192,3 +193,27 @@ def test_keyboard_interrupt_in_the_parent_kills_the_ranks(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         launch(sleeping_worker, 2, str(tmp_path), timeout_s=30)
     _assert_no_survivors(tmp_path, 2)
+
+
+def stopping_worker(ctx: RankContext, folder: str):
+    _record_pid(ctx, folder)
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped, not dead: it never answers and never records an error
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_stopped_rank_is_blamed_not_the_peer_that_timed_out_waiting_for_it(tmp_path):
+    with pytest.raises(RankFailure) as err:
+        launch(stopping_worker, 2, str(tmp_path), timeout_s=60, op_timeout_s=2)
+    assert err.value.rank == 1
+    assert str(err.value).startswith("rank 1 was stopped by a signal") and "rank 0 then failed waiting for it" in str(err.value)
+    _assert_no_survivors(tmp_path, 2)
+
+
+def user_error_worker(ctx: RankContext, payload):
+    raise MmplanError("training diverged at step 3: the loss is nan")
+
+
+def test_a_ranks_user_error_is_reported_as_its_own_sentence():
+    with pytest.raises(RankFailure, match=r"^training diverged at step 3: the loss is nan$"):
+        launch(user_error_worker, 2, timeout_s=30)

@@ -1,0 +1,176 @@
+"""Soak test: one long `mmplan run` on 2 CPU ranks, watched from outside — memory (RSS), open file descriptors and
+disk use per step, and what is left behind at the end.
+
+The run uses every tier that writes files (parameters, activations and optimizer state in the nvme tier) and
+checkpoints every --checkpoint-every steps. Every --interval seconds the watcher samples, for the launcher and
+each rank, VmRSS and the number of open fds (/proc), and the bytes under the NVMe directory, the checkpoint
+directory and the run's TMPDIR; the step is the number of rows in the run's log.
+
+Targets (after the warm-up, the first 10 % of the steps): per process, fds constant (growth 0) and RSS growing
+by at most 20 MB over the rest of the run; checkpoint directory at most (kept + 1) checkpoints; NVMe directory
+not growing; at the end the NVMe directory and TMPDIR hold nothing of the run's.
+
+Run: python bench/soak.py [--steps 1000] [--checkpoint-every 50] [--interval 0.5] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from plans.plan import Memory, save_plan  # noqa: E402
+from tests.runtime.plan_builder import make_plan  # noqa: E402
+
+RSS_GROWTH_TARGET = 20e6  # bytes, per process, after warm-up
+WARMUP_FRACTION = 0.1
+
+
+def nvme_plan(path: Path) -> Path:
+    first = ["vision", "vision_proj", "llm.embed"]
+    save_plan(make_plan("tiny-vlm", [{"name": "all", "stages": [
+        (first, [0], Memory(params="nvme", grads="cpu", activations={"*": "offload-nvme"})),
+        (["llm"], [1], Memory(params="cpu", optimizer="nvme")),
+    ]}], micro_batches=2), path)
+    return path
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def rss(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def disk(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def steps_done(log: Path) -> int:
+    try:
+        with open(log, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def sample(launcher: int, work: Path, log: Path) -> dict:
+    procs = {"launcher": launcher} | {f"rank {i}": pid for i, pid in enumerate(children(launcher))}
+    return {"t": time.monotonic(), "step": steps_done(log),
+            "rss": {name: rss(pid) for name, pid in procs.items()}, "fds": {name: fds(pid) for name, pid in procs.items()},
+            "nvme": disk(work / "nvme"), "ckpt": disk(work / "ckpt"), "tmp": disk(work / "tmp")}
+
+
+def growth(samples: list[dict], key: str, name: str) -> float | None:
+    """Last minus first value after warm-up (None when the process was not seen)."""
+    values = [s[key].get(name) for s in samples if s[key].get(name) is not None]
+    return values[-1] - values[0] if len(values) >= 2 else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--checkpoint-every", type=int, default=50)
+    ap.add_argument("--interval", type=float, default=0.5)
+    ap.add_argument("--keep", type=Path, default=None, help="Work in this directory and keep it (default: a temporary one).")
+    args = ap.parse_args()
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="mmplan-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "tmp").mkdir(exist_ok=True)
+    plan, log = nvme_plan(work / "plan.json"), work / "run.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(work / "tmp")}
+    cmd = [sys.executable, "-m", "planner.cli", "run", str(plan), "--steps", str(args.steps), "--nvme-dir", str(work / "nvme"),
+           "--checkpoint-every", str(args.checkpoint_every), "--checkpoint-dir", str(work / "ckpt"), "--log", str(log),
+           "--quiet", "--timeout", str(max(600, args.steps * 5))]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples = []
+    while proc.poll() is None:
+        samples.append(sample(proc.pid, work, log))
+        time.sleep(args.interval)
+    out, err = proc.communicate()
+    wall = time.monotonic() - started
+    if proc.returncode:
+        print(f"run failed (exit {proc.returncode}): {err.strip()}")
+        return 1
+
+    # one row per tenth of the run: what a step costs, over time
+    print(f"{args.steps} steps in {wall:.0f} s; {len(samples)} samples")
+    names = sorted({n for s in samples for n in s["rss"]})
+    header = f"{'step':>6} " + " ".join(f"{n + ' RSS MB':>16} {'fds':>4}" for n in names) + f" {'nvme MB':>8} {'ckpt MB':>8} {'tmp MB':>7}"
+    print(header)
+    shown = -1
+    for s in samples:
+        if s["step"] >= shown + max(1, args.steps // 10):
+            shown = s["step"]
+            cells = " ".join(f"{(s['rss'].get(n) or 0) / 1e6:>16.1f} {s['fds'].get(n) or 0:>4}" for n in names)
+            print(f"{s['step']:>6} {cells} {s['nvme'] / 1e6:>8.2f} {s['ckpt'] / 1e6:>8.2f} {s['tmp'] / 1e6:>7.2f}")
+
+    steady = [s for s in samples if WARMUP_FRACTION * args.steps <= s["step"] < args.steps]  # training, not teardown
+    ok = True
+
+    def check(label: str, value, target: str, passed: bool) -> None:
+        nonlocal ok
+        ok &= passed
+        print(f"{label:<46} {value:>14}   target {target:<22} {'ok' if passed else 'FAIL'}")
+
+    print()
+    for n in names:
+        g = growth(steady, "rss", n)
+        if g is not None:
+            check(f"{n}: RSS growth after warm-up", f"{g / 1e6:+.1f} MB", f"<= {RSS_GROWTH_TARGET / 1e6:.0f} MB", g <= RSS_GROWTH_TARGET)
+        g = growth(steady, "fds", n)
+        if g is not None:
+            check(f"{n}: open fds growth after warm-up", f"{g:+d}", "0", g <= 0)
+    one = max((s["ckpt"] for s in samples[: max(1, len(samples) // 10)]), default=0) or max(s["ckpt"] for s in samples)
+    peak_ckpt = max(s["ckpt"] for s in samples)
+    check("checkpoint directory, peak", f"{peak_ckpt / 1e6:.2f} MB", "<= 3 checkpoints", peak_ckpt <= 3 * max(one, 1) + 1e6)
+    nv = [s["nvme"] for s in steady]
+    check("NVMe directory growth after warm-up", f"{(nv[-1] - nv[0]) / 1e6:+.2f} MB" if nv else "-", "<= 1 MB",
+          not nv or nv[-1] - nv[0] <= 1e6)
+    left_nvme = [str(p) for p in (work / "nvme").rglob("*")] if (work / "nvme").exists() else []
+    check("files left in the NVMe directory", len(left_nvme), "0", not left_nvme)
+    left_tmp = [p for p in (work / "tmp").rglob("*") if p.is_file() or p.name.startswith("mmplan-")]
+    check("files left in TMPDIR", len(left_tmp), "0", not left_tmp)
+    rows = steps_done(log)
+    check("log rows", rows, f"{args.steps}", rows == args.steps)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
