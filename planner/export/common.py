@@ -112,22 +112,37 @@ class Chain:
         return tuple(b for s in self.stages for b in s.blocks)
 
 
+def collapsed(plan: Plan) -> tuple[Group, ...] | None:
+    """The plan's groups with every set of colocated groups that share one layout (same ranks, dp, tp, ZeRO and
+    state tiers, none pipelined) merged into one group of all their blocks -- they are one layout, exactly; None
+    when colocated groups differ (per-group layouts on shared ranks)."""
+    out: list[Group] = []
+    for host in (g for g in plan.groups if g.colocated_with is None):
+        members = [g for g in plan.groups if root(plan, g) is host]
+        if len(members) == 1:
+            out.append(host)
+            continue
+        state = {(g.stages[0].memory.params, g.stages[0].memory.grads, g.stages[0].memory.optimizer) for g in members}
+        if not all((g.dp, g.tp, g.zero, g.pp, tuple(g.ranks)) == (host.dp, host.tp, host.zero, 1, tuple(host.ranks))
+                   for g in members) or len(state) > 1:
+            return None
+        mems = [g.stages[0].memory for g in members]
+        memory = replace(mems[0], activations={b: t for m in mems for b, t in m.activations.items()})
+        stage = Stage(tuple(b for g in members for b in g.blocks), host.stages[0].ranks, memory)
+        out.append(Group(host.name, host.dp, host.tp, 1, (stage,), host.zero))
+    order = {g.name: min(i for i, x in enumerate(plan.groups) if root(plan, x).name == g.name) for g in out}
+    return tuple(sorted(out, key=lambda g: order[g.name]))
+
+
 def chain_view(plan: Plan) -> Chain | None:
-    """The plan as one pipeline when it is exactly one: a single group, or one encoder group on its own ranks whose
-    dp, tp and ZeRO stage equal the LLM's, feeding the LLM as its first stage(s). Ranks are laid 0.. in stage order
-    (Megatron order); when the plan numbers them otherwise, the chain says so in `note` -- a renumbering that keeps
-    every tensor-parallel group inside a node, as tp divides the GPUs per node."""
-    groups = plan.groups
-    first = groups[0]
-    if len(groups) > 1 and all(g.colocated_with for g in groups if g is not root(plan, g)):
-        # colocated groups that share one layout on the same ranks, each unpipelined: one stage of all their blocks
-        state = {(g.stages[0].memory.params, g.stages[0].memory.grads, g.stages[0].memory.optimizer) for g in groups}
-        if all((g.dp, g.tp, g.zero, g.pp) == (first.dp, first.tp, first.zero, 1) for g in groups) and \
-                len({tuple(g.ranks) for g in groups}) == 1 and len(state) == 1:
-            stage = Stage(tuple(b for g in groups for b in g.blocks), first.stages[0].ranks, _merged_memory(groups))
-            return chain_view(replace(plan, groups=(Group("model", first.dp, first.tp, 1, (stage,), first.zero),)))
-    if any(g.colocated_with for g in groups) or len(groups) > 2:
+    """The plan as one pipeline when it is exactly one: a single layout (see collapsed), or one encoder layout on its
+    own ranks whose dp, tp and ZeRO stage equal the LLM's, feeding the LLM as its first stage(s). Ranks are laid 0..
+    in stage order (Megatron order); when the plan numbers them otherwise, the chain says so in `note` -- a
+    renumbering that keeps every tensor-parallel group inside a node, as tp divides the GPUs per node."""
+    groups = collapsed(plan)
+    if groups is None or len(groups) > 2:
         return None
+    first = groups[0]
     if any((g.dp, g.tp, g.zero) != (first.dp, first.tp, first.zero) for g in groups):
         return None
     stages = tuple(s for g in groups for s in g.stages)
@@ -137,20 +152,14 @@ def chain_view(plan: Plan) -> Chain | None:
     laid = tuple(replace(s, ranks=tuple(range(i * per, (i + 1) * per))) for i, s in enumerate(stages))
     note = ""
     if laid != stages:
-        if len(groups) == 1 and not is_megatron_order(groups[0], min(groups[0].ranks)):
-            return None  # ranks inside the group in another order: not a renumbering of whole stages
+        if any(not is_megatron_order(g, min(g.ranks)) for g in groups):
+            return None  # ranks inside a group in another order: not a renumbering of whole stages
         old = ", ".join(f"{g.name} {span(g.ranks)}" for g in groups)
         note = f"ranks renumbered in pipeline order ({old} -> 0-{per * len(stages) - 1}); every tensor-parallel group stays in a node"
     used = per * len(stages)
     if used != plan.cluster.world_size:
         note = "; ".join(filter(None, [note, f"the plan uses {used} of the cluster's {plan.cluster.world_size} GPUs: launch {used} ranks"]))
     return Chain(first.dp, first.tp, first.zero, laid, note)
-
-
-def _merged_memory(groups) -> Memory:
-    """One stage's memory from colocated groups' single stages with the same state tiers: all their activation tiers."""
-    mems = [g.stages[0].memory for g in groups]
-    return replace(mems[0], activations={b: t for m in mems for b, t in m.activations.items()})
 
 
 def nearest_chain(plan: Plan, drops: Drops, why: str = "per-group layouts") -> Chain:

@@ -12,7 +12,7 @@ from planner.export.common import (
     Recompute,
     Roles,
     activation_tiers,
-    chain_view,
+    collapsed,
     header,
     is_megatron_order,
     nearest_chain,
@@ -55,13 +55,13 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
 def _hetero_groups(plan: Plan, drops: Drops) -> tuple[Group, Group] | None:
     """(encoder group, LLM group) when the plan has per-group layouts Megatron's MIMO flags can hold; None for one
     layout. The flags hold one encoder grid on its own ranks: other multi-group plans become the nearest chain."""
-    groups = plan.groups
-    if len(groups) == 1 or (any(g.colocated_with for g in groups) and chain_view(plan) is not None):
+    groups = collapsed(plan)
+    if groups is not None and len(groups) == 1:
         return None  # one layout (colocated groups sharing one layout are one)
-    if len(groups) == 2 and not any(g.colocated_with for g in groups):
+    if groups is not None and len(groups) == 2:
         return groups[0], groups[1]
-    why = ("colocated groups (Megatron-LM's heterogeneous MIMO flags place module grids on disjoint ranks)"
-           if any(g.colocated_with for g in groups) else
+    why = ("colocated groups with their own layouts (Megatron-LM's heterogeneous MIMO flags place module grids on "
+           "disjoint ranks)" if groups is None else
            f"{len(groups) - 1} encoder groups on their own ranks (Megatron-LM's heterogeneous MIMO flags hold one encoder grid)")
     drops.cannot(why, "one layout for the whole model")
     return None

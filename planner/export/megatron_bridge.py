@@ -3,7 +3,7 @@ per group on its own ranks, or, for one layout, the model provider's parallelism
 TransformerConfig / DDP / optimizer fields for uneven cut points, recomputation, ZeRO and optimizer offload."""
 from __future__ import annotations
 
-from planner.export.common import Drops, Roles, activation_tiers, chain_view, header, is_megatron_order, nearest_chain, recompute_of, span
+from planner.export.common import Drops, Roles, activation_tiers, collapsed, header, is_megatron_order, nearest_chain, recompute_of, span
 from planner.export.megatron import (
     OFFLOAD_FIELDS,
     ZERO_FIELDS,
@@ -37,12 +37,12 @@ def apply(cfg):
 def export(plan: Plan, drops: Drops, source: str) -> str:
     roles = Roles.of(plan)
     notes: list[str] = []
-    groups = plan.groups
-    mimo = len(groups) > 1 and not any(g.colocated_with for g in groups)
-    if len(groups) > 1 and not mimo and chain_view(plan) is None:
-        drops.cannot("colocated groups (Megatron-Bridge's MegatronMIMOParallelismConfig tiles the world with disjoint "
-                     "rank_offset ranges)", "one layout for the whole model")
-    body = _mimo(plan, roles, drops, notes) if mimo else _one_layout(plan, roles, drops, notes, quiet=len(groups) > 1)
+    groups = collapsed(plan)
+    mimo = groups is not None and len(groups) > 1
+    if groups is None:
+        drops.cannot("colocated groups with their own layouts (Megatron-Bridge's MegatronMIMOParallelismConfig tiles the "
+                     "world with disjoint rank_offset ranges)", "one layout for the whole model")
+    body = _mimo(plan, groups, roles, drops, notes) if mimo else _one_layout(plan, roles, drops, notes, quiet=groups is None)
     lines = [f"# {line}" for line in header(plan, source, "megatron-bridge", drops.dropped, notes)]
     return "\n".join(lines) + "\n" + body
 
@@ -77,31 +77,31 @@ def _one_layout(plan: Plan, roles: Roles, drops: Drops, notes: list[str], *, qui
             f"optimizer_overrides = {_dict(OFFLOAD_FIELDS if optimizer_offload(stages, drops) else {})}\n" + APPLY)
 
 
-def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> str:
+def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> str:
     """Groups on their own ranks: one ModuleParallelismConfig each (the LLM's is "language"), any rank_offset."""
-    llm = plan.groups[-1]
+    llm = groups[-1]
     modules = {}
-    for g in plan.groups:
+    for g in groups:
         offset = min(g.ranks)
         if not is_megatron_order(g, offset):
             drops.cannot(f"the rank order of group {g.name!r} (ranks {span(g.ranks)})", "consecutive ranks, tp fastest, then dp, then pp")
         modules[LANGUAGE if g is llm else g.name] = dict(tensor_model_parallel_size=g.tp, pipeline_model_parallel_size=g.pp,
                                                          data_parallel_size=g.dp, rank_offset=offset)
-    used = sum(len(g.ranks) for g in plan.groups)
+    used = sum(len(g.ranks) for g in groups)
     if used != plan.cluster.world_size:
         notes.append(f"the plan uses {used} of the cluster's {plan.cluster.world_size} GPUs: launch {used} ranks")
-    dps = [g.dp for g in plan.groups]
+    dps = [g.dp for g in groups]
     if any(a % b and b % a for a in dps for b in dps):
         drops.cannot(f"data-parallel sizes that do not divide each other ({', '.join(map(str, dps))}; Bridge's "
                      "BridgeCommunicator needs one of each pair to divide the other)", "unchanged sizes (finalize() will refuse them)")
     misplaced = [b for b in llm.blocks if not roles.is_llm(b)]
     if misplaced:
         drops.cannot(f"encoder-side blocks in the LLM's group ({', '.join(misplaced[:3])})", "those blocks on their encoder's grid")
-    zeros = {g.zero for g in plan.groups}
+    zeros = {g.zero for g in groups}
     if len(zeros) > 1:
         drops.cannot(f"different ZeRO stages per group ({', '.join(map(str, sorted(zeros)))}; Bridge has one DDP config)",
                      f"ZeRO-{max(zeros)} for every module")
-    for g in plan.groups[:-1]:
+    for g in groups[:-1]:
         if activation_tiers(g.stages) - {"keep"} or any(
                 (s.memory.params, s.memory.grads, s.memory.optimizer) != ("gpu", "gpu", "gpu") for s in g.stages):
             drops.cannot(f"memory tiers or recomputation in encoder group {g.name!r} (these fields configure the language model)",
