@@ -203,32 +203,25 @@ class Recompute:
     layers: int = 0  # for "block": layers recomputed at the start of every stage (model chunk)
 
 
-def recompute_of(chunks: list[tuple[tuple[str, ...], Memory]], roles: Roles, drops: Drops, *,
-                 llm_only: bool = True) -> Recompute:
-    """The recomputation of pipeline chunks (blocks, memory); activations offloaded are counted as recomputed by the
-    caller when the target cannot offload them. Layers outside the LLM count when llm_only is False."""
-    def layers(blocks):
-        return [b for b in blocks if roles.is_layer(b) and (roles.is_llm(b) or not llm_only)]
-
+def recompute_of(chunks: list[tuple[tuple[str, ...], Memory]], roles: Roles, drops: Drops) -> Recompute:
+    """The recomputation of pipeline chunks (blocks, memory), in the Megatron family's terms: "full" when every block
+    is recomputed, "selective" when exactly the transformer layers are (all of them, or the LLM's), "block" when the
+    first k LLM layers of every chunk are; anything else is recorded in `drops` as the nearest block count."""
     recomputed = [{b for b, t in mem.activations.items() if t == "recompute"} for _, mem in chunks]
     if not any(recomputed):
         return Recompute("none")
-    every_block = all(set(blocks) <= r for (blocks, _), r in zip(chunks, recomputed))
-    every_layer = all(set(layers(blocks)) <= r for (blocks, _), r in zip(chunks, recomputed))
-    if every_block:
+    if all(set(blocks) <= r for (blocks, _), r in zip(chunks, recomputed)):
         return Recompute("full")
-    if every_layer and all(r <= set(layers(blocks)) for (blocks, _), r in zip(chunks, recomputed)):
+    layers = [{b for b in blocks if roles.is_layer(b)} for blocks, _ in chunks]
+    llm = [[b for b in blocks if roles.is_layer(b) and roles.is_llm(b)] for blocks, _ in chunks]
+    if all(r == every for r, every in zip(recomputed, layers)) or all(r == set(ls) for r, ls in zip(recomputed, llm)):
         return Recompute("selective")
-    counts = []
-    for (blocks, _), r in zip(chunks, recomputed):
-        ls = layers(blocks)
-        k = sum(1 for b in ls if b in r)
-        counts.append(k if set(ls[:k]) == (r & set(ls)) and not (r - set(ls)) else -1)
-    if len(set(counts)) == 1 and counts[0] > 0:
-        return Recompute("block", counts[0])
-    k = max(sum(1 for b in layers(blocks) if b in r) for (blocks, _), r in zip(chunks, recomputed))
+    counts = {len(r) if r == set(ls[:len(r)]) else -1 for r, ls in zip(recomputed, llm)}
+    if len(counts) == 1 and counts != {-1}:
+        return Recompute("block", counts.pop())
+    k = max(len(r & set(ls)) for r, ls in zip(recomputed, llm)) or 1
     drops.cannot(f"per-stage recomputation ({', '.join(str(len(r)) for r in recomputed)} blocks recomputed per stage)",
-                 f"the first {k} layers of every stage recomputed")
+                 f"the first {k} LLM layers of every stage recomputed")
     return Recompute("block", k)
 
 

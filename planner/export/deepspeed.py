@@ -80,7 +80,7 @@ def _activations(chain, roles: Roles, drops: Drops, notes: list[str]) -> dict:
         drops.cannot(f"activation offload ({', '.join(offloaded)}; DeepSpeed keeps the checkpointed layer inputs in CPU "
                      "memory and recomputes the rest)", "activation checkpointing with cpu_checkpointing")
     chunks = [(s.blocks, s.memory) for s in chain.stages]
-    recompute = recompute_of(chunks, roles, Drops(drops.target, True), llm_only=False)
+    recompute = recompute_of(chunks, roles, Drops(drops.target, True))
     layers = sum(1 for b in chain.blocks if roles.is_layer(b))
     recomputed = sum(1 for s in chain.stages for b, t in s.memory.activations.items() if t != "keep" and roles.is_layer(b))
     notes.append(f"activation checkpointing: wrap the {recomputed} of {layers} transformer layers the plan recomputes "

@@ -48,6 +48,9 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
     lines.append("# use: torchrun ... pretrain_vlm.py $(grep -v '^#' THIS_FILE) <your model and data flags>"
                  if hetero is None else
                  "# use: torchrun ... -m examples.mimo.pretrain_mimo $(grep -v '^#' THIS_FILE) <your model and data flags>")
+    tp = max(int(flag[1]) for flag in args if flag[0] in ("--tensor-model-parallel-size", "--llm-tp", "--encoder-tp"))
+    if tp > 1:  # validate_args refuses tensor parallelism on Hopper and older without it
+        lines.append("# with tensor parallelism: export CUDA_DEVICE_MAX_CONNECTIONS=1")
     lines += [" ".join(shlex.quote(a) for a in flag) for flag in args]
     return "\n".join(lines) + "\n"
 

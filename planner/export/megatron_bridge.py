@@ -17,6 +17,14 @@ from planner.export.megatron import (
 from plans.plan import Plan
 
 LANGUAGE = "language"  # MIMO_LANGUAGE_MODULE_KEY: Bridge's name of the language module
+TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+class _Code(str):
+    """A value written as Python code, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 APPLY = '''
 
@@ -67,8 +75,8 @@ def _one_layout(plan: Plan, roles: Roles, drops: Drops, notes: list[str], *, qui
         model["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
         _no_gpipe(plan, drops)
     model.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
-    model.update(_dtype(plan))
-    return (f"\nWORLD_SIZE = {chain.world}  # data_parallel_size = WORLD_SIZE / (tensor * pipeline) = {chain.dp}\n"
+    model.update(_dtype(plan, chain.pp))
+    return (f"\nimport torch\n\nWORLD_SIZE = {chain.world}  # data_parallel_size = WORLD_SIZE / (tensor * pipeline) = {chain.dp}\n"
             f"MICRO_BATCH_SIZE = {plan.training.micro_batch // chain.dp}  # per data-parallel replica\n"
             f"GLOBAL_BATCH_SIZE = {plan.training.global_batch}\n\n"
             f"# fields of the model provider (a megatron.core TransformerConfig)\nmodel_overrides = {_dict(model)}\n"
@@ -113,11 +121,11 @@ def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> s
         language["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
         _no_gpipe(plan, drops)
     language.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
-    language.update(_dtype(plan))
+    language.update(_dtype(plan, llm.pp))
     entries = "".join(f"        {name!r}: ModuleParallelismConfig(\n{_values(fields, ' ' * 12)}        ),\n"
                       for name, fields in modules.items())
     names = [n for n in modules if n != LANGUAGE]
-    return ("\nfrom megatron.bridge.models.megatron_mimo.megatron_mimo_config import (\n"
+    return ("\nimport torch\nfrom megatron.bridge.models.megatron_mimo.megatron_mimo_config import (\n"
             "    MegatronMIMOParallelismConfig,\n    ModuleParallelismConfig,\n)\n\n"
             f"WORLD_SIZE = {used}\n"
             f"MICRO_BATCH_SIZE = {plan.training.micro_batch // llm.dp}  # per data-parallel replica of the language module\n"
@@ -141,5 +149,7 @@ def _no_gpipe(plan: Plan, drops: Drops) -> None:
         drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
 
 
-def _dtype(plan: Plan) -> dict:
-    return {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[plan.training.dtype]
+def _dtype(plan: Plan, pp: int) -> dict:
+    """Mixed precision, and the dtype of tensors sent between pipeline stages (TransformerConfig requires it with pp > 1)."""
+    fields = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[plan.training.dtype]
+    return {**fields, "pipeline_dtype": _Code(TORCH_DTYPE[plan.training.dtype])} if pp > 1 else fields

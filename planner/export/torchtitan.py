@@ -73,7 +73,7 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
         training["enable_cpu_offload"] = True
     if t.optimizer != "adam":
         drops.cannot(f"the {t.optimizer} optimizer (torchtitan's default_adamw)", "AdamW")
-    recompute = recompute_of(list(chunks), roles, drops, llm_only=False)
+    recompute = recompute_of(list(chunks), roles, drops)
     if recompute.kind == "block":
         drops.cannot(f"recomputing the first {recompute.layers} layers of each stage (torchtitan's FullAC wraps every "
                      "transformer block)", "every transformer block recomputed (FullAC)")
