@@ -151,6 +151,7 @@ def solve(
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Regroup the cluster's GPUs into nodes of this size.")] = None,
     baseline: Annotated[Optional[Literal["homogeneous", "zero3", "gpipe-even"]], typer.Option(help="Write a baseline plan instead of solving: the best of its kind, or exactly [cyan]--layout[/].")] = None,
     layout: Annotated[Optional[str], typer.Option(help="With [cyan]--baseline homogeneous[/]: tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1].")] = None,
+    from_: Annotated[Optional[tuple[str, str]], typer.Option("--from", metavar="KIND VALUE", help="Your current configuration as the plan: [cyan]--from megatron \"ARGS\"[/] (or @FILE) or [cyan]--from deepspeed ds_config.json[/] (with [cyan]--baseline homogeneous[/]).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (plan path, step times, speed-up, solve time, fits).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -164,6 +165,12 @@ def solve(
 
     check_writable(output)
     check_not_input(output, "--output", [profile_path, Path(cluster)])
+    if from_ is not None:  # the user's configuration as a baseline plan (planner/export/importing.py)
+        if baseline not in (None, "homogeneous") or layout is not None:
+            raise MmplanError("--from describes your layout: use it with --baseline homogeneous and without --layout")
+        from planner.export.importing import solve_from
+
+        run_solve = functools.partial(solve_from, tuple(from_))  # noqa: F811 (same keywords, the user's plan)
     with console.progress("solving", enabled=not quiet and not as_json) as note:
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
                                    gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
@@ -174,6 +181,26 @@ def solve(
     elif not quiet:
         console.out.print(render_solution(solution, prof, output))
 
+
+
+@app.command()
+@user_errors
+def export(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json from [cyan]mmplan solve[/] (or written by hand).")],
+    to: Annotated[str, typer.Option("--to", help="[cyan]megatron[/] (argument list), [cyan]megatron-bridge[/] or [cyan]torchtitan[/] (Python config), [cyan]deepspeed[/] (ds_config.json).")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write it (default: print it).")] = None,
+    lossy: Annotated[bool, typer.Option(help="Export the nearest plan the target can express and list what was dropped, instead of exit 2.")] = False,
+) -> None:
+    """Write a plan in the configuration of the framework you train with; what the target cannot express is an error (exit 2) unless [cyan]--lossy[/]."""
+    from planner.export import run_export
+
+    if output is not None:
+        check_writable(output)
+    result = run_export(plan_path=plan_path, target=to, output=output, lossy=lossy)
+    if output is None:
+        sys.stdout.write(result.text)
+    else:
+        console.out.print(f"wrote [bold]{output}[/] ({result.target}" + (f"; dropped: {'; '.join(result.dropped)}" if result.dropped else "") + ")", soft_wrap=True)
 
 
 @app.command()

@@ -143,6 +143,43 @@ CASES: dict[str, Callable[[Inputs], Case]] = {
         "does not exist"),
     "solve: a plan given as profile": lambda x: Case(
         ["solve", x.plan, "-o", x.tmp / "plan.json", "--cluster", "2xlocal-cpu", "--global-batch", "8"], "schema"),
+    "solve: --from megatron with a layout of unknown layers": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "megatron",
+                "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ex|tL"), "unknown characters"),
+    "solve: --from megatron degrees that do not divide the cluster": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "megatron", "--tensor-model-parallel-size 3"),
+        "does not divide"),
+    "solve: --from megatron with context parallelism": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "megatron", "--context-parallel-size 2"),
+        "context parallelism"),
+    "solve: --from megatron with an unterminated quote": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "megatron", "--pipeline-model-parallel-layout 'Et"),
+        "cannot split"),
+    "solve: --from megatron of a missing argument file": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "megatron", f"@{x.tmp / 'none.args'}"), "cannot read"),
+    "solve: --from deepspeed of a missing file": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "deepspeed", x.tmp / "ds.json"), "cannot read"),
+    "solve: --from deepspeed batch sizes that do not multiply out": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "deepspeed", x.write("ds.json", json.dumps(
+            {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1}))), "train_batch_size"),
+    "solve: --from deepspeed truncated": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "deepspeed", x.write("ds.json", '{"train_batch')),
+        "not valid JSON"),
+    "solve: --from with another baseline": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--baseline", "zero3", "--from", "megatron", ""), "--from"),
+    "solve: --from an unknown framework": lambda x: Case(
+        x.solve("--cluster", "2xlocal-cpu", "--global-batch", "8", "--from", "nemo", "x"), "choose one of"),
+    # export
+    "export: a target that does not exist": lambda x: Case(["export", x.plan, "--to", "nemo", "-o", x.tmp / "out"],
+                                                           "unknown export target"),
+    "export: a feature the target cannot express": lambda x: Case(
+        ["export", x.plan, "--to", "deepspeed", "-o", x.tmp / "ds.json"], "cannot express"),
+    "export: output in a missing directory": lambda x: Case(
+        ["export", x.plan, "--to", "megatron", "-o", x.tmp / "no" / "m.args"], "does not exist"),
+    "export: output is a directory": lambda x: Case(["export", x.plan, "--to", "megatron", "-o", x.tmp], "is a directory"),
+    "export: truncated plan": lambda x: Case(["export", x.write("plan.json", x.plan.read_text()[:-60]), "--to", "torchtitan"],
+                                             "not valid JSON"),
+    "export: missing plan": lambda x: Case(["export", x.tmp / "missing.json", "--to", "megatron-bridge"], "cannot read"),
     # run
     "run: plan for another model": lambda x: Case(x.run(None, "--model", "tiny-avlm"), "fingerprint"),
     "run: plan naming an unknown model": lambda x: Case(
@@ -255,7 +292,7 @@ def tree(root: Path) -> set[str]:
 def test_the_corpus_is_large_and_spans_every_command():
     commands = {name.split(":")[0] for name in CASES}
     assert len(CASES) >= 30
-    assert commands == {"profile", "show", "solve", "run", "compare", "calibrate", "demo"}
+    assert commands == {"profile", "show", "solve", "run", "compare", "calibrate", "demo", "export"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,49 @@
+"""`mmplan export`: a plan in the native configuration of the framework people train with (one module per target)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from plans.errors import MmplanError
+from plans.plan import Plan
+
+Target = Literal["megatron", "megatron-bridge", "torchtitan", "deepspeed"]
+TARGETS: tuple[str, ...] = get_args(Target)
+# What each target's file is, for the default output name and the help text.
+SUFFIX = {"megatron": ".args", "megatron-bridge": ".py", "torchtitan": ".py", "deepspeed": ".json"}
+
+
+@dataclass(frozen=True)
+class Export:
+    """An exported configuration: its text, and what it dropped (empty unless --lossy was needed)."""
+
+    target: str
+    text: str
+    dropped: tuple[str, ...]
+
+
+def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str = "plan.json") -> Export:
+    """The plan as `target`'s configuration. A feature the target cannot express raises Unsupported (an
+    MmplanError naming it) unless `lossy`, when the nearest plan is exported and the export lists what it dropped."""
+    from planner.export import deepspeed, megatron, megatron_bridge, torchtitan
+    from planner.export.common import Drops
+
+    modules = {"megatron": megatron, "megatron-bridge": megatron_bridge, "torchtitan": torchtitan, "deepspeed": deepspeed}
+    if target not in modules:
+        raise MmplanError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
+    drops = Drops(target, lossy)
+    text = modules[target].export(plan, drops, source)
+    return Export(target, text, tuple(drops.dropped))
+
+
+def run_export(*, plan_path: str | os.PathLike, target: Target, output: str | os.PathLike | None, lossy: bool = False) -> Export:
+    """Load and check the plan, export it, write it atomically to `output` (None: return the text only)."""
+    from plans.plan import load_plan
+    from plans.serial import write_atomic
+
+    plan = load_plan(plan_path)
+    result = export_plan(plan, target, lossy=lossy, source=os.path.basename(str(plan_path)))
+    if output is not None:
+        write_atomic(output, result.text)
+    return result

@@ -1,0 +1,319 @@
+"""The other way: a user's Megatron-LM arguments or DeepSpeed ds_config.json -> a Plan (`mmplan solve --from`), built with
+planner/baselines.py and planner/construct.py, so `mmplan compare` can put the hand-written layout beside the solved one."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+from cost_models.memory import DTYPE_BYTES
+from planner.baselines import LayoutSpec, check_layout, homogeneous_plan
+from planner.construct import GroupLayout, build_plan, with_predictions
+from plans.cluster import Cluster
+from plans.errors import MmplanError
+from plans.graph import Profile
+from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
+from plans.serial import read_text
+
+SOURCES = ("megatron", "deepspeed")
+
+
+def plan_from(source: str, value: str, profile: Profile, cluster: Cluster, global_batch: int) -> Plan:
+    """`--from megatron "ARGS"` (or `@FILE`, e.g. a file `mmplan export --to megatron` wrote) or
+    `--from deepspeed ds_config.json`: the plan that configuration runs, with predictions."""
+    if source == "megatron":
+        text = read_text(value[1:], "Megatron argument file") if value.startswith("@") else value
+        return plan_from_megatron(text, profile, cluster, global_batch)
+    if source == "deepspeed":
+        return plan_from_deepspeed(Path(value), profile, cluster, global_batch)
+    raise MmplanError(f"--from {source!r}: choose one of {', '.join(SOURCES)}")
+
+
+def solve_from(source: tuple[str, str], *, profile_path, cluster: str, global_batch: int, output, gpus_per_node: int | None = None,
+               **_search_options):
+    """`mmplan solve --baseline homogeneous --from KIND VALUE`: run_solve's keywords (the search options do not
+    apply), the user's configuration as the plan, written to `output`; returns (Solution, Profile) as run_solve does."""
+    import time
+
+    from cost_models.hardware import parse_cluster
+    from planner.solve import Solution
+    from plans.graph import load_profile
+    from plans.plan import save_plan
+
+    started = time.perf_counter()
+    profile = load_profile(profile_path)
+    plan = plan_from(*source, profile, parse_cluster(cluster, gpus_per_node), global_batch)
+    elapsed = time.perf_counter() - started
+    plan = replace(plan, solver=replace(plan.solver, time_s=elapsed))
+    save_plan(plan, output)
+    return Solution(plan, plan, elapsed, "baseline", 1, 0, False, False, 0.0), profile
+
+
+# --- Megatron-LM arguments -------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit; one line instead
+        raise MmplanError(f"--from megatron: {message}")
+
+
+def _megatron_parser() -> argparse.ArgumentParser:
+    """The subset of Megatron-LM's flags (megatron/training/arguments.py, examples/mimo/training/args.py) that sets
+    the layout; every other flag (model shape, data, optimizer hyper-parameters) is ignored."""
+    p = _Parser(prog="megatron", add_help=False, allow_abbrev=False)
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                 "--micro-batch-size", "--global-batch-size", "--num-layers-per-virtual-pipeline-stage",
+                 "--num-virtual-stages-per-pipeline-rank", "--recompute-num-layers", "--encoder-tp", "--encoder-dp",
+                 "--llm-offset", "--llm-tp", "--llm-cp", "--llm-pp", "--llm-dp"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--pipeline-model-parallel-layout")
+    p.add_argument("--recompute-granularity", choices=["full", "selective"])
+    p.add_argument("--recompute-method", choices=["uniform", "block"])
+    p.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    for flag in ("--use-distributed-optimizer", "--use-megatron-fsdp", "--recompute-activations", "--optimizer-cpu-offload"):
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_batch: int) -> Plan:
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    try:
+        argv = shlex.split("\n".join(lines))
+    except ValueError as e:
+        raise MmplanError(f"--from megatron: cannot split the arguments: {e}") from None
+    a, _ = _megatron_parser().parse_known_args(argv)
+    for flag, value in (("--context-parallel-size", a.context_parallel_size), ("--llm-cp", a.llm_cp)):
+        if value not in (None, 1):
+            raise MmplanError(f"--from megatron: {flag} {value}: mmplan plans have no context parallelism; drop it or use 1")
+    if a.global_batch_size is not None and a.global_batch_size != global_batch:
+        raise MmplanError(f"--from megatron: --global-batch-size {a.global_batch_size} differs from --global-batch {global_batch}")
+    zero = _megatron_zero(a)
+    recompute = "selective" if a.recompute_activations else (a.recompute_granularity or "none")
+    block = a.recompute_method == "block" and recompute == "full"
+    hetero = any(v is not None for v in (a.encoder_tp, a.encoder_dp, a.llm_offset, a.llm_tp, a.llm_pp, a.llm_dp))
+    mbs = a.micro_batch_size or 1
+    solver = SolverInfo("baseline:megatron", notes=f"from megatron: {' '.join(argv)}")
+    if hetero:
+        return _megatron_mimo(a, profile, cluster, global_batch, mbs, zero, recompute, solver)
+    tp, pp = a.tensor_model_parallel_size or 1, a.pipeline_model_parallel_size or 1
+    world = cluster.world_size
+    if world % (tp * pp):
+        raise MmplanError(f"--from megatron: tp*pp = {tp}*{pp} does not divide the {world} GPUs of cluster {cluster.name}")
+    dp = world // (tp * pp)
+    layers = [b for b in profile.blocks if b.supports_tp and b.group == _llm_group(profile)]
+    v = _virtual_stages(a, len(layers), pp)
+    schedule = "interleaved" if v > 1 else "1f1b"
+    if a.pipeline_model_parallel_layout is None and not block and not a.optimizer_cpu_offload:
+        spec = LayoutSpec(tp, pp, dp, mbs, schedule, v, recompute, zero)  # Megatron's even split: planner/baselines.py
+        return homogeneous_plan(profile, cluster, global_batch, spec, solver=replace(solver, notes=f"{solver.notes}; layout {spec}"))
+    spec = LayoutSpec(tp, pp, dp, mbs, schedule, v, recompute if recompute != "full" or not block else "none", zero)
+    check_layout(profile, cluster, global_batch, spec)
+    counts = _layer_counts(a.pipeline_model_parallel_layout, len(layers), pp * v)
+    chunks = _chunks(profile.blocks, _llm_group(profile), counts)
+    training = Training(global_batch, global_batch // (dp * mbs), schedule, v, _dtype(profile))
+    per = dp * tp
+    stages = []
+    for i in range(pp):
+        blocks = tuple(b for k in range(i, pp * v, pp) for b in chunks[k])
+        acts = {}
+        for k in range(i, pp * v, pp):
+            acts.update(_recomputed(profile, chunks[k], recompute, a.recompute_num_layers if block else None))
+        memory = Memory(grads="gpu", optimizer="cpu" if a.optimizer_cpu_offload else "gpu", activations=acts)
+        stages.append(Stage(blocks, tuple(range(i * per, (i + 1) * per)), memory))
+    group = Group("model", dp, tp, pp, tuple(stages), zero=zero)
+    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile)
+    return with_predictions(plan, profile)[0]
+
+
+def _megatron_zero(a) -> int:
+    if a.use_megatron_fsdp:
+        return {"optim_grads": 2, "optim_grads_params": 3}.get(a.data_parallel_sharding_strategy or "no_shard", 1)
+    return 1 if a.use_distributed_optimizer else 0
+
+
+def _virtual_stages(a, layers: int, pp: int) -> int:
+    if a.pipeline_model_parallel_layout is not None:
+        stages = len(parse_layout_string(a.pipeline_model_parallel_layout))
+        if stages % pp:
+            raise MmplanError(f"--from megatron: the layout has {stages} stages, not a multiple of pp={pp}")
+        return stages // pp
+    if a.num_virtual_stages_per_pipeline_rank:
+        return a.num_virtual_stages_per_pipeline_rank
+    if a.num_layers_per_virtual_pipeline_stage:
+        per_rank = layers // pp
+        if per_rank % a.num_layers_per_virtual_pipeline_stage:
+            raise MmplanError(f"--from megatron: --num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} "
+                              f"does not divide the {per_rank} layers per pipeline rank")
+        return per_rank // a.num_layers_per_virtual_pipeline_stage
+    return 1
+
+
+def parse_layout_string(text: str) -> list[str]:
+    """Megatron's --pipeline-model-parallel-layout (e.g. "Et*3|(tt|)*29,m|L") -> one string per stage, unrolled
+    (the grammar of megatron/core/transformer/pipeline_parallel_layer_layout.py: E, t, m, L, "|", x*n, (..)*n)."""
+    s = text.replace(",", "")
+    s = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    bad = set(s) - set("EtmL|")
+    if bad:
+        raise MmplanError(f"--from megatron: --pipeline-model-parallel-layout {text!r} has unknown characters "
+                          f"{''.join(sorted(bad))!r}; use E, t, L, |, x*n and (..)*n")
+    return s.split("|")
+
+
+def _layer_counts(layout: str | None, layers: int, parts: int) -> list[int]:
+    """Decoder layers per pipeline chunk: from the layout, or Megatron's even split."""
+    if layout is None:
+        if layers % parts:
+            raise MmplanError(f"--from megatron: {layers} LLM layers do not split evenly into {parts} pipeline chunks; "
+                              "give --pipeline-model-parallel-layout")
+        return [layers // parts] * parts
+    counts = [stage.count("t") for stage in parse_layout_string(layout)]
+    if sum(counts) != layers:
+        raise MmplanError(f"--from megatron: the layout places {sum(counts)} decoder layers but the LLM of the profile has {layers}")
+    return counts
+
+
+def _llm_group(profile: Profile) -> str:
+    return profile.blocks[-1].group  # the profile lists blocks in execution order: the LLM's head comes last
+
+
+def _chunks(blocks, llm: str, counts: list[int]) -> list[tuple[str, ...]]:
+    """Blocks of each chunk: chunk k holds counts[k] LLM layers; everything before the LLM's first layer (encoders,
+    projectors, embedding: Megatron builds them on the first stage) goes to chunk 0, everything after the last to
+    the last chunk, and every other block with the layer before it."""
+    names = [b.name for b in blocks]
+    layer_at = [i for i, b in enumerate(blocks) if b.supports_tp and b.group == llm]
+    bounds, k = [0], 0
+    for c in counts[:-1]:
+        k += c
+        bounds.append(layer_at[k] if k < len(layer_at) else layer_at[-1] + 1)
+    bounds.append(len(names))
+    return [tuple(names[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _recomputed(profile: Profile, blocks, recompute: str, first: int | None) -> dict[str, str]:
+    """Activation tiers for Megatron's recomputation, in planner/baselines.py's convention (full: every block;
+    selective: the transformer layers); with --recompute-method block, the chunk's first N LLM layers."""
+    by_name = {b.name: b for b in profile.blocks}
+    if recompute == "none":
+        return {}
+    if first is not None:
+        llm = _llm_group(profile)
+        layers = [b for b in blocks if by_name[b].supports_tp and by_name[b].group == llm]
+        return {b: "recompute" for b in layers[:first]}
+    return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
+
+
+def _dtype(profile: Profile) -> str:
+    return profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+
+
+def _megatron_mimo(a, profile: Profile, cluster: Cluster, global_batch: int, mbs: int, zero: int, recompute: str,
+                   solver: SolverInfo) -> Plan:
+    """examples/mimo's grids: the encoder (every block outside the LLM) on ranks 0..encoder_tp*encoder_dp-1, the LLM
+    at --llm-offset with its own tp, pp (cut by the layout or evenly) and dp."""
+    enc_tp, enc_dp = a.encoder_tp or 1, a.encoder_dp or 1
+    llm_tp, llm_pp, llm_dp = a.llm_tp or 1, a.llm_pp or 1, a.llm_dp or 1
+    enc_n, llm_n = enc_tp * enc_dp, llm_tp * llm_pp * llm_dp
+    offset = enc_n if a.llm_offset is None else a.llm_offset
+    if offset != enc_n or enc_n + llm_n != cluster.world_size:
+        raise MmplanError(f"--from megatron: the encoder grid (ranks 0-{enc_n - 1}) and the LLM grid (ranks {offset}-"
+                          f"{offset + llm_n - 1}) must tile the {cluster.world_size} GPUs of cluster {cluster.name}")
+    llm = _llm_group(profile)
+    enc_blocks = tuple(b.name for b in profile.blocks if b.group != llm)
+    llm_profile_blocks = [b for b in profile.blocks if b.group == llm]
+    if not enc_blocks:
+        raise MmplanError(f"--from megatron: the encoder flags need a model with an encoder; {profile.model!r} has only {llm!r}")
+    layers = [b for b in llm_profile_blocks if b.supports_tp]
+    counts = _layer_counts(a.pipeline_model_parallel_layout, len(layers), llm_pp)
+    llm_chunks = _chunks(llm_profile_blocks, llm, counts)
+    llm_blocks = tuple(b for c in llm_chunks for b in c)
+    cuts = tuple(sum(len(c) for c in llm_chunks[:i]) for i in range(1, llm_pp))
+    memory = tuple(Memory(optimizer="cpu" if a.optimizer_cpu_offload else "gpu",
+                          activations=_recomputed(profile, c, recompute, a.recompute_num_layers if a.recompute_method == "block" else None))
+                   for c in llm_chunks)
+    enc_group = profile.blocks[0].group
+    layouts = [GroupLayout(enc_group, enc_blocks, (), enc_dp, enc_tp, tuple(range(enc_n)), zero=zero),
+               GroupLayout(llm, llm_blocks, cuts, llm_dp, llm_tp, tuple(range(offset, offset + llm_n)), zero=zero, memory=memory)]
+    micro = mbs * llm_dp
+    if global_batch % micro:
+        raise MmplanError(f"--from megatron: global batch {global_batch} is not divisible by --micro-batch-size * --llm-dp = {micro}")
+    training = Training(global_batch, global_batch // micro, "1f1b", 1, _dtype(profile))
+    return build_plan(profile, cluster, training, layouts, solver)
+
+
+# --- DeepSpeed ds_config.json ----------------------------------------------------------------------------------------
+
+
+def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_batch: int) -> Plan:
+    what = f"--from deepspeed {path}"
+    try:
+        config = json.loads(read_text(path, "DeepSpeed config"))
+    except json.JSONDecodeError as e:
+        raise MmplanError(f"{what}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(config, dict):
+        raise MmplanError(f"{what}: expected a JSON object of DeepSpeed settings")
+    tp = _int(config, ("tensor_parallel", "autotp_size"), 1, what) or 1
+    stages = config.get("pipeline", {}).get("stages", 1) if isinstance(config.get("pipeline"), dict) else 1
+    pp = stages if isinstance(stages, int) and stages >= 1 else 1
+    world = cluster.world_size
+    if world % (tp * pp):
+        raise MmplanError(f"{what}: tp*pp = {tp}*{pp} does not divide the {world} GPUs of cluster {cluster.name}")
+    dp = world // (tp * pp)
+    train = _int(config, ("train_batch_size",), None, what)
+    mbs = _int(config, ("train_micro_batch_size_per_gpu",), None, what)
+    gas = _int(config, ("gradient_accumulation_steps",), None, what)
+    train = train or global_batch
+    if train != global_batch:
+        raise MmplanError(f"{what}: train_batch_size {train} differs from --global-batch {global_batch}")
+    if mbs is None:
+        mbs = train // (dp * (gas or 1))
+    if mbs < 1 or train % (mbs * dp) or (gas is not None and mbs * gas * dp != train):
+        raise MmplanError(f"{what}: train_batch_size {train} != train_micro_batch_size_per_gpu {mbs} x "
+                          f"gradient_accumulation_steps {gas or train // max(mbs * dp, 1)} x data-parallel size {dp}")
+    zero_cfg = config.get("zero_optimization", {})
+    zero_cfg = zero_cfg if isinstance(zero_cfg, dict) else {}
+    zero = _int(config, ("zero_optimization", "stage"), 0, what)
+    if zero not in (0, 1, 2, 3):
+        raise MmplanError(f"{what}: zero_optimization.stage must be 0, 1, 2 or 3, got {zero}")
+    params = _device(zero_cfg, "offload_param", what)
+    optimizer = _device(zero_cfg, "offload_optimizer", what)
+    checkpointing = "activation_checkpointing" in config
+    spec = LayoutSpec(tp, pp, dp, mbs, "1f1b", 1, "selective" if checkpointing else "none", zero)
+    notes = (f"from deepspeed: {path}; layout {spec}; activation checkpointing read as every transformer layer "
+             "recomputed" if checkpointing else f"from deepspeed: {path}; layout {spec}")
+    plan = homogeneous_plan(profile, cluster, global_batch, spec, solver=SolverInfo("baseline:deepspeed", notes=notes), predict=False)
+    if params != "gpu" or optimizer != "gpu":  # ZeRO-Offload keeps gradients with the optimizer state
+        groups = tuple(replace(g, stages=tuple(replace(s, memory=replace(s.memory, params=params, grads=optimizer, optimizer=optimizer))
+                                                for s in g.stages)) for g in plan.groups)
+        plan = check_plan(replace(plan, groups=groups), profile)
+    return with_predictions(plan, profile)[0]
+
+
+def _int(config: dict, keys: tuple[str, ...], default, what: str):
+    value = config
+    for k in keys:
+        if not isinstance(value, dict) or k not in value:
+            return default
+        value = value[k]
+    if value == "auto":
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MmplanError(f"{what}: {'.'.join(keys)} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _device(zero_cfg: dict, key: str, what: str) -> str:
+    section = zero_cfg.get(key)
+    if section is None:
+        return "gpu"
+    device = section.get("device", "none") if isinstance(section, dict) else None
+    if device in ("none", None):
+        return "gpu"
+    if device not in ("cpu", "nvme"):
+        raise MmplanError(f"{what}: zero_optimization.{key}.device must be cpu, nvme or none, got {device!r}")
+    return device

@@ -1,0 +1,155 @@
+"""Plan -> Megatron-Bridge Python config: a MegatronMIMOParallelismConfig of ModuleParallelismConfig(..., rank_offset)
+per group on its own ranks, or, for one layout, the model provider's parallelism fields; both with the
+TransformerConfig / DDP / optimizer fields for uneven cut points, recomputation, ZeRO and optimizer offload."""
+from __future__ import annotations
+
+from planner.export.common import Drops, Roles, activation_tiers, collapsed, header, is_megatron_order, nearest_chain, recompute_of, span
+from planner.export.megatron import (
+    OFFLOAD_FIELDS,
+    ZERO_FIELDS,
+    encoders_first,
+    layout_string,
+    model_chunks,
+    no_activation_offload,
+    optimizer_offload,
+    recompute_fields,
+)
+from plans.plan import Plan
+
+LANGUAGE = "language"  # MIMO_LANGUAGE_MODULE_KEY: Bridge's name of the language module
+TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+class _Code(str):
+    """A value written as Python code, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+APPLY = '''
+
+def apply(cfg):
+    """Set these fields on a Megatron-Bridge ConfigContainer (e.g. one a recipe returned); returns it."""
+    for name, value in model_overrides.items():
+        setattr(cfg.model, name, value)
+    for name, value in ddp_overrides.items():
+        setattr(cfg.ddp, name, value)
+    for name, value in optimizer_overrides.items():
+        setattr(cfg.optimizer, name, value)
+    cfg.train.micro_batch_size = MICRO_BATCH_SIZE
+    cfg.train.global_batch_size = GLOBAL_BATCH_SIZE
+    return cfg
+'''
+
+
+def export(plan: Plan, drops: Drops, source: str) -> str:
+    roles = Roles.of(plan)
+    notes: list[str] = []
+    groups = collapsed(plan)
+    mimo = groups is not None and len(groups) > 1
+    if groups is None:
+        drops.cannot("colocated groups with their own layouts (Megatron-Bridge's MegatronMIMOParallelismConfig tiles the "
+                     "world with disjoint rank_offset ranges)", "one layout for the whole model")
+    body = _mimo(plan, groups, roles, drops, notes) if mimo else _one_layout(plan, roles, drops, notes, quiet=groups is None)
+    lines = [f"# {line}" for line in header(plan, source, "megatron-bridge", drops.dropped, notes)]
+    return "\n".join(lines) + "\n" + body
+
+
+def _values(fields: dict, indent: str = "    ") -> str:
+    return "".join(f"{indent}{k}={v!r},\n" for k, v in fields.items())
+
+
+def _dict(fields: dict) -> str:
+    return f"dict(\n{_values(fields)})" if fields else "dict()"
+
+
+def _one_layout(plan: Plan, roles: Roles, drops: Drops, notes: list[str], *, quiet: bool) -> str:
+    """One layout: the GPT/VLM model provider's parallelism fields (encoders on the first pipeline stage)."""
+    chain = nearest_chain(plan, Drops(drops.target, True) if quiet else drops)
+    notes += [chain.note] if chain.note else []
+    chain = encoders_first(chain, roles, drops)
+    stages = no_activation_offload(chain.stages, drops)
+    chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
+    model = {"tensor_model_parallel_size": chain.tp, "pipeline_model_parallel_size": chain.pp}
+    if chain.pp > 1:
+        model["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
+        _no_gpipe(plan, drops)
+    model.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
+    model.update(_dtype(plan, chain.pp))
+    return (f"\nimport torch\n\nWORLD_SIZE = {chain.world}  # data_parallel_size = WORLD_SIZE / (tensor * pipeline) = {chain.dp}\n"
+            f"MICRO_BATCH_SIZE = {plan.training.micro_batch // chain.dp}  # per data-parallel replica\n"
+            f"GLOBAL_BATCH_SIZE = {plan.training.global_batch}\n\n"
+            f"# fields of the model provider (a megatron.core TransformerConfig)\nmodel_overrides = {_dict(model)}\n"
+            f"# fields of megatron.core's DistributedDataParallelConfig and OptimizerConfig\n"
+            f"ddp_overrides = {_dict(ZERO_FIELDS[chain.zero])}\n"
+            f"optimizer_overrides = {_dict(OFFLOAD_FIELDS if optimizer_offload(stages, drops) else {})}\n" + APPLY)
+
+
+def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> str:
+    """Groups on their own ranks: one ModuleParallelismConfig each (the LLM's is "language"), any rank_offset."""
+    llm = groups[-1]
+    modules = {}
+    for g in groups:
+        offset = min(g.ranks)
+        if not is_megatron_order(g, offset):
+            drops.cannot(f"the rank order of group {g.name!r} (ranks {span(g.ranks)})", "consecutive ranks, tp fastest, then dp, then pp")
+        modules[LANGUAGE if g is llm else g.name] = dict(tensor_model_parallel_size=g.tp, pipeline_model_parallel_size=g.pp,
+                                                         data_parallel_size=g.dp, rank_offset=offset)
+    used = sum(len(g.ranks) for g in groups)
+    if used != plan.cluster.world_size:
+        notes.append(f"the plan uses {used} of the cluster's {plan.cluster.world_size} GPUs: launch {used} ranks")
+    dps = [g.dp for g in groups]
+    if any(a % b and b % a for a in dps for b in dps):
+        drops.cannot(f"data-parallel sizes that do not divide each other ({', '.join(map(str, dps))}; Bridge's "
+                     "BridgeCommunicator needs one of each pair to divide the other)", "unchanged sizes (finalize() will refuse them)")
+    misplaced = [b for b in llm.blocks if not roles.is_llm(b)]
+    if misplaced:
+        drops.cannot(f"encoder-side blocks in the LLM's group ({', '.join(misplaced[:3])})", "those blocks on their encoder's grid")
+    zeros = {g.zero for g in groups}
+    if len(zeros) > 1:
+        drops.cannot(f"different ZeRO stages per group ({', '.join(map(str, sorted(zeros)))}; Bridge has one DDP config)",
+                     f"ZeRO-{max(zeros)} for every module")
+    for g in groups[:-1]:
+        if activation_tiers(g.stages) - {"keep"} or any(
+                (s.memory.params, s.memory.grads, s.memory.optimizer) != ("gpu", "gpu", "gpu") for s in g.stages):
+            drops.cannot(f"memory tiers or recomputation in encoder group {g.name!r} (these fields configure the language model)",
+                         "the encoder's state and activations on the GPU")
+    stages = no_activation_offload(llm.stages, drops)
+    chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
+    language = {}
+    if llm.pp > 1:
+        language["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
+        _no_gpipe(plan, drops)
+    language.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
+    language.update(_dtype(plan, llm.pp))
+    entries = "".join(f"        {name!r}: ModuleParallelismConfig(\n{_values(fields, ' ' * 12)}        ),\n"
+                      for name, fields in modules.items())
+    names = [n for n in modules if n != LANGUAGE]
+    return ("\nimport torch\nfrom megatron.bridge.models.megatron_mimo.megatron_mimo_config import (\n"
+            "    MegatronMIMOParallelismConfig,\n    ModuleParallelismConfig,\n)\n\n"
+            f"WORLD_SIZE = {used}\n"
+            f"MICRO_BATCH_SIZE = {plan.training.micro_batch // llm.dp}  # per data-parallel replica of the language module\n"
+            f"GLOBAL_BATCH_SIZE = {plan.training.global_batch}\n\n"
+            f"# keys: the language module and the modality submodules of your MegatronMIMOProvider ({', '.join(map(repr, names))} "
+            "here: rename them to your provider's, e.g. 'images' in Bridge's LLaVA example)\n"
+            f"megatron_mimo_parallelism_config = MegatronMIMOParallelismConfig(\n    module_parallelisms={{\n{entries}    }},\n)\n\n"
+            f"# fields of the language model provider (a megatron.core TransformerConfig)\nmodel_overrides = {_dict(language)}\n"
+            f"# fields of megatron.core's DistributedDataParallelConfig and OptimizerConfig\n"
+            f"ddp_overrides = {_dict(ZERO_FIELDS[max(zeros)])}\n"
+            f"optimizer_overrides = {_dict(OFFLOAD_FIELDS if optimizer_offload(stages, drops) else {})}\n"
+            + APPLY.replace("    for name, value in model_overrides.items():\n        setattr(cfg.model, name, value)\n",
+                            "    cfg.model.megatron_mimo_parallelism_config = megatron_mimo_parallelism_config\n"
+                            "    language = cfg.model.language_model_spec.params[\"config\"]  # the language model's TransformerConfig\n"
+                            "    for name, value in model_overrides.items():\n"
+                            "        setattr(language, name, value)\n"))
+
+
+def _no_gpipe(plan: Plan, drops: Drops) -> None:
+    if plan.training.schedule == "gpipe":
+        drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
+
+
+def _dtype(plan: Plan, pp: int) -> dict:
+    """Mixed precision, and the dtype of tensors sent between pipeline stages (TransformerConfig requires it with pp > 1)."""
+    fields = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[plan.training.dtype]
+    return {**fields, "pipeline_dtype": _Code(TORCH_DTYPE[plan.training.dtype])} if pp > 1 else fields

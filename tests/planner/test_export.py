@@ -1,0 +1,221 @@
+"""`mmplan export` and `mmplan solve --from`: what each target expresses exactly, what needs --lossy and what it says,
+the mapping of recomputation and memory tiers, round trips. (The targets' own code loads the files in
+test_export_targets.py.)"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.export import TARGETS, export_plan
+from planner.export.common import Unsupported
+from planner.export.importing import parse_layout_string, plan_from
+from plans.plan import load_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "plans" / "examples"
+runner = CliRunner()
+
+
+def example(name: str):
+    return load_plan(EXAMPLES / f"{name}.json")
+
+
+def flags(text: str) -> dict[str, str | None]:
+    """A Megatron argument file as {flag: value or None}."""
+    argv = shlex.split("\n".join(line for line in text.splitlines() if not line.startswith("#")))
+    out, i = {}, 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+        out[argv[i]] = value
+        i += 2 if value is not None else 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """The llava-1.5-7b profile on 64 H100s and its solved plan (a chain: vision, projector, LLM in 8 stages)."""
+    from planner.profile import profile_model
+    from plans.graph import save_profile
+    from runtime.source import resolve
+
+    d = tmp_path_factory.mktemp("llava")
+    profile = profile_model(resolve("llava-1.5-7b"))
+    save_profile(profile, d / "profile.json")
+    r = runner.invoke(app, ["solve", str(d / "profile.json"), "--cluster", "64xh100-sxm", "--global-batch", "256",
+                            "-o", str(d / "plan.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    return profile, d
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_export_opens_with_a_comment_naming_the_plan_and_its_predictions(target):
+    plan = example("llava-1.5-13b-solved-64xh100-sxm")
+    text = export_plan(plan, target, lossy=True, source="solved.json").text
+    first = json.loads(text)["comment"] if target == "deepspeed" else [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    assert first[0].startswith("mmplan plan solved.json: llava-1.5-13b (fingerprint ")
+    assert f"step {plan.predicted.step_time_s:.4g} s" in first[2] and "MFU" in first[2]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_colocated_groups_sharing_one_layout_export_exactly(target):
+    result = export_plan(example("tiny-vlm-dp2"), target)  # vision, projector and LLM colocated, all dp=2
+    assert result.dropped == ()
+    assert "LOSSY" not in result.text
+
+
+@pytest.mark.parametrize("target, feature", [
+    ("megatron", "2 encoder groups on their own ranks"),
+    ("torchtitan", "groups with their own layouts"),
+    ("deepspeed", "groups with their own layouts"),
+])
+def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_dropped(target, feature):
+    plan = example("tiny-avlm-apart-4xlocal-cpu")  # vision, audio and LLM each on their own ranks
+    with pytest.raises(Unsupported, match=feature) as e:
+        export_plan(plan, target)
+    assert "\n" not in str(e.value) and "--lossy" in str(e.value)
+    result = export_plan(plan, target, lossy=True)
+    assert len(result.dropped) == 1 and feature in result.dropped[0]
+    assert "LOSSY" in result.text and feature in result.text
+
+
+def test_megatron_bridge_expresses_every_group_on_its_own_ranks():
+    text = export_plan(example("tiny-avlm-apart-4xlocal-cpu"), "megatron-bridge").text
+    assert "'vision': ModuleParallelismConfig" in text and "'audio': ModuleParallelismConfig" in text
+    assert "'language': ModuleParallelismConfig" in text and "rank_offset=2" in text and "rank_offset=3" in text
+
+
+def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ranks():
+    plan = example("vit22b-llama70b-apart-128xh100-sxm")  # LLM on ranks 0-119 (pp 15, uneven), ViT on 120-127
+    text = export_plan(plan, "megatron", lossy=True).text
+    f = flags(text)
+    llm = plan.group("llm")
+    counts = [sum(1 for b in s.blocks if b.startswith("llm.layers.")) for s in llm.stages]
+    assert [stage.count("t") for stage in parse_layout_string(f["--pipeline-model-parallel-layout"])] == counts
+    assert (f["--encoder-tp"], f["--encoder-dp"], f["--llm-offset"]) == ("8", "1", "8")
+    assert (f["--llm-tp"], f["--llm-pp"], f["--llm-dp"]) == ("4", "15", "2")
+    assert "ranks renumbered" in text
+
+
+def test_megatron_moves_encoders_to_the_first_stage_only_with_lossy():
+    plan = example("tiny-vlm-heavy-chain-4xlocal-cpu")  # the vision encoder is cut between stage 0 and 1
+    with pytest.raises(Unsupported, match="encoder blocks after the first pipeline stage"):
+        export_plan(plan, "megatron")
+    assert export_plan(plan, "torchtitan").dropped == ()  # torchtitan's module_fqns_per_model_part holds that cut
+
+
+def test_recomputation_maps_to_megatron_granularity_and_method(llava):
+    from planner.baselines import homogeneous_plan
+
+    profile, _ = llava
+    from cost_models.hardware import parse_cluster
+
+    cluster = parse_cluster("64xh100-sxm")
+    full = homogeneous_plan(profile, cluster, 256, "tp=2,pp=1,dp=32,recompute=full", predict=False)
+    f = flags(export_plan(full, "megatron").text)
+    assert (f["--recompute-granularity"], f["--recompute-method"], f["--recompute-num-layers"]) == ("full", "uniform", "1")
+    selective = homogeneous_plan(profile, cluster, 256, "tp=2,pp=1,dp=32,recompute=selective", predict=False)
+    assert flags(export_plan(selective, "megatron").text)["--recompute-granularity"] == "selective"
+    # the first 3 LLM layers of the stage: Megatron's block method (baselines split encoders over stages when pp > 1)
+    plain = homogeneous_plan(profile, cluster, 256, "tp=2,pp=1,dp=32", predict=False)
+    g = plain.groups[0]
+    stages = tuple(replace(s, memory=replace(s.memory, activations={b: "recompute" for b in
+                                                                      [b for b in s.blocks if b.startswith("llm.layers.")][:3]}))
+                   for s in g.stages)
+    block = replace(plain, groups=(replace(g, stages=stages),))
+    f = flags(export_plan(block, "megatron").text)
+    assert (f["--recompute-method"], f["--recompute-num-layers"]) == ("block", "3")
+    assert "FullAC.Config()" in export_plan(full, "torchtitan").text
+
+
+def test_memory_tiers_map_to_each_targets_offload(llava):
+    from cost_models.hardware import parse_cluster
+    from planner.baselines import homogeneous_plan
+
+    profile, _ = llava
+    plan = homogeneous_plan(profile, parse_cluster("64xh100-sxm"), 256, "tp=1,pp=1,dp=64,zero=3", predict=False)
+    g = plan.groups[0]
+
+    def with_tiers(**tiers):
+        return replace(plan, groups=(replace(g, stages=tuple(replace(s, memory=replace(s.memory, **tiers)) for s in g.stages)),))
+
+    optimizer_cpu = with_tiers(optimizer="cpu", grads="cpu")
+    assert "--optimizer-cpu-offload" in flags(export_plan(optimizer_cpu, "megatron").text)
+    ds = json.loads(export_plan(optimizer_cpu, "deepspeed").text)
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    everything_nvme = with_tiers(params="nvme", grads="nvme", optimizer="nvme")
+    ds = json.loads(export_plan(everything_nvme, "deepspeed").text)
+    assert ds["zero_optimization"]["offload_param"]["device"] == "nvme" and ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    with pytest.raises(Unsupported, match="parameters in nvme memory"):
+        export_plan(everything_nvme, "megatron")
+    with pytest.raises(Unsupported, match="NVMe tiers"):
+        export_plan(everything_nvme, "torchtitan")
+    assert "enable_cpu_offload=True" in export_plan(with_tiers(params="cpu", grads="cpu", optimizer="cpu"), "torchtitan").text
+    acts = replace(plan, groups=(replace(g, stages=tuple(replace(s, memory=replace(s.memory, activations={b: "offload-nvme" for b in s.blocks}))
+                                                          for s in g.stages)),))
+    with pytest.raises(Unsupported, match="activation offload"):
+        export_plan(acts, "megatron")
+
+
+def test_megatron_round_trip_gives_back_the_solved_plan(llava, tmp_path):
+    """export --to megatron, then solve --from megatron @FILE: the same layout and cut points, the same prediction."""
+    profile, d = llava
+    plan = load_plan(d / "plan.json")
+    (tmp_path / "m.args").write_text(export_plan(plan, "megatron").text)
+    again = plan_from("megatron", f"@{tmp_path / 'm.args'}", profile, plan.cluster, plan.training.global_batch)
+    assert [(g.dp, g.tp, g.pp, [s.blocks for s in g.stages], [s.ranks for s in g.stages]) for g in again.groups] == \
+           [(g.dp, g.tp, g.pp, [s.blocks for s in g.stages], [s.ranks for s in g.stages]) for g in plan.groups]
+    assert again.training == plan.training
+    assert again.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s)
+
+
+def test_megatron_mimo_flags_become_two_groups_on_their_own_ranks(llava):
+    from cost_models.hardware import parse_cluster
+
+    profile, _ = llava
+    args = ("--encoder-tp 1 --encoder-dp 8 --llm-offset 8 --llm-tp 2 --llm-pp 4 --llm-dp 7 --micro-batch-size 8 "
+            "--use-distributed-optimizer --pipeline-model-parallel-layout 'Et*7|t*9|t*9|t*7L' --num-layers 32")
+    plan = plan_from("megatron", args, profile, parse_cluster("64xh100-sxm"), 224)
+    vision, llm = plan.groups
+    assert (vision.dp, vision.tp, vision.pp, vision.ranks) == (8, 1, 1, tuple(range(8)))
+    assert (llm.dp, llm.tp, llm.pp, min(llm.ranks)) == (7, 2, 4, 8) and llm.zero == 1
+    assert [sum(1 for b in s.blocks if b.startswith("llm.layers.")) for s in llm.stages] == [7, 9, 9, 7]
+    assert "vision_proj" in vision.blocks and plan.training.micro_batch == 56
+
+
+def test_solve_from_megatron_and_deepspeed_on_the_command_line(llava, tmp_path):
+    _, d = llava
+    out = tmp_path / "mine.json"
+    r = runner.invoke(app, ["solve", str(d / "profile.json"), "--cluster", "64xh100-sxm", "--global-batch", "256",
+                            "--baseline", "homogeneous", "--from", "megatron",
+                            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --micro-batch-size 2 "
+                            "--recompute-activations --hidden-size 4096", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["method"] == "baseline:megatron" and data["groups"][0]["dp"] == 8 and data["micro_batches"] == 16
+    r = runner.invoke(app, ["compare", str(d / "plan.json"), str(out), "--json"])
+    assert r.exit_code == 0 and len(json.loads(r.stdout)) == 2
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 256, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    r = runner.invoke(app, ["solve", str(d / "profile.json"), "--cluster", "64xh100-sxm", "--global-batch", "256",
+                            "--from", "deepspeed", str(ds), "-o", str(tmp_path / "ds-plan.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    g = json.loads(r.stdout)["groups"][0]
+    assert (g["dp"], g["tp"], g["pp"], g["zero"]) == (64, 1, 1, 2)
+
+
+def test_export_command_prints_or_writes(tmp_path):
+    plan = EXAMPLES / "tiny-vlm-pp2.json"
+    r = runner.invoke(app, ["export", str(plan), "--to", "torchtitan"])
+    assert r.exit_code == 0 and r.stdout.startswith("# mmplan plan tiny-vlm-pp2.json")
+    out = tmp_path / "ds.json"
+    r = runner.invoke(app, ["export", str(plan), "--to", "deepspeed", "-o", str(out), "--lossy"])
+    assert r.exit_code == 0 and "dropped: pipeline cut points" in " ".join(r.stdout.split())
+    assert json.loads(out.read_text())["pipeline"]["stages"] == 2
+    r = runner.invoke(app, ["export", str(plan), "--to", "deepspeed", "-o", str(tmp_path / "no.json")])
+    assert r.exit_code == 2 and not (tmp_path / "no.json").exists()
+    assert r.stderr.count("\n") == 1 and "pipeline cut points" in r.stderr

@@ -1,0 +1,364 @@
+"""Every exporter checked by the target's own code: Megatron-LM's argument parser and MIMO grid flags, Megatron-Bridge's
+MIMO parallelism config, megatron-core's TransformerConfig / HyperCommGrid, torchtitan's ParallelismConfig /
+ParallelDims / device mesh, DeepSpeed's DeepSpeedConfig -- on solved plans for llava-1.5-7b (64 H100) and
+qwen2-vl-72b (1024 H100) and on heterogeneous ones. The packages come with `pip install -e ".[export]"`; Megatron-LM's
+parser and Megatron-Bridge's config are pinned copies under tests/fixtures/ (see its README)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import runpy
+import shlex
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from plans.plan import load_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+EXAMPLES = ROOT / "plans" / "examples"
+MUST_SHOW = ("llava-1.5-7b", "qwen2-vl-72b")  # solved with `mmplan solve`, exported to all four targets
+MIMO = ("llava-1.5-7b-apart", "vit22b-llama70b-apart")  # an encoder on its own ranks
+MODEL_FLAGS = {  # what a user's launch script adds: the model's shape (the export carries the layout)
+    "llava-1.5-7b": "--hidden-size 4096 --num-attention-heads 32",
+    "llava-1.5-7b-apart": "--hidden-size 4096 --num-attention-heads 32",
+    "qwen2-vl-72b": "--hidden-size 8192 --num-attention-heads 64",
+    "vit22b-llama70b-apart": "--hidden-size 8192 --num-attention-heads 64",
+}
+runner = CliRunner()
+
+
+def cli(*args) -> str:
+    r = runner.invoke(app, [str(a) for a in args])
+    assert r.exit_code == 0, r.output + (r.stderr if r.stderr_bytes else "")
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, Path]:
+    """Solved plans: the two of the issue (qwen's micro-batch given, so the search takes seconds; it finds the plan
+    the unrestricted search finds), llava non-colocated, and the example vit22b-llama70b plan."""
+    from planner.profile import profile_model
+    from plans.graph import save_profile
+    from runtime.source import resolve
+
+    d = tmp_path_factory.mktemp("export-plans")
+    for model in MUST_SHOW:
+        save_profile(profile_model(resolve(model)), d / f"{model}.profile.json")
+    solves = {
+        "llava-1.5-7b": ("llava-1.5-7b", "64xh100-sxm", 256),
+        "llava-1.5-7b-apart": ("llava-1.5-7b", "64xh100-sxm", 256, "--placement", "non-colocated"),
+        "qwen2-vl-72b": ("qwen2-vl-72b", "1024xh100-sxm", 1024, "--micro-batch", 32),
+    }
+    out = {}
+    for name, (model, cluster, batch, *extra) in solves.items():
+        out[name] = d / f"{name}.json"
+        cli("solve", d / f"{model}.profile.json", "--cluster", cluster, "--global-batch", batch, "-o", out[name], "--json", *extra)
+    out["vit22b-llama70b-apart"] = EXAMPLES / "vit22b-llama70b-apart-128xh100-sxm.json"
+    return out
+
+
+def export(plan: Path, target: str, tmp: Path, *, lossy: bool = False) -> Path:
+    out = tmp / f"{plan.stem}.{target}"
+    cli("export", plan, "--to", target, "-o", out, *(["--lossy"] if lossy else []))
+    return out
+
+
+# --- what the plan says, computed here (not with the exporter's code) ----------------------------------------------
+
+LLM_LAYER = re.compile(r"^llm\.layers\.\d+$")
+
+
+def pipeline(plan_path: Path) -> list[dict]:
+    """The plan as a list of pipelines, encoder(s) first: per group dp, tp, stage ranks, LLM layers per stage."""
+    plan = load_plan(plan_path)
+    return [{"name": g.name, "dp": g.dp, "tp": g.tp, "pp": g.pp, "zero": g.zero, "ranks": [list(s.ranks) for s in g.stages],
+             "layers": [sum(1 for b in s.blocks if LLM_LAYER.match(b)) for s in g.stages],
+             "blocks": [list(s.blocks) for s in g.stages]} for g in plan.groups]
+
+
+def as_chain(plan_path: Path) -> dict:
+    """A plan whose groups form one pipeline, as one group (stages in data-flow order, ranks relaid from 0)."""
+    groups = pipeline(plan_path)
+    stages = [s for g in groups for s in zip(g["ranks"], g["layers"], g["blocks"])]
+    per = groups[0]["dp"] * groups[0]["tp"]
+    return {"dp": groups[0]["dp"], "tp": groups[0]["tp"], "pp": len(stages), "zero": groups[0]["zero"],
+            "ranks": [list(range(i * per, (i + 1) * per)) for i in range(len(stages))],
+            "layers": [s[1] for s in stages], "blocks": [s[2] for s in stages]}
+
+
+def grid_stage_ranks(tp: int, dp: int, pp: int, offset: int, world: int, monkeypatch) -> tuple[list, list]:
+    """megatron-core's HyperCommGrid as Megatron-LM's MIMO topology and Megatron-Bridge's build_hypercomm_grids
+    build it ([tp, cp, dp, pp] from rank_offset): the ranks of each pipeline stage, and the tensor-parallel groups."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # HyperCommGrid's mock-testing path: no process group needed
+    grid = HyperCommGrid(shape=[tp, 1, dp, pp], dim_names=["tp", "cp", "dp", "pp"], rank_offset=offset)
+    pp_groups = grid.get_rank_enum("pp")  # each: one rank per stage
+    stages = [sorted(g[i] for g in pp_groups) for i in range(pp)]
+    return stages, sorted(grid.get_rank_enum("tp"))
+
+
+# --- Megatron-LM: its argument parser (pinned copy, core_v0.16.1) on megatron-core 0.16.1 --------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_lm():
+    pytest.importorskip("megatron.core", reason="megatron-core is installed by the [export] extra")
+    sys.path.insert(0, str(FIXTURES / "megatron_lm"))
+    sys.path.insert(0, str(FIXTURES / "megatron_lm" / "mimo"))
+    try:
+        from megatron.training import arguments
+
+        spec = importlib.util.spec_from_file_location("megatron_lm_mimo_args", FIXTURES / "megatron_lm" / "mimo" / "args.py")
+        mimo = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mimo)
+        yield types.SimpleNamespace(arguments=arguments, mimo=mimo)
+    finally:
+        for p in (FIXTURES / "megatron_lm", FIXTURES / "megatron_lm" / "mimo"):
+            sys.path.remove(str(p))
+
+
+def megatron_argv(path: Path, model: str) -> list[str]:
+    text = "\n".join(line for line in path.read_text().splitlines() if not line.startswith("#"))
+    return shlex.split(text) + shlex.split(MODEL_FLAGS[model]) + ["--seq-length", "2048", "--max-position-embeddings", "2048"]
+
+
+def parse_megatron(m, argv: list[str], world: int, monkeypatch, extra=None):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as the export's comment asks, with tensor parallelism
+    monkeypatch.setattr(sys, "argv", ["pretrain", *argv])
+    return m.arguments.parse_args(extra)
+
+
+def decoder_layers(config) -> list[int]:
+    from megatron.core.transformer.enums import LayerType
+
+    layout = config.pipeline_model_parallel_layout
+    return [row[0].count(LayerType.decoder) for row in layout.layout]
+
+
+@pytest.mark.parametrize("name", MUST_SHOW)
+def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, plans, megatron_lm, tmp_path, monkeypatch):
+    path = export(plans[name], "megatron", tmp_path)
+    assert path.read_text().startswith(f"# mmplan plan {plans[name].name}: {name}")
+    want = as_chain(plans[name])
+    world = load_plan(plans[name]).cluster.world_size
+    args = parse_megatron(megatron_lm, megatron_argv(path, name), world, monkeypatch)
+    megatron_lm.arguments.validate_args(args)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == \
+           (want["tp"], want["pp"], want["dp"])
+    plan = load_plan(plans[name])
+    assert args.micro_batch_size * args.data_parallel_size == plan.training.micro_batch
+    assert args.global_batch_size == plan.training.global_batch
+    config = megatron_lm.arguments.core_transformer_config_from_args(args)  # parses and validates the layout
+    assert decoder_layers(config) == want["layers"]
+    stages, tp_groups = grid_stage_ranks(want["tp"], want["dp"], want["pp"], 0, world, monkeypatch)
+    assert stages == want["ranks"]
+    assert tp_groups == sorted(r[i:i + want["tp"]] for r in want["ranks"] for i in range(0, len(r), want["tp"]))
+
+
+@pytest.mark.parametrize("name", MIMO)
+def test_megatron_lm_mimo_flags_agree_on_grids_and_rank_offsets(name, plans, megatron_lm, tmp_path, monkeypatch):
+    # zero 0 -> 1 is the one thing dropped: hetero MIMO training requires the distributed optimizer
+    path = export(plans[name], "megatron", tmp_path, lossy=True)
+    assert "ZeRO stage 0" in path.read_text() and "--use-distributed-optimizer" in path.read_text()
+    enc, llm = pipeline(plans[name])
+    world = sum(len(r) for g in (enc, llm) for r in g["ranks"])
+    args = parse_megatron(megatron_lm, megatron_argv(path, name), world, monkeypatch, megatron_lm.mimo.add_hetero_grid_args)
+    enc_n, llm_n = megatron_lm.mimo.validate_hetero_grid_args(args, world)
+    specs = megatron_lm.mimo.build_module_grid_specs(args, world, enc["name"])
+    # then as examples/mimo/pretrain_mimo.py: the stock checks on the language grid
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = args.llm_tp, args.llm_pp
+    args.world_size = llm_n
+    megatron_lm.arguments.validate_args(args, {"dataloader_type": "external"})
+    assert args.use_distributed_optimizer and args.data_parallel_size == llm["dp"]
+    by_name = {s.name: s for s in specs}
+    e, l = by_name[enc["name"]], by_name["language"]
+    assert (e.num_ranks, e.tp, e.dp, e.pp, e.rank_offset) == (enc_n, enc["tp"], enc["dp"], 1, 0)
+    assert (l.num_ranks, l.tp, l.dp, l.pp, l.rank_offset) == (llm_n, llm["tp"], llm["dp"], llm["pp"], enc_n)
+    config = megatron_lm.arguments.core_transformer_config_from_args(args)
+    assert decoder_layers(config) == llm["layers"]
+    for g, spec in ((enc, e), (llm, l)):  # the plan's ranks, renumbered so the encoder comes first
+        base = min(r for s in g["ranks"] for r in s)
+        want = [[spec.rank_offset + r - base for r in s] for s in g["ranks"]]
+        stages, _ = grid_stage_ranks(spec.tp, spec.dp, spec.pp, spec.rank_offset, world, monkeypatch)
+        assert stages == [sorted(s) for s in want]
+
+
+# --- Megatron-Bridge: MegatronMIMOParallelismConfig (pinned copy of main); megatron-core configs ----------------------
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    pytest.importorskip("megatron.core", reason="megatron-core is installed by the [export] extra")
+    spec = importlib.util.spec_from_file_location("megatron.bridge.models.megatron_mimo.megatron_mimo_config",
+                                                  FIXTURES / "megatron_bridge" / "megatron_mimo_config.py")
+    module = importlib.util.module_from_spec(spec)
+    for name in ("megatron.bridge", "megatron.bridge.models", "megatron.bridge.models.megatron_mimo"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_core_fields(ns: dict, num_layers: int, tp: int, pp: int, heads: int):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    fields = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, **ns["model_overrides"]}
+    config = TransformerConfig(num_layers=num_layers, hidden_size=heads * 128, num_attention_heads=heads, **fields)
+    DistributedDataParallelConfig(**ns["ddp_overrides"])
+    OptimizerConfig(**ns["optimizer_overrides"])
+    return config
+
+
+@pytest.mark.parametrize("name", MUST_SHOW)
+def test_megatron_bridge_one_layout_builds_megatron_core_configs(name, plans, bridge, tmp_path):
+    path = export(plans[name], "megatron-bridge", tmp_path)
+    ns = runpy.run_path(str(path))
+    want = as_chain(plans[name])
+    overrides = ns["model_overrides"]
+    assert (overrides["tensor_model_parallel_size"], overrides["pipeline_model_parallel_size"]) == (want["tp"], want["pp"])
+    assert ns["WORLD_SIZE"] // (want["tp"] * want["pp"]) == want["dp"]
+    config = check_core_fields(ns, sum(want["layers"]), want["tp"], want["pp"], 32)
+    assert decoder_layers(config) == want["layers"]
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(), ddp=types.SimpleNamespace(), optimizer=types.SimpleNamespace(),
+                                train=types.SimpleNamespace())
+    ns["apply"](cfg)
+    assert cfg.model.pipeline_model_parallel_size == want["pp"] and cfg.train.global_batch_size == load_plan(plans[name]).training.global_batch
+
+
+@pytest.mark.parametrize("name", MIMO)
+def test_megatron_bridge_mimo_config_finalizes_with_the_plans_rank_offsets(name, plans, bridge, tmp_path, monkeypatch):
+    path = export(plans[name], "megatron-bridge", tmp_path)  # exact: Bridge takes any rank_offset and ZeRO stage
+    ns = runpy.run_path(str(path))
+    config = ns["megatron_mimo_parallelism_config"]
+    assert isinstance(config, bridge.MegatronMIMOParallelismConfig)
+    config.finalize(ns["WORLD_SIZE"])
+    groups = pipeline(plans[name])
+    for g in groups:
+        p = config.module_parallelisms["language" if g is groups[-1] else g["name"]]
+        offset = min(r for s in g["ranks"] for r in s)
+        assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size, p.rank_offset) == \
+               (g["tp"], g["pp"], g["dp"], offset)
+        stages, _ = grid_stage_ranks(g["tp"], g["dp"], g["pp"], offset, ns["WORLD_SIZE"], monkeypatch)
+        assert stages == [sorted(s) for s in g["ranks"]]
+    llm = groups[-1]
+    config = check_core_fields(ns, sum(llm["layers"]), llm["tp"], llm["pp"], 64)
+    assert decoder_layers(config) == llm["layers"]
+
+
+# --- torchtitan: ParallelismConfig, ParallelDims and the device mesh it builds ---------------------------------------
+
+
+@contextmanager
+def fake_world(world: int):
+    """A process group of `world` ranks that does nothing (torch's fake backend), this process being rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", MUST_SHOW + ("llava-1.5-7b-apart",))
+def test_torchtitan_parallel_dims_and_mesh_agree(name, plans, tmp_path):
+    pytest.importorskip("torchtitan", reason="torchtitan is installed by the [export] extra")
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    path = export(plans[name], "torchtitan", tmp_path)  # llava apart: a chain (vision stage, then 7 LLM stages)
+    ns = runpy.run_path(str(path))
+    want = as_chain(plans[name])
+    cfg = ns["parallelism"]
+    assert isinstance(cfg, ParallelismConfig)
+    dims = ParallelDims.from_config(cfg, ns["WORLD_SIZE"])
+    assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp) == (want["dp"], want["tp"], want["pp"])
+    assert cfg.module_fqns_per_model_part == want["blocks"]
+    plan = load_plan(plans[name])
+    assert cfg.pipeline_parallel_microbatch_size * want["dp"] == plan.training.micro_batch
+    assert ns["training"]["local_batch_size"] * want["dp"] == plan.training.global_batch
+    with fake_world(ns["WORLD_SIZE"]):
+        dims.build_mesh()
+        assert dims.get_mesh("pp").mesh.tolist() == [s[0] for s in want["ranks"]]  # rank 0's peers in later stages
+        if want["tp"] > 1:
+            assert dims.get_mesh("tp").mesh.tolist() == want["ranks"][0][:want["tp"]]
+
+
+# --- DeepSpeed: DeepSpeedConfig reads the file ------------------------------------------------------------------------
+
+
+class DataParallel:
+    """The mpu DeepSpeedConfig asks for the data-parallel size (world / (tp * pp))."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.fixture
+def deepspeed_config(monkeypatch):
+    pytest.importorskip("deepspeed", reason="deepspeed is installed by the [export] extra")
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    # DeepSpeedConfig asks the communication backend for this rank and the mpu for the data-parallel size. A rank
+    # stand-in instead of deepspeed.comm.init_distributed, which compiles a C++ shared-memory op on CPU (minutes).
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda group=None: 0)
+    return DeepSpeedConfig
+
+
+def load_ds(DeepSpeedConfig, path: Path, dp: int):
+    return DeepSpeedConfig(str(path), mpu=DataParallel(dp))
+
+
+@pytest.mark.parametrize("name", MUST_SHOW)
+def test_deepspeed_config_accepts_the_export(name, plans, deepspeed_config, tmp_path):
+    # pipeline cut points are what ds_config.json cannot hold: dropped with --lossy, and said so
+    path = export(plans[name], "deepspeed", tmp_path, lossy=True)
+    data = json.loads(path.read_text())
+    assert data["comment"][0].startswith(f"mmplan plan {plans[name].name}: {name}") and any("pipeline cut points" in c for c in data["comment"])
+    want = as_chain(plans[name])
+    plan = load_plan(plans[name])
+    ds = load_ds(deepspeed_config, path, want["dp"])
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == \
+           (plan.training.global_batch, plan.training.micro_batch // want["dp"], plan.training.micro_batches)
+    assert ds.zero_optimization_stage == want["zero"] and ds.pipeline["stages"] == want["pp"]
+    assert ds.bfloat16_config.enabled
+    if want["tp"] > 1:
+        assert ds.tensor_parallel_config.autotp_size == want["tp"]
+
+
+def test_deepspeed_round_trip_of_zero3_with_nvme_offload(plans, deepspeed_config, tmp_path):
+    """A hand-written ZeRO-Infinity config -> `mmplan solve --from deepspeed` -> `mmplan export --to deepspeed`:
+    DeepSpeed reads the same ZeRO stage, offload devices and batch sizes back (exact, no --lossy)."""
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"train_batch_size": 256, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+                                                      "offload_optimizer": {"device": "cpu"}}}))
+    profile = plans["llava-1.5-7b"].parent / "llava-1.5-7b.profile.json"
+    plan = tmp_path / "from-ds.json"
+    cli("solve", profile, "--cluster", "64xh100-sxm", "--global-batch", 256, "--baseline", "homogeneous",
+        "--from", "deepspeed", mine, "-o", plan)
+    stage = load_plan(plan).groups[0].stages[0].memory
+    assert (stage.params, stage.grads, stage.optimizer) == ("nvme", "cpu", "cpu")
+    ds = load_ds(deepspeed_config, export(plan, "deepspeed", tmp_path), 64)
+    assert ds.zero_optimization_stage == 3 and (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (2, 2)
+    assert (str(ds.zero_config.offload_param.device), str(ds.zero_config.offload_optimizer.device)) in \
+           {("nvme", "cpu"), ("OffloadDeviceEnum.nvme", "OffloadDeviceEnum.cpu")}
