@@ -318,24 +318,12 @@ def _check_no_block_twice(groups: tuple[Group, ...], what: str) -> dict[str, str
 
 
 def _check_profile(plan: Plan, profile: Profile, what: str) -> None:
+    """The plan belongs to this profile; block placement and order are checked against the flow (_check_flow)."""
     if plan.profile.fingerprint != profile.fingerprint:
         raise FormatError(
             f"{what}: plan is for another model or model version (fingerprint {plan.profile.fingerprint} of {plan.profile.model!r}, "
             f"profile has {profile.fingerprint} of {profile.model!r}); re-solve the plan for this profile"
         )
-    owner = _check_no_block_twice(plan.groups, what)
-    order = {b.name: i for i, b in enumerate(profile.blocks)}
-    for b in owner:
-        if b not in order:
-            raise FormatError(f"{what}: block {b!r} of group {owner[b]!r} is not in the profile of {profile.model!r}; check the block name")
-    missing = [b.name for b in profile.blocks if b.name not in owner]
-    if missing:
-        raise FormatError(f"{what}: block {missing[0]!r} of the profile is missing from the plan ({len(missing)} missing); place every block in one stage")
-    for g in plan.groups:
-        for i, s in enumerate(g.stages):
-            idx = [order[b] for b in s.blocks]
-            if idx != sorted(idx):
-                raise FormatError(f"{what}: group {g.name!r} stage {i} lists its blocks out of the profile's execution order; sort them as in the profile")
     reducing = {b.name for b in profile.blocks if b.reduces_batch}
     for g in plan.groups:
         if g.dp > 1 and reducing & set(g.blocks):
@@ -387,7 +375,8 @@ def _check_flow(plan: Plan, what: str) -> None:
     owner = _check_no_block_twice(plan.groups, what)
     for b in owner:
         if b not in order:
-            raise FormatError(f"{what}: block {b!r} of group {owner[b]!r} is not in the plan's flow (the model's blocks); check the block name")
+            raise FormatError(f"{what}: block {b!r} of group {owner[b]!r} is not in the profile of {plan.profile.model!r} "
+                              "(the plan's flow); check the block name")
     missing = [b.name for b in flow.blocks if b.name not in owner]
     if missing:
         raise FormatError(f"{what}: block {missing[0]!r} of the model is in no stage of the plan ({len(missing)} missing); place every block in one stage")

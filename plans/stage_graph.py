@@ -44,6 +44,11 @@ class Chunk:
     ranks: tuple[int, ...]  # the stage's dp * tp ranks, tp fastest
     label: str  # "group s1", or "group s1.0" when the stage has several chunks
 
+    @property
+    def key(self) -> str:
+        """"group/stage", the runtime's name of the stage (it runs one chunk per stage)."""
+        return f"{self.group}/{self.stage}"
+
     def replica_of(self, rank: int) -> int:
         return self.ranks.index(rank) // self.tp
 

@@ -52,10 +52,10 @@ class Exchange:
         return self._tag[(route, piece, leaf, direction)] * self.layout.micro_batches + mb
 
     def _rank(self, stage: str, replica: int) -> int:
-        return self.layout.stages[stage].rank_of(replica)
+        return self.layout.stages[stage].leader(replica)
 
     def _leads(self, stage: str, replica: int) -> bool:
-        return self.layout.stages[stage].rank_of(replica) == self.rank
+        return self.layout.stages[stage].leader(replica) == self.rank
 
     def _put(self, dst: int, tensor: torch.Tensor, key: tuple, tag: int) -> None:
         if dst == self.rank:

@@ -10,35 +10,10 @@ from dataclasses import dataclass
 
 from plans.errors import FormatError, MmplanError
 from plans.plan import Plan
-from plans.stage_graph import Piece, StageGraph, slice_of, stage_graph
+from plans.stage_graph import Chunk, Piece, StageGraph, slice_of, stage_graph
 from runtime.program import Program
 
-__all__ = ["Layout", "Piece", "Route", "StageInfo", "build_layout"]
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    key: str  # "group/index"
-    chunk: int  # its chunk in the stage graph (the runtime runs one chunk per stage)
-    group: str
-    index: int
-    dp: int
-    tp: int
-    blocks: tuple[str, ...]
-    ranks: tuple[int, ...]  # dp * tp ranks, tp fastest
-
-    def replica_of(self, rank: int) -> int:
-        return self.ranks.index(rank) // self.tp
-
-    def rank_of(self, replica: int) -> int:
-        """The replica's tp-rank 0: it sends the replica's outputs (and input gradients) for all its tp ranks."""
-        return self.ranks[replica * self.tp]
-
-    def tp_ranks(self, replica: int) -> tuple[int, ...]:
-        return self.ranks[replica * self.tp:(replica + 1) * self.tp]
-
-    def tp_index(self, rank: int) -> int:
-        return self.ranks.index(rank) % self.tp
+__all__ = ["Layout", "Piece", "Route", "build_layout"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +27,14 @@ class Route:
 @dataclass(frozen=True)
 class Layout:
     graph: StageGraph
-    stages: dict[str, StageInfo]  # in the stage graph's order
+    stages: dict[str, Chunk]  # by Chunk.key ("group/stage"), in the stage graph's order
     routes: tuple[Route, ...]  # aligned with graph.routes
     loss_stage: str
     micro_batch: int  # samples per micro-batch (all replicas together)
     micro_batches: int
     distance: dict[str, int]  # stage key -> most routes on a path to the loss stage (-1: none)
 
-    def stages_on(self, rank: int) -> list[StageInfo]:
+    def stages_on(self, rank: int) -> list[Chunk]:
         return [s for s in self.stages.values() if rank in s.ranks]
 
     def slice(self, stage: str, replica: int) -> tuple[int, int]:
@@ -72,8 +47,7 @@ class Layout:
         return [r for r in self.routes if r.src == stage]
 
     def key_of(self, chunk: int) -> str:
-        c = self.graph.chunks[chunk]
-        return f"{c.group}/{c.stage}"
+        return self.graph.chunks[chunk].key
 
 
 def build_layout(plan: Plan, program: Program) -> Layout:
@@ -82,12 +56,12 @@ def build_layout(plan: Plan, program: Program) -> Layout:
         graph = stage_graph(plan)
     except FormatError as e:
         raise MmplanError(str(e)) from None
-    keys = [f"{c.group}/{c.stage}" for c in graph.chunks]
+    keys = [c.key for c in graph.chunks]
     if len(set(keys)) != len(keys):
         c = next(c for c in graph.chunks if c.index > 0)
         raise MmplanError(f"stage {c.group}/{c.stage} holds several model chunks (the interleaved schedule, or blocks that "
                           "are not consecutive in its group); the runtime runs one chunk per stage")
-    stages = {k: StageInfo(k, i, c.group, c.stage, c.dp, c.tp, c.blocks, c.ranks) for i, (k, c) in enumerate(zip(keys, graph.chunks))}
+    stages = dict(zip(keys, graph.chunks))
     routes = tuple(Route(r.block, keys[r.src], keys[r.dst], r.pieces) for r in graph.routes)
     layout = Layout(graph, stages, routes, keys[graph.loss], plan.training.micro_batch, plan.training.micro_batches,
                     {k: graph.distance[i] for i, k in enumerate(keys)})

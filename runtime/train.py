@@ -102,7 +102,7 @@ class RankTrainer:
         self.params = self.rm.parameters()
         mine = self.layout.stages_on(ctx.rank)
         # the plan's memory tiers: device budget, activation tiers, parameter/gradient/optimizer placement, Adam
-        self.tiers = RankTiers([(st.blocks, self.plan.group(st.group).stages[st.index].memory) for st in mine],
+        self.tiers = RankTiers([(st.blocks, self.plan.group(st.group).stages[st.stage].memory) for st in mine],
                                self.rm.local, limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device,
                                lr=job.lr, prefetch=job.prefetch)
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
@@ -266,7 +266,7 @@ class RankTrainer:
             outputs[route.block] = value
         if grad:
             state[(task.stage, task.replica, task.mb)] = (outputs, leaves_in, loss, mine)
-        counts = loss is not None and st.rank_of(task.replica) == self.ctx.rank  # once per replica, not per tp rank
+        counts = loss is not None and st.leader(task.replica) == self.ctx.rank  # once per replica, not per tp rank
         return float(loss.detach()) if counts else 0.0
 
     def backward(self, task: Task, state: dict) -> None:
@@ -397,7 +397,7 @@ class RankTrainer:
                 p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
             st = self.layout.stages[key]
-            events.append(("comm", f"sync {st.group} s{st.index}", c0 - t0, time.perf_counter() - t0))
+            events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
         self.tiers.close()  # removes the nvme tier's files
