@@ -51,3 +51,28 @@ def factory(micro_batch: int = 1):
         "targets": torch.randn(micro_batch),
     }
     return TwoTowerRegressor(), batch
+
+
+class RegressionData:
+    """A learnable dataset for `mmplan run ... --data examples.my_model:dataset`: the target is a fixed linear
+    function of the inputs' means, so the loss can fall. Deterministic in the global sample index."""
+
+    def __init__(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.w_images = torch.randn(48, generator=gen)
+        self.w_audio = torch.randn(16, generator=gen)
+        self.seed = seed
+
+    def sample_batch(self, indices) -> dict[str, torch.Tensor]:
+        images, audio = [], []
+        for i in indices:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+            images.append(torch.randn(16, 48, generator=gen))
+            audio.append(torch.randn(8, 16, generator=gen))
+        images, audio = torch.stack(images), torch.stack(audio)
+        targets = images.mean(1) @ self.w_images + audio.mean(1) @ self.w_audio
+        return {"images": images, "audio": audio, "targets": targets}
+
+
+def dataset(seed: int = 0) -> RegressionData:
+    return RegressionData(seed)

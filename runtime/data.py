@@ -223,6 +223,7 @@ def _check_batch(spec: str, dataset: Any, example_batch: Mapping[str, torch.Tens
     for key in ("tokens", "targets"):
         if (
             key in example_batch
+            and not batch[key].is_floating_point()  # ids; a float "targets" (regression) has no vocabulary
             and batch[key].numel()
             and not 0 <= int(batch[key].min()) <= int(batch[key].max()) < vocab
         ):

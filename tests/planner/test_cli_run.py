@@ -40,3 +40,31 @@ def test_run_refuses_a_launch_of_the_wrong_size(monkeypatch):
 def test_run_rejects_zero_steps():
     res = runner.invoke(app, ["run", str(EXAMPLES / "tiny-vlm-pp2.json"), "--steps", "0"])
     assert res.exit_code == 2 and "--steps" in res.stderr
+
+
+def test_a_plan_from_a_bf16_profile_with_two_colocated_groups_trains(tmp_path):
+    """Plans of bf16 (and --group, --measure) profiles run: the fingerprint is structural, and run re-profiles nothing."""
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert runner.invoke(app, ["profile", "tiny-vlm", "--dtype", "bf16", "-o", str(prof), "--group", "llm.head=head"]).exit_code == 0
+    res = runner.invoke(app, ["solve", str(prof), "--cluster", "2xlocal-cpu", "--global-batch", "8", "--placement", "colocated",
+                              "-o", str(plan)])
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(plan.read_text())["groups"]) > 1
+    res = runner.invoke(app, ["run", str(plan), "--steps", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.stdout.strip().splitlines()[-1])["losses"]) == 3
+
+
+def test_a_model_whose_data_flow_differs_from_the_plan_is_refused(tmp_path):
+    """The traced model must read, across stages, what the plan routes (one clear line, before training)."""
+    data = json.loads((EXAMPLES / "tiny-vlm-pp2.json").read_text())
+    prof = tmp_path / "p.json"
+    assert runner.invoke(app, ["profile", "tiny-vlm", "-o", str(prof)]).exit_code == 0
+    flow = json.loads(prof.read_text())
+    data["flow"] = {"blocks": [{"name": b["name"], "output_bytes": b["output_bytes"]} for b in flow["blocks"]],
+                    "edges": [[e["src"], e["dst"]] for e in flow["edges"] if e["dst"] != "llm.layers.0"], "loss": flow["loss"]}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(data))
+    res = runner.invoke(app, ["run", str(plan), "--steps", "1"])
+    assert res.exit_code == 2
+    assert "traced data flow differs from the plan's" in res.output and "Traceback" not in res.output
