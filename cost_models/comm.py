@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from cost_models.memory import zero_divisors
 from plans.cluster import Cluster, Link
@@ -99,10 +100,22 @@ def ring_bytes_sent(nbytes: float, n: int, *, all_reduce: bool) -> float:
     return (2 if all_reduce else 1) * (n - 1) / n * nbytes
 
 
-def zero_collectives(param_bytes: float, *, dp: int, zero: int, link: Link) -> tuple[float, float]:
-    """(all-gather, reduce-scatter) seconds ZeRO adds to every micro-batch of a stage holding `param_bytes` of
-    parameters per rank: stage 3 all-gathers the parameters before every forward and backward, stages 2-3
-    reduce-scatter the gradients after every backward (Rajbhandari et al. 2020, sections 5.2-5.3 and 7.2), each
-    over the ranks the state is sharded over (zero_divisors); both are prefetched / bucketed behind compute."""
+class ZeroCollectives(NamedTuple):
+    """ZeRO's communication in every micro-batch of a stage, per rank."""
+
+    gather: float  # seconds: the parameter all-gather before every forward and every backward (ZeRO 3)
+    scatter: float  # seconds: the gradient reduce-scatter after every backward (ZeRO 2-3)
+    bytes_sent: float  # bytes one rank sends for them in a micro-batch: two gathers and one scatter
+
+
+def zero_collectives(param_bytes: float, *, dp: int, zero: int, link: Link) -> ZeroCollectives:
+    """ZeRO's per-micro-batch collectives of a stage holding `param_bytes` of parameters per rank: stage 3
+    all-gathers the parameters before every forward and backward, stages 2-3 reduce-scatter the gradients after
+    every backward (Rajbhandari et al. 2020, sections 5.2-5.3 and 7.2), each over the ranks the state is sharded
+    over (zero_divisors); both are prefetched / bucketed behind compute."""
     share = zero_divisors(zero, dp)
-    return all_gather_time(param_bytes, share.params, link), reduce_scatter_time(param_bytes, share.grads, link)
+    return ZeroCollectives(
+        all_gather_time(param_bytes, share.params, link),
+        reduce_scatter_time(param_bytes, share.grads, link),
+        2 * ring_bytes_sent(param_bytes, share.params, all_reduce=False) + ring_bytes_sent(param_bytes, share.grads, all_reduce=False),
+    )

@@ -1,6 +1,8 @@
 """Time to move bytes between the GPU and the cpu / nvme tiers, and how much of it hides behind compute."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from cost_models.memory import StateTiers, zero_divisors
 from plans.cluster import Cluster
 
@@ -34,11 +36,18 @@ def exposed(transfer_s: float, overlappable_s: float) -> float:
     return max(0.0, transfer_s - overlappable_s)
 
 
-def state_streaming(param_bytes: float, *, dp: int, zero: int, memory: StateTiers, cluster: Cluster) -> tuple[float, float]:
-    """(parameters in, gradients out) seconds per operation of a stage holding `param_bytes` of parameters per
-    rank: parameters living off the GPU are streamed in, their ZeRO share, before every forward and backward;
-    gradients living off the GPU are streamed out, their ZeRO share, after every backward (ZeRO-Infinity,
-    Rajbhandari et al. 2021, sections 5-6; zero_divisors). 0 for a state on the GPU."""
+class Streaming(NamedTuple):
+    """Seconds per operation a stage spends moving its model states between tiers."""
+
+    params_in: float  # before every forward and every backward
+    grads_out: float  # after every backward
+
+
+def state_streaming(param_bytes: float, *, dp: int, zero: int, memory: StateTiers, cluster: Cluster) -> Streaming:
+    """Streaming of a stage holding `param_bytes` of parameters per rank: parameters living off the GPU are
+    streamed in, their ZeRO share, before every forward and backward; gradients living off the GPU are streamed
+    out, their ZeRO share, after every backward (ZeRO-Infinity, Rajbhandari et al. 2021, sections 5-6;
+    zero_divisors). 0 for a state on the GPU."""
     share = zero_divisors(zero, dp)
-    return (transfer_time(param_bytes / share.params, memory.params, cluster),
-            transfer_time(param_bytes / share.grads, memory.grads, cluster))
+    return Streaming(transfer_time(param_bytes / share.params, memory.params, cluster),
+                     transfer_time(param_bytes / share.grads, memory.grads, cluster))

@@ -125,11 +125,11 @@ class Segments:
         act_out = 0.0
         if policy.activations.startswith("offload-"):
             act_out = _affine(lambda x: transfer_time(x, policy.activations.removeprefix("offload-"), cl), self.act)
-        params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl)[0], param_bytes)
-        grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl)[1], param_bytes)
+        params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).params_in, param_bytes)
+        grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).grads_out, param_bytes)
         link = self.dp_link
-        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link)[0], param_bytes)
-        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link)[1], param_bytes)
+        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).gather, param_bytes)
+        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).scatter, param_bytes)
         t_fwd = act_out + params_in
         t_bwd = act_out + params_in + grads_out
         fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)

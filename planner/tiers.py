@@ -130,7 +130,7 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                 largest = max(largest, blk.params / t)
             param_bytes = params * width
             link = dp_link(cluster, s.ranks, g.tp)
-            gather, scatter = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link)
+            gather, scatter, _ = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link)
             state = {}
             for k in STATES:
                 memory = Memory(*k)

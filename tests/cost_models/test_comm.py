@@ -95,9 +95,10 @@ def test_dp_link_is_the_link_of_the_dp_group_of_tp_rank_0():
 
 def test_zero_collectives_run_over_the_sharded_ranks():
     link = Link(1e9, 1e-5)
-    assert zero_collectives(GIB, dp=8, zero=1, link=link) == (0.0, 0.0)
-    assert zero_collectives(GIB, dp=8, zero=2, link=link) == (0.0, reduce_scatter_time(GIB, 8, link))
-    assert zero_collectives(GIB, dp=8, zero=3, link=link) == (all_gather_time(GIB, 8, link), reduce_scatter_time(GIB, 8, link))
+    assert zero_collectives(GIB, dp=8, zero=1, link=link) == (0.0, 0.0, 0.0)
+    assert zero_collectives(GIB, dp=8, zero=2, link=link) == (0.0, reduce_scatter_time(GIB, 8, link), 7 / 8 * GIB)
+    three = zero_collectives(GIB, dp=8, zero=3, link=link)
+    assert three == (all_gather_time(GIB, 8, link), reduce_scatter_time(GIB, 8, link), 3 * 7 / 8 * GIB)
 
 
 def test_link_for_a_range_is_the_link_for_its_ranks():
