@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.comm import all_gather_time, dp_link, link_for, p2p_time, reduce_scatter_time, ring_bytes_sent
+from cost_models.comm import dp_link, link_for, p2p_time, ring_bytes_sent, zero_collectives
 from cost_models.compute import OpTime, block_time, measured_on
-from cost_models.memory import DTYPE_BYTES, zero_divisors
-from cost_models.offload import exposed, transfer_time
+from cost_models.memory import DTYPE_BYTES
+from cost_models.offload import exposed, state_streaming, transfer_time
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
@@ -227,23 +227,16 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         params += b.params / t
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
-    shares = zero_divisors(g.zero, g.dp)
-    params_in = transfer_time(param_bytes / shares.params, mem.params, cluster)  # streamed per op
-    grads_out = transfer_time(param_bytes / shares.grads, mem.grads, cluster)
-    # ZeRO-3 gathers the chunk's parameters for every forward and backward; ZeRO-2/3 reduce-scatter its
-    # gradients after every backward (Rajbhandari et al. 2020, sections 5.2-5.3 and 7.2), both
-    # prefetched / bucketed behind compute.
-    link = dp_link(cluster, ch.ranks, g.tp)
-    gather = all_gather_time(param_bytes, g.dp, link) if g.zero >= 3 else 0.0
-    scatter = reduce_scatter_time(param_bytes, g.dp, link) if g.zero >= 2 else 0.0
+    params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op
+    # ZeRO's gathers / reduce-scatters, prefetched / bucketed behind compute
+    gather, scatter, zero_bytes = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=dp_link(cluster, ch.ranks, g.tp))
     cost.params, cost.time = params, time
     cost.transfer_fwd = act + params_in
     cost.transfer_bwd = act + params_in + grads_out
     cost.overlap_comm_fwd, cost.overlap_comm_bwd = gather, gather + scatter
     cost.fwd = time.fwd + time.fwd_comm + exposed(max(cost.transfer_fwd, gather), time.fwd)
     cost.bwd = time.bwd + time.bwd_comm + exposed(max(cost.transfer_bwd, gather + scatter), time.bwd)
-    one = ring_bytes_sent(param_bytes, g.dp, all_reduce=False)
-    cost.bytes_per_mb = tp_bytes + (2 * one if g.zero >= 3 else 0.0) + (one if g.zero >= 2 else 0.0)
+    cost.bytes_per_mb = tp_bytes + zero_bytes
     return cost
 
 

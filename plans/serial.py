@@ -89,6 +89,8 @@ def read_text(path: str | os.PathLike, what: str, limit: int = MAX_FILE_BYTES) -
     `what` and the path."""
     try:
         return read_bounded(path, what, limit).decode("utf-8")
+    except FileNotFoundError:
+        raise FormatError(f"cannot read {what} {path}: not found") from None
     except IsADirectoryError:
         raise FormatError(f"cannot read {what} {path}: it is a directory") from None
     except OSError as e:

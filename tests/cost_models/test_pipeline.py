@@ -190,6 +190,6 @@ def test_timeline_events_stay_inside_the_step_and_lanes_do_not_overlap():
 
 
 def test_a_cycle_between_groups_is_reported():
-    profile = make_profile([("a", 1, 1e9), ("b", 1, 1e9)], cross=(("a.0", "b.0"), ("b.0", "a.0")))
     with pytest.raises(MmplanError, match="cycle|acyclic"):
+        profile = make_profile([("a", 1, 1e9), ("b", 1, 1e9)], cross=(("a.0", "b.0"), ("b.0", "a.0")))
         simulate(make_plan(profile, [make_group("a", [["a.0"]]), make_group("b", [["b.0"]], first_rank=1)], P.Training(1, 1)), profile)
