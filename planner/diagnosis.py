@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from cost_models.memory import model_state_bytes
+from planner.console import short_by
 from planner.candidates import GPU_ONLY, OFFLOAD, Policy, Setting, divisors, profile_units, stage_in_flight, tp_degrees, zero_stages
 from planner.partition import cut_table
 from planner.segments import Segments
@@ -29,7 +30,7 @@ def check_capacity(profile: Profile, cluster: Cluster, dtype: str) -> None:
         raise MmplanError(
             f"{profile.model} cannot fit on {cluster.world_size} x {cluster.device.name} even with every memory tier: its training "
             f"state needs {need / 1e9:,.1f} GB but GPU memory, host memory and NVMe hold {have / 1e9:,.1f} GB "
-            f"({(need - have) / 1e9:,.1f} GB short); add nodes or NVMe")
+            f"{short_by(need, have)}; add nodes or NVMe")
 
 
 def no_fit(profile: Profile, cluster: Cluster, setting: Setting, structures, memory_tiers: bool, stopped: bool) -> MmplanError:
@@ -45,7 +46,7 @@ def no_fit(profile: Profile, cluster: Cluster, setting: Setting, structures, mem
                            f"{setting.global_batch} with the placements searched ({single}); add GPUs or change the global batch")
     return MmplanError(
         f"{profile.model} does not fit on {cluster.world_size} x {cluster.device.name} {how}: its least-loaded layout needs "
-        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {cap / 1e9:,.2f} GB ({(need - cap) / 1e9:,.2f} GB short); add GPUs")
+        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {cap / 1e9:,.2f} GB {short_by(need, cap)}; add GPUs")
 
 
 def _least_gpu_bytes(profile: Profile, cluster: Cluster, setting: Setting, memory_tiers: bool) -> float | None:

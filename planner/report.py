@@ -13,7 +13,7 @@ from rich.text import Text
 
 from cost_models.evaluate import Evaluation
 from planner.compare import Compared, Comparison, best_index, deviation_summary, max_memory
-from planner.console import human_count
+from planner.console import human_count, safe
 from planner.show import group_totals
 from plans.graph import Profile
 from plans.plan import Group, Plan, Predicted
@@ -97,12 +97,12 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     for g in plan.groups:
         mods = list(dict.fromkeys(modality[b] for b in g.blocks))
         share = sum(flops[b] for b in g.blocks) / total
-        per_modality.append(f"{'+'.join(mods)}: {len(g.ranks)} GPUs ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
+        per_modality.append(f"{safe('+'.join(mods))}: {len(g.ranks)} GPUs ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
     peak = {t: max((getattr(m, t) for m in p.memory), default=0.0) for t in ("gpu", "cpu", "nvme")}
     lines = [
         "GPUs per modality: " + "; ".join(per_modality),
         f"predicted step {p.step_time_s:.4g} s, {p.samples_per_s:,.1f} samples/s, MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}, "
-        f"bottleneck {p.bottleneck}",
+        f"bottleneck {safe(p.bottleneck)}",
         f"peak memory per rank: GPU {format_bytes(peak['gpu'])} of {format_bytes(plan.cluster.device.memory_bytes)}"
         + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
@@ -110,7 +110,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     if solution.speedup is not None:
         lines.append(f"best homogeneous plan {solution.baseline_step_time_s:.4g} s: speed-up [bold]{solution.speedup:.2f}x[/]")
     if solution.structure == "baseline" and solution.plan.solver:
-        lines.append(f"baseline: {solution.plan.solver.notes}")
+        lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
     else:
         how = "proved optimal over the search space" if solution.proved_optimal else (
             "stopped early at the time limit" if solution.stopped_early else f"bound gap {solution.gap:.1%}")
@@ -118,7 +118,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
                      f"simulated, {how}")
     if solution.stopped_early:
         lines.append("[yellow]the time limit stopped the search: this is the best plan found so far[/]")
-    lines.append(f"wrote [bold]{output}[/]")
+    lines.append(f"wrote [bold]{safe(output)}[/]")
     return Stack(table, *(Text.from_markup(line) for line in lines))
 
 
@@ -302,10 +302,10 @@ def render_demo(result: DemoResult) -> Stack:
     same = s.plan.groups == b.plan.groups and s.plan.training == b.plan.training
     verdict = (f"measured speed-up of the solved plan over the best homogeneous one: [bold]{speedup:.2f}x[/] "
                f"(predicted {predicted:.2f}x)" + (" — the solver chose the homogeneous layout itself" if same else ""))
-    files = (f"wrote {result.out}/: profile.json, plan.json, homogeneous.json, run-solved.jsonl, "
+    files = (f"wrote {safe(result.out)}/: profile.json, plan.json, homogeneous.json, run-solved.jsonl, "
              f"run-homogeneous.jsonl, traces/ (open in ui.perfetto.dev)")
     return Stack(groups, plan_table([("solved", s.plan), ("homogeneous", b.plan)]), results_table(result),
-                     Panel(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}",
+                     Panel(Text.from_markup(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}"),
                            title="mmplan demo", title_align="left"))
 
 
