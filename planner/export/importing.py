@@ -276,7 +276,8 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
         mbs = train // (dp * (gas or 1))
     if mbs < 1 or train % (mbs * dp) or (gas is not None and mbs * gas * dp != train):
         raise MmplanError(f"{what}: train_batch_size {train} != train_micro_batch_size_per_gpu {mbs} x "
-                          f"gradient_accumulation_steps {gas or train // max(mbs * dp, 1)} x data-parallel size {dp}")
+                          f"gradient_accumulation_steps {gas or train // max(mbs * dp, 1)} x data-parallel size {dp} "
+                          f"(the {world} GPUs of cluster {cluster.name} / (tp={tp} x pp={pp})); fix the batch sizes or --cluster")
     zero_cfg = config.get("zero_optimization", {})
     zero_cfg = zero_cfg if isinstance(zero_cfg, dict) else {}
     zero = _int(config, ("zero_optimization", "stage"), 0, what)
