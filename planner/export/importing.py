@@ -106,24 +106,26 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
     layers = [b for b in profile.blocks if b.supports_tp and b.group == _llm_group(profile)]
     v = _virtual_stages(a, len(layers), pp)
     schedule = "interleaved" if v > 1 else "1f1b"
-    if a.pipeline_model_parallel_layout is None and not block and not a.optimizer_cpu_offload:
-        spec = LayoutSpec(tp, pp, dp, mbs, schedule, v, recompute, zero)  # Megatron's even split: planner/baselines.py
-        return homogeneous_plan(profile, cluster, global_batch, spec, solver=replace(solver, notes=f"{solver.notes}; layout {spec}"))
-    spec = LayoutSpec(tp, pp, dp, mbs, schedule, v, recompute if recompute != "full" or not block else "none", zero)
-    check_layout(profile, cluster, global_batch, spec)
+    # Megatron builds a VLM's encoders on the first pipeline stage and splits the LLM's layers (evenly, or as the
+    # layout says); planner/baselines.py's homogeneous split would spread the encoder's layers over the stages too.
+    check_layout(profile, cluster, global_batch, LayoutSpec(tp, pp, dp, mbs, schedule, v, "none", zero))
     counts = _layer_counts(a.pipeline_model_parallel_layout, len(layers), pp * v)
     chunks = _chunks(profile.blocks, _llm_group(profile), counts)
     training = Training(global_batch, global_batch // (dp * mbs), schedule, v, _dtype(profile))
+    first = a.recompute_num_layers if block else None
+    memory = [Memory(optimizer="cpu" if a.optimizer_cpu_offload else "gpu", activations=_recomputed(profile, c, recompute, first))
+              for c in chunks]
+    if v == 1:
+        cuts = tuple(sum(len(c) for c in chunks[:i]) for i in range(1, pp))
+        layout = GroupLayout("model", tuple(b for c in chunks for b in c), cuts, dp, tp, tuple(range(dp * tp * pp)),
+                             zero=zero, memory=tuple(memory))
+        return build_plan(profile, cluster, training, [layout], solver)
+    # interleaved: stage i holds chunks i, i+pp, ... (GroupLayout describes contiguous stages only; as baselines.py does)
     per = dp * tp
-    stages = []
-    for i in range(pp):
-        blocks = tuple(b for k in range(i, pp * v, pp) for b in chunks[k])
-        acts = {}
-        for k in range(i, pp * v, pp):
-            acts.update(_recomputed(profile, chunks[k], recompute, a.recompute_num_layers if block else None))
-        memory = Memory(grads="gpu", optimizer="cpu" if a.optimizer_cpu_offload else "gpu", activations=acts)
-        stages.append(Stage(blocks, tuple(range(i * per, (i + 1) * per)), memory))
-    group = Group("model", dp, tp, pp, tuple(stages), zero=zero)
+    stages = tuple(Stage(tuple(b for k in range(i, pp * v, pp) for b in chunks[k]), tuple(range(i * per, (i + 1) * per)),
+                         replace(memory[i], activations={b: t for k in range(i, pp * v, pp) for b, t in memory[k].activations.items()}))
+                   for i in range(pp))
+    group = Group("model", dp, tp, pp, stages, zero=zero)
     plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile)
     return with_predictions(plan, profile)[0]
 
@@ -274,7 +276,8 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
         mbs = train // (dp * (gas or 1))
     if mbs < 1 or train % (mbs * dp) or (gas is not None and mbs * gas * dp != train):
         raise MmplanError(f"{what}: train_batch_size {train} != train_micro_batch_size_per_gpu {mbs} x "
-                          f"gradient_accumulation_steps {gas or train // max(mbs * dp, 1)} x data-parallel size {dp}")
+                          f"gradient_accumulation_steps {gas or train // max(mbs * dp, 1)} x data-parallel size {dp} "
+                          f"(the {world} GPUs of cluster {cluster.name} / (tp={tp} x pp={pp})); fix the batch sizes or --cluster")
     zero_cfg = config.get("zero_optimization", {})
     zero_cfg = zero_cfg if isinstance(zero_cfg, dict) else {}
     zero = _int(config, ("zero_optimization", "stage"), 0, what)

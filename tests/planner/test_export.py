@@ -219,3 +219,20 @@ def test_export_command_prints_or_writes(tmp_path):
     r = runner.invoke(app, ["export", str(plan), "--to", "deepspeed", "-o", str(tmp_path / "no.json")])
     assert r.exit_code == 2 and not (tmp_path / "no.json").exists()
     assert r.stderr.count("\n") == 1 and "pipeline cut points" in r.stderr
+
+
+def test_interleaved_megatron_layout_round_trips(llava):
+    """--num-layers-per-virtual-pipeline-stage: 4 chunks per rank, encoders on the first; exported as a layout of
+    pp*v entries, read back to the same stages."""
+    from cost_models.hardware import parse_cluster
+
+    profile, _ = llava
+    cluster = parse_cluster("64xh100-sxm")
+    plan = plan_from("megatron", "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2",
+                     profile, cluster, 256)
+    assert plan.training.schedule == "interleaved" and plan.training.virtual_stages == 4
+    assert "vision.layers.23" in plan.groups[0].stages[0].blocks
+    layout = flags(export_plan(plan, "megatron").text)["--pipeline-model-parallel-layout"]
+    assert [s.count("t") for s in parse_layout_string(layout)] == [2] * 16
+    again = plan_from("megatron", export_plan(plan, "megatron").text, profile, cluster, 256)
+    assert [s.blocks for s in again.groups[0].stages] == [s.blocks for s in plan.groups[0].stages]

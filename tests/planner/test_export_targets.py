@@ -147,7 +147,7 @@ def decoder_layers(config) -> list[int]:
 
 
 @pytest.mark.parametrize("name", MUST_SHOW)
-def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, plans, megatron_lm, tmp_path, monkeypatch):
+def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, megatron_lm, plans, tmp_path, monkeypatch):
     path = export(plans[name], "megatron", tmp_path)
     assert path.read_text().startswith(f"# mmplan plan {plans[name].name}: {name}")
     want = as_chain(plans[name])
@@ -167,7 +167,7 @@ def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, plans, me
 
 
 @pytest.mark.parametrize("name", MIMO)
-def test_megatron_lm_mimo_flags_agree_on_grids_and_rank_offsets(name, plans, megatron_lm, tmp_path, monkeypatch):
+def test_megatron_lm_mimo_flags_agree_on_grids_and_rank_offsets(name, megatron_lm, plans, tmp_path, monkeypatch):
     # zero 0 -> 1 is the one thing dropped: hetero MIMO training requires the distributed optimizer
     path = export(plans[name], "megatron", tmp_path, lossy=True)
     assert "ZeRO stage 0" in path.read_text() and "--use-distributed-optimizer" in path.read_text()
@@ -223,7 +223,7 @@ def check_core_fields(ns: dict, num_layers: int, tp: int, pp: int, heads: int):
 
 
 @pytest.mark.parametrize("name", MUST_SHOW)
-def test_megatron_bridge_one_layout_builds_megatron_core_configs(name, plans, bridge, tmp_path):
+def test_megatron_bridge_one_layout_builds_megatron_core_configs(name, bridge, plans, tmp_path):
     path = export(plans[name], "megatron-bridge", tmp_path)
     ns = runpy.run_path(str(path))
     want = as_chain(plans[name])
@@ -239,7 +239,7 @@ def test_megatron_bridge_one_layout_builds_megatron_core_configs(name, plans, br
 
 
 @pytest.mark.parametrize("name", MIMO)
-def test_megatron_bridge_mimo_config_finalizes_with_the_plans_rank_offsets(name, plans, bridge, tmp_path, monkeypatch):
+def test_megatron_bridge_mimo_config_finalizes_with_the_plans_rank_offsets(name, bridge, plans, tmp_path, monkeypatch):
     path = export(plans[name], "megatron-bridge", tmp_path)  # exact: Bridge takes any rank_offset and ZeRO stage
     ns = runpy.run_path(str(path))
     config = ns["megatron_mimo_parallelism_config"]
@@ -261,6 +261,11 @@ def test_megatron_bridge_mimo_config_finalizes_with_the_plans_rank_offsets(name,
 # --- torchtitan: ParallelismConfig, ParallelDims and the device mesh it builds ---------------------------------------
 
 
+@pytest.fixture(scope="module")
+def torchtitan():
+    return pytest.importorskip("torchtitan", reason="torchtitan is installed by the [export] extra")
+
+
 @contextmanager
 def fake_world(world: int):
     """A process group of `world` ranks that does nothing (torch's fake backend), this process being rank 0."""
@@ -275,8 +280,7 @@ def fake_world(world: int):
 
 
 @pytest.mark.parametrize("name", MUST_SHOW + ("llava-1.5-7b-apart",))
-def test_torchtitan_parallel_dims_and_mesh_agree(name, plans, tmp_path):
-    pytest.importorskip("torchtitan", reason="torchtitan is installed by the [export] extra")
+def test_torchtitan_parallel_dims_and_mesh_agree(name, torchtitan, plans, tmp_path):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -328,7 +332,7 @@ def load_ds(DeepSpeedConfig, path: Path, dp: int):
 
 
 @pytest.mark.parametrize("name", MUST_SHOW)
-def test_deepspeed_config_accepts_the_export(name, plans, deepspeed_config, tmp_path):
+def test_deepspeed_config_accepts_the_export(name, deepspeed_config, plans, tmp_path):
     # pipeline cut points are what ds_config.json cannot hold: dropped with --lossy, and said so
     path = export(plans[name], "deepspeed", tmp_path, lossy=True)
     data = json.loads(path.read_text())
@@ -344,7 +348,7 @@ def test_deepspeed_config_accepts_the_export(name, plans, deepspeed_config, tmp_
         assert ds.tensor_parallel_config.autotp_size == want["tp"]
 
 
-def test_deepspeed_round_trip_of_zero3_with_nvme_offload(plans, deepspeed_config, tmp_path):
+def test_deepspeed_round_trip_of_zero3_with_nvme_offload(deepspeed_config, plans, tmp_path):
     """A hand-written ZeRO-Infinity config -> `mmplan solve --from deepspeed` -> `mmplan export --to deepspeed`:
     DeepSpeed reads the same ZeRO stage, offload devices and batch sizes back (exact, no --lossy)."""
     mine = tmp_path / "mine.json"
