@@ -7,13 +7,14 @@ escapes included, as visible symbols instead of sending them to the terminal.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
+
+from plans.units import format_bytes
 
 # C0 controls (but newline and tab) -> their Unicode control pictures (U+2400..), DEL -> U+2421, C1 -> U+FFFD:
 # one character for one, so the styles of a rich Text keep their places

@@ -1,7 +1,7 @@
 """Builds complete plans from layouts: the one place baselines, the solver and tests turn decisions into a Plan."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from cost_models.evaluate import Evaluation, evaluate
 from plans.cluster import Cluster

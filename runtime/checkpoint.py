@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from plans.errors import MmplanError
-from plans.serial import read_bounded
+from plans.serial import read_bounded, write_atomic
 
 FORMAT = "mmplan.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -124,7 +124,7 @@ def write_block_files(root: str | os.PathLike, step: int, blocks: Mapping[str, M
         torch.save(payload, buf)
         data = buf.getvalue()
         name = f"{block}.pt"
-        write_atomic(d / name, data)
+        _write_atomic(d / name, data)
         out[block] = BlockFile(block, name, hashlib.sha256(data).hexdigest(), len(data))
     return out
 
@@ -175,31 +175,13 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename. A failure (ENOSPC, EFBIG, EIO) removes the temp file and raises one MmplanError
-    naming the path."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """plans.serial.write_atomic (temp file, fsync, rename, directory fsync); a failure (ENOSPC, EFBIG, EIO) leaves
+    no temp file and raises one MmplanError naming the path."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        write_atomic(path, data)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise MmplanError(f"cannot write checkpoint file {path}: {e.strerror or e} (checkpoint directory "
                           f"{path.parent.parent}); free space there or choose another --checkpoint-dir") from None
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hash_file(d: Path, block: str, name: str) -> BlockFile:
