@@ -40,8 +40,9 @@ class RunResult:
     rank: int
 
 
-def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = None) -> tuple[Plan, Profile | None, str]:
-    """The plan (its flow taken from `profile` when given), the profile, and the model spec; refuse a model
+def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = None) -> tuple[Plan, Profile | None, str, float]:
+    """The plan (its flow taken from `profile` when given), the profile, the model spec and the bytes of one
+    sample of the model's inputs; refuse a model
     whose structural fingerprint differs from the plan's. Cheap: the model is built on the meta device and
     traced with torch.fx — no profiling analysis."""
     from runtime.program import model_fingerprint, traced_flow, trace_program
@@ -61,7 +62,8 @@ def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = N
             f"but {spec!r} builds a model with fingerprint {found} (another module tree or data flow): re-profile and re-solve")
     if plan.flow is None:  # a hand-written plan: the flow of the model it was just checked against
         plan = check_plan(replace(plan, flow=traced_flow(program)), None, f"plan {plan_path}")
-    return plan, profile, spec
+    sample_bytes = sum(t[:1].numel() * t.element_size() for t in batch.values() if isinstance(t, torch.Tensor))
+    return plan, profile, spec, float(sample_bytes)
 
 
 def _plan_model(plan: Plan, plan_path: Path) -> str:
@@ -104,7 +106,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     if device_budget is not None and not device_budget > 0:
         raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
     launched = _launched_world_size()
-    plan, profile, spec = checked_plan(plan_path, model, profile)
+    plan, profile, spec, sample_bytes = checked_plan(plan_path, model, profile)
     _check_rank_numbering(plan, plan_path)
     _check_tensor_parallel(plan, spec, plan_path)
     world = plan.world_size
@@ -121,7 +123,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
     if launched is None:
-        _check_host_memory(plan, profile, plan_path)
+        _check_host_memory(plan, profile, plan_path, sample_bytes)
     if resume is not None and not resume.is_dir():
         raise MmplanError(f"--resume {resume}: no such checkpoint directory")
     if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
@@ -220,7 +222,7 @@ def _check_tensor_parallel(plan: Plan, spec: str, plan_path: Path) -> None:
                 raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
 
 
-def _check_host_memory(plan: Plan, profile: Profile, plan_path: Path) -> None:
+def _check_host_memory(plan: Plan, profile: Profile | None, plan_path: Path, sample_bytes: float) -> None:
     """A local run must fit this machine: the ranks' training state and activations (the cost model's prediction)
     plus the input samples of two steps (the data loader builds the next step ahead), refused before any rank
     allocates them (a plan's global batch may be 16 M samples)."""
@@ -230,7 +232,7 @@ def _check_host_memory(plan: Plan, profile: Profile, plan_path: Path) -> None:
     available = _available_memory()
     if available is None:
         return
-    data = 2 * plan.training.global_batch * sum(i.bytes for i in profile.inputs) if profile is not None else 0.0
+    data = 2 * plan.training.global_batch * sample_bytes
     predicted = evaluate(plan, profile).memory if profile is not None else (plan.predicted.memory if plan.predicted else ())
     model = sum(m.gpu + m.cpu for m in predicted)
     if data + model > available:

@@ -74,7 +74,7 @@ def test_colocated_groups_sharing_one_layout_export_exactly(target):
     ("deepspeed", "groups with their own layouts"),
 ])
 def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_dropped(target, feature):
-    plan = example("tiny-avlm-apart-4xlocal-cpu")  # vision, audio and LLM each on their own ranks
+    plan = example("tiny-avlm-non-colocated-4xlocal-cpu")  # vision, audio and LLM each on their own ranks
     with pytest.raises(Unsupported, match=feature) as e:
         export_plan(plan, target)
     assert "\n" not in str(e.value) and "--lossy" in str(e.value)
@@ -84,20 +84,21 @@ def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_droppe
 
 
 def test_megatron_bridge_expresses_every_group_on_its_own_ranks():
-    text = export_plan(example("tiny-avlm-apart-4xlocal-cpu"), "megatron-bridge").text
+    text = export_plan(example("tiny-avlm-non-colocated-4xlocal-cpu"), "megatron-bridge").text
     assert "'vision': ModuleParallelismConfig" in text and "'audio': ModuleParallelismConfig" in text
     assert "'language': ModuleParallelismConfig" in text and "rank_offset=2" in text and "rank_offset=3" in text
 
 
 def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ranks():
-    plan = example("vit22b-llama70b-apart-128xh100-sxm")  # LLM on ranks 0-119 (pp 15, uneven), ViT on 120-127
+    plan = example("vit22b-llama70b-non-colocated-128xh100-sxm")  # LLM on the first ranks (pp 15, uneven), ViT after
     text = export_plan(plan, "megatron", lossy=True).text
     f = flags(text)
     llm = plan.group("llm")
     counts = [sum(1 for b in s.blocks if b.startswith("llm.layers.")) for s in llm.stages]
     assert [stage.count("t") for stage in parse_layout_string(f["--pipeline-model-parallel-layout"])] == counts
-    assert (f["--encoder-tp"], f["--encoder-dp"], f["--llm-offset"]) == ("8", "1", "8")
-    assert (f["--llm-tp"], f["--llm-pp"], f["--llm-dp"]) == ("4", "15", "2")
+    vision = next(g for g in plan.groups if g.name != "llm")
+    assert (f["--encoder-tp"], f["--encoder-dp"], f["--llm-offset"]) == (str(vision.tp), str(vision.dp), str(len(vision.ranks)))
+    assert (f["--llm-tp"], f["--llm-pp"], f["--llm-dp"]) == (str(llm.tp), str(llm.pp), str(llm.dp))
     assert "ranks renumbered" in text
 
 

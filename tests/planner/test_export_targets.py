@@ -61,7 +61,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     for name, (model, cluster, batch, *extra) in solves.items():
         out[name] = d / f"{name}.json"
         cli("solve", d / f"{model}.profile.json", "--cluster", cluster, "--global-batch", batch, "-o", out[name], "--json", *extra)
-    out["vit22b-llama70b-apart"] = EXAMPLES / "vit22b-llama70b-apart-128xh100-sxm.json"
+    out["vit22b-llama70b-apart"] = EXAMPLES / "vit22b-llama70b-non-colocated-128xh100-sxm.json"
     return out
 
 

@@ -125,7 +125,7 @@ def test_the_lock_dies_with_its_holder(tmp_path):
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(ckpt, tmp_path):
-    line = one_line_error(run(EXAMPLES / "tiny-avlm-apart-4xlocal-cpu.json", "--steps", 6, "--resume", ckpt))
+    line = one_line_error(run(EXAMPLES / "tiny-avlm-non-colocated-4xlocal-cpu.json", "--steps", 6, "--resume", ckpt))
     assert "'tiny-vlm'" in line and "'tiny-avlm'" in line and "fingerprint" in line
 
 
