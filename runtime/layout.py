@@ -46,8 +46,6 @@ class Layout:
     def routes_out_of(self, stage: str) -> list[Route]:
         return [r for r in self.routes if r.src == stage]
 
-    def key_of(self, chunk: int) -> str:
-        return self.graph.chunks[chunk].key
 
 
 def build_layout(plan: Plan, program: Program) -> Layout:

@@ -39,11 +39,6 @@ def rank_tasks(layout: Layout, policy: str, rank: int) -> list[Task]:
         raise MmplanError(str(e)) from None
     out = []
     for t in sched.rank_order(layout.graph, rank):
-        st = layout.stages[layout.key_of(t.chunk)]
+        st = layout.graph.chunks[t.chunk]
         out.append(Task("B" if t.backward else "F", st.key, st.replica_of(rank), t.mb, task_name(layout.graph, t)))
     return out
-
-
-def task_orders(layout: Layout, policy: str) -> dict[int, list[Task]]:
-    """Every rank's tasks in execution order."""
-    return {r: rank_tasks(layout, policy, r) for st in layout.stages.values() for r in st.ranks}
