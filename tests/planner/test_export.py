@@ -52,12 +52,21 @@ def llava(tmp_path_factory):
     return profile, d
 
 
+def tiny_avlm_apart():
+    """vision, audio and LLM each on their own ranks (the LLM data-parallel over two)."""
+    from tests.runtime.plan_builder import make_plan
+
+    return make_plan("tiny-avlm", [{"name": "vision", "stages": [(["vision", "vision_proj"], [2])]},
+                                   {"name": "audio", "stages": [(["audio", "audio_proj"], [3])]},
+                                   {"name": "llm", "dp": 2, "stages": [(["llm"], [0, 1])]}])
+
+
 @pytest.mark.parametrize("target", TARGETS)
-def test_the_export_opens_with_a_comment_naming_the_plan_and_its_predictions(target):
-    plan = example("llava-1.5-13b-solved-64xh100-sxm")
+def test_the_export_opens_with_a_comment_naming_the_plan_and_its_predictions(target, llava):
+    plan = load_plan(llava[1] / "plan.json")
     text = export_plan(plan, target, lossy=True, source="solved.json").text
     first = json.loads(text)["comment"] if target == "deepspeed" else [line[2:] for line in text.splitlines() if line.startswith("# ")]
-    assert first[0].startswith("mmplan plan solved.json: llava-1.5-13b (fingerprint ")
+    assert first[0].startswith("mmplan plan solved.json: llava-1.5-7b (fingerprint ")
     assert f"step {plan.predicted.step_time_s:.4g} s" in first[2] and "MFU" in first[2]
 
 
@@ -74,7 +83,7 @@ def test_colocated_groups_sharing_one_layout_export_exactly(target):
     ("deepspeed", "groups with their own layouts"),
 ])
 def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_dropped(target, feature):
-    plan = example("tiny-avlm-non-colocated-4xlocal-cpu")  # vision, audio and LLM each on their own ranks
+    plan = tiny_avlm_apart()
     with pytest.raises(Unsupported, match=feature) as e:
         export_plan(plan, target)
     assert "\n" not in str(e.value) and "--lossy" in str(e.value)
@@ -84,26 +93,37 @@ def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_droppe
 
 
 def test_megatron_bridge_expresses_every_group_on_its_own_ranks():
-    text = export_plan(example("tiny-avlm-non-colocated-4xlocal-cpu"), "megatron-bridge").text
+    text = export_plan(tiny_avlm_apart(), "megatron-bridge").text
     assert "'vision': ModuleParallelismConfig" in text and "'audio': ModuleParallelismConfig" in text
     assert "'language': ModuleParallelismConfig" in text and "rank_offset=2" in text and "rank_offset=3" in text
 
 
-def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ranks():
-    plan = example("vit22b-llama70b-non-colocated-128xh100-sxm")  # LLM on the first ranks (pp 15, uneven), ViT after
+def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ranks(llava):
+    from cost_models.hardware import parse_cluster
+    from planner.construct import GroupLayout, build_plan
+    from plans.plan import Training
+
+    profile, _ = llava  # the LLM on ranks 0-55 (tp 4, dp 2, pp 7, uneven), the ViT and projector on 56-63 (tp 8)
+    vision = tuple(b.name for b in profile.blocks if not b.name.startswith("llm"))
+    llm = tuple(b.name for b in profile.blocks if b.name.startswith("llm"))
+    counts = [3, 5, 5, 5, 5, 5, 4]
+    cuts = tuple(1 + sum(counts[:i]) for i in range(1, 7))  # llm.embed, then the layers
+    plan = build_plan(profile, parse_cluster("64xh100-sxm"), Training(64, 32), [
+        GroupLayout("llm", llm, cuts, 2, 4, tuple(range(56))), GroupLayout("vision", vision, (), 1, 8, tuple(range(56, 64)))][::-1],
+        predict=False)
     text = export_plan(plan, "megatron", lossy=True).text
     f = flags(text)
-    llm = plan.group("llm")
-    counts = [sum(1 for b in s.blocks if b.startswith("llm.layers.")) for s in llm.stages]
     assert [stage.count("t") for stage in parse_layout_string(f["--pipeline-model-parallel-layout"])] == counts
-    vision = next(g for g in plan.groups if g.name != "llm")
-    assert (f["--encoder-tp"], f["--encoder-dp"], f["--llm-offset"]) == (str(vision.tp), str(vision.dp), str(len(vision.ranks)))
-    assert (f["--llm-tp"], f["--llm-pp"], f["--llm-dp"]) == (str(llm.tp), str(llm.pp), str(llm.dp))
-    assert "ranks renumbered" in text
+    assert (f["--encoder-tp"], f["--encoder-dp"], f["--llm-offset"]) == ("8", "1", "8")
+    assert (f["--llm-tp"], f["--llm-pp"], f["--llm-dp"]) == ("4", "7", "2")
+    assert "ranks renumbered" in text and "ZeRO stage 0" in text
 
 
 def test_megatron_moves_encoders_to_the_first_stage_only_with_lossy():
-    plan = example("tiny-vlm-heavy-chain-4xlocal-cpu")  # the vision encoder is cut between stage 0 and 1
+    from tests.runtime.plan_builder import make_plan
+
+    plan = make_plan("tiny-vlm-heavy", [{"name": "model", "dp": 2, "stages": [  # the vision encoder cut between stages
+        (["vision.patch_embed", "vision.layers.0"], [0, 1]), (["vision", "vision_proj", "llm"], [2, 3])]}])
     with pytest.raises(Unsupported, match="encoder blocks after the first pipeline stage"):
         export_plan(plan, "megatron")
     assert export_plan(plan, "torchtitan").dropped == ()  # torchtitan's module_fqns_per_model_part holds that cut
