@@ -15,17 +15,11 @@ from planner.candidates import divisors, micro_batch_counts
 from planner.cli import app
 from plans.limits import MAX_FILE_BYTES, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES
 from plans.serial import schema
+from tests.cli_helpers import one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 PP2 = REPO / "plans" / "examples" / "tiny-vlm-pp2.json"
 runner = CliRunner()
-
-
-def one_line_error(res, code: int = 2) -> str:
-    assert res.exit_code == code, res.output
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

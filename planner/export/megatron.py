@@ -70,6 +70,17 @@ def _hetero_groups(plan: Plan, drops: Drops) -> tuple[Group, Group] | None:
     return None
 
 
+def _pipeline_flags(plan: Plan, pp: int, dp: int, blocks, chunks, roles: Roles, drops: Drops) -> list[list[str]]:
+    """The LLM pipeline's layout string (uneven cut points), its layer count and the batch flags."""
+    args = []
+    if pp > 1:
+        args.append(["--pipeline-model-parallel-layout", layout_string(chunks, roles, drops)])
+        if plan.training.schedule == "gpipe":
+            drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
+    args.append(["--num-layers", str(len(roles.llm_layers(blocks)))])
+    return args + _batch_flags(plan, dp)
+
+
 # --- one layout: stock Megatron-LM flags ----------------------------------------------------------------------------
 
 
@@ -80,14 +91,8 @@ def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> list[lis
     chain = encoders_first(chain, roles, drops)
     stages = no_activation_offload(chain.stages, drops)
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
-    t = plan.training
     args = [["--tensor-model-parallel-size", str(chain.tp)], ["--pipeline-model-parallel-size", str(chain.pp)]]
-    if chain.pp > 1:
-        args.append(["--pipeline-model-parallel-layout", layout_string(chunks, roles, drops)])
-        if t.schedule == "gpipe":
-            drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
-    args.append(["--num-layers", str(len(roles.llm_layers(chain.blocks)))])
-    args += _batch_flags(plan, chain.dp)
+    args += _pipeline_flags(plan, chain.pp, chain.dp, chain.blocks, chunks, roles, drops)
     args += _zero_flags(chain.zero)
     args += _recompute_flags(recompute_of([(blocks, mem) for blocks, mem in chunks], roles, drops))
     args += _tier_flags(stages, drops)
@@ -277,15 +282,9 @@ def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str], enc: Group, 
                      "the encoder's state and activations on the GPU")
     stages = no_activation_offload(llm.stages, drops)
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
-    t = plan.training
     args = [["--encoder-tp", str(enc.tp)], ["--encoder-dp", str(enc_dp)], ["--llm-offset", str(enc_n)],
             ["--llm-tp", str(llm.tp)], ["--llm-pp", str(llm.pp)], ["--llm-dp", str(llm.dp)]]
-    if llm.pp > 1:
-        args.append(["--pipeline-model-parallel-layout", layout_string(chunks, roles, drops)])
-        if t.schedule == "gpipe":
-            drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
-    args.append(["--num-layers", str(len(roles.llm_layers(llm.blocks)))])
-    args += _batch_flags(plan, llm.dp)
+    args += _pipeline_flags(plan, llm.pp, llm.dp, llm.blocks, chunks, roles, drops)
     args += _zero_flags(zero)
     args += _recompute_flags(recompute_of(list(chunks), roles, drops))
     args += _tier_flags(stages, drops)

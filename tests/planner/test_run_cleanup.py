@@ -17,18 +17,12 @@ from typer.testing import CliRunner
 from planner.cli import app
 from plans.plan import Memory, save_plan
 from tests.runtime.plan_builder import make_plan
+from tests.cli_helpers import one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 PP2 = REPO / "plans" / "examples" / "tiny-vlm-pp2.json"
 runner = CliRunner()
 FIRST = ["vision", "vision_proj", "llm.embed"]
-
-
-def one_line_error(res, code: int = 2) -> str:
-    assert res.exit_code == code, res.output
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    return lines[0]
 
 
 def files_under(root: Path) -> list[Path]:

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from planner.cli import app
 from runtime.checkpoint import MANIFEST, complete_steps, read_manifest
 from runtime.dirlock import DirLock
+from tests.cli_helpers import one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "plans" / "examples"
@@ -35,13 +36,6 @@ def snapshot(root: Path) -> dict[str, str]:
     """Every file under root (lock file aside) -> its sha256."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".mmplan-lock"}
-
-
-def one_line_error(res, code: int = 2) -> str:
-    assert res.exit_code == code, res.output
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
