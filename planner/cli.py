@@ -285,13 +285,18 @@ def compare(
     step time, per-rank busy time and memory (medians over the steps after the first).
     """
     from planner.compare import run_compare
-    from planner.report import compare_table, comparison_json, measured_table
+    from planner.report import breakdown_table, compare_table, comparison_json, measured_table, why_texts
 
     result = run_compare(plans, profile_path=profile_path, trace_dir=trace, measured_path=measured)
     if as_json:
         print(json.dumps(comparison_json(result), allow_nan=False))
         return
     console.out.print(compare_table(result.items))
+    steps = breakdown_table(result.items)
+    if steps is not None:
+        console.out.print(steps)
+    for text in why_texts(result.items).values():
+        console.out.print(text, soft_wrap=True, markup=False)
     if result.measured is not None:
         c = result.items[0]
         console.out.print(measured_table(c.plan, c.evaluation or c.predicted, result.measured))

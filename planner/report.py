@@ -14,6 +14,7 @@ from rich.text import Text
 from cost_models.evaluate import Evaluation
 from planner.compare import Compared, Comparison, best_index, deviation_summary, max_memory
 from planner.console import human_count, safe
+from planner.explain import breakdown, seconds_text, why
 from planner.show import group_totals
 from plans.graph import Profile
 from plans.plan import Group, Plan, Predicted
@@ -158,13 +159,45 @@ def figures(item: Compared, *, best: bool = False) -> dict[str, Any]:
         "bottleneck": p.bottleneck,
         "fits": p.fits,
         "best": best,
+        "breakdown": [{"group": r.group, "stage": r.stage, "ranks": r.ranks, "compute_s": r.compute, "comm_s": r.comm,
+                       "offload_s": r.offload, "bubble_s": r.bubble}
+                      for r in breakdown(plan, item.evaluation)] if item.evaluation is not None else None,
     }
 
 
 def compare_json(items: Sequence[Compared]) -> list[dict[str, Any]]:
-    """One object per plan, in the order given."""
+    """One object per plan, in the order given; each plan but the best says why the best beats it ("why")."""
     best = best_index(items)
-    return [figures(c, best=i == best) for i, c in enumerate(items)]
+    out = [figures(c, best=i == best) for i, c in enumerate(items)]
+    for i, text in why_texts(items).items():
+        out[i]["why"] = text
+    return out
+
+
+def why_texts(items: Sequence[Compared]) -> dict[int, str]:
+    """For each evaluated plan other than the best: why the best beats it (planner/explain.py)."""
+    best = best_index(items)
+    if best is None or items[best].evaluation is None:
+        return {}
+    b = items[best]
+    return {i: why(Path(b.name).stem, b.plan, b.evaluation, Path(c.name).stem, c.plan, c.evaluation)
+            for i, c in enumerate(items) if i != best and c.evaluation is not None}
+
+
+def breakdown_table(items: Sequence[Compared]) -> Table | None:
+    """Where each evaluated plan's step goes, per group and stage (planner/explain.py); None when no plan was evaluated."""
+    evaluated = [c for c in items if c.evaluation is not None]
+    if not evaluated:
+        return None
+    table = Table(title="where the step goes (seconds per step on a rank of each stage)", title_justify="left",
+                  header_style="bold")
+    for name in ("plan", "group", "stage", "ranks", "compute", "exposed comm", "exposed offload", "bubble"):
+        table.add_column(name, justify="left" if name in ("plan", "group") else "right")
+    for c in evaluated:
+        for n, r in enumerate(breakdown(c.plan, c.evaluation)):
+            table.add_row(Path(c.name).stem if n == 0 else "", r.group, str(r.stage), str(r.ranks),
+                          *(seconds_text(v) for v in (r.compute, r.comm, r.offload, r.bubble)))
+    return table
 
 
 def compare_table(items: Sequence[Compared]) -> Table:

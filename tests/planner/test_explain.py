@@ -1,0 +1,81 @@
+"""Where the step goes and why a plan wins (planner/explain.py): parts add up to the step, sentences follow the numbers."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cost_models.evaluate import evaluate
+from planner.baselines import homogeneous_plan
+from planner.compare import Compared
+from planner.explain import PARTS, breakdown, per_gpu, why
+from planner.report import compare_json
+from cost_models.hardware import parse_cluster
+from tests.planner.test_compare import chain_profile
+
+
+@pytest.fixture(scope="module")
+def evaluated():
+    profile, cluster = chain_profile(), parse_cluster("4xlocal-cpu")
+    out = {}
+    for name, layout in (("pp4", "tp=1,pp=4,dp=1,schedule=gpipe"), ("dp4", "tp=1,pp=1,dp=4,micro-batch=2"),
+                         ("pp2", "tp=1,pp=2,dp=2")):
+        plan = homogeneous_plan(profile, cluster, 8, layout)
+        out[name] = (plan, evaluate(plan, profile))
+    return out
+
+
+@pytest.mark.parametrize("name", ["pp4", "dp4", "pp2"])
+def test_the_parts_add_up_to_the_step_on_every_stage_and_per_gpu(evaluated, name):
+    plan, ev = evaluated[name]
+    step = ev.predicted.step_time_s
+    rows = breakdown(plan, ev)
+    assert [(r.group, r.stage) for r in rows] == [(s.group, s.index) for s in ev.stages]
+    for r in rows:
+        assert min(r.compute, r.comm, r.offload, r.bubble) >= 0
+        assert r.compute + r.comm + r.offload + r.bubble == pytest.approx(step, rel=1e-9)
+        assert r.compute > 0
+    assert sum(per_gpu(plan, ev).values()) == pytest.approx(step, rel=1e-9)
+
+
+def test_a_deep_gpipe_pipeline_shows_its_bubble_and_data_parallel_shows_none(evaluated):
+    pp4, dp4 = per_gpu(*evaluated["pp4"]), per_gpu(*evaluated["dp4"])
+    # GPipe over 4 stages with 8 micro-batches idles (p-1)/(m+p-1) of the pipeline at least
+    assert pp4["bubble"] > 0.2 * sum(pp4.values())
+    assert dp4["bubble"] == pytest.approx(0.0, abs=1e-12)
+    assert dp4["comm"] > 0  # the gradient all-reduce over 4 replicas
+
+
+def test_why_names_the_speed_up_and_the_parts_that_changed_most(evaluated):
+    (a, ea), (b, eb) = evaluated["dp4"], evaluated["pp4"]
+    fast, slow = ((a, ea), (b, eb)) if ea.predicted.step_time_s < eb.predicted.step_time_s else ((b, eb), (a, ea))
+    text = why("fast", fast[0], fast[1], "slow", slow[0], slow[1])
+    ratio = slow[1].predicted.step_time_s / fast[1].predicted.step_time_s
+    assert text.startswith(f"fast is {ratio:.2f}x faster than slow")
+    pf, ps = per_gpu(*fast), per_gpu(*slow)
+    biggest = max(PARTS, key=lambda p: ps[p] - pf[p])
+    named = {"compute": "compute falls", "comm": "exposed communication falls", "offload": "exposed offload falls",
+             "bubble": "bubble falls"}
+    assert named[biggest] in text
+    # argument order does not change who is faster
+    assert why("slow", slow[0], slow[1], "fast", fast[0], fast[1]).startswith("fast is")
+
+
+def test_a_plan_that_does_not_fit_loses_on_memory(evaluated):
+    from dataclasses import replace
+    (a, ea), (b, eb) = evaluated["dp4"], evaluated["pp2"]
+    eb = replace(eb, predicted=replace(eb.predicted, fits=False))
+    assert why("a", a, ea, "b", b, eb) == "b does not fit in GPU memory, a does."
+
+
+def test_compare_json_carries_the_breakdown_and_why_the_best_wins(evaluated):
+    items = [Compared(f"{n}.json", *evaluated[n][:1], evaluated[n][1].predicted, evaluated[n][1]) for n in ("pp4", "dp4", "pp2")]
+    data = compare_json(items)
+    best = next(i for i, d in enumerate(data) if d["best"])
+    for i, d in enumerate(data):
+        assert len(d["breakdown"]) == len(items[i].evaluation.stages)
+        assert set(d["breakdown"][0]) == {"group", "stage", "ranks", "compute_s", "comm_s", "offload_s", "bubble_s"}
+        if i == best:
+            assert "why" not in d
+        else:
+            assert re.match(rf"{items[best].name.removesuffix('.json')} is \d+\.\d\dx faster than", d["why"])
