@@ -128,18 +128,21 @@ class RankTrainer:
         return dp_groups, tp_groups
 
     def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
-        """Shard the blocks that support it across their replica's tp ranks; the others stay replicated."""
+        """Shard the blocks that support it (transformer layers; the token embedding, LM head and loss over the
+        vocabulary; sequence parallelism where the plan asks) across their replica's tp ranks; the others stay
+        replicated (runtime/tp_stage.py)."""
+        self.stage_tp: dict[str, Any] = {}
         if not tp_groups:
             return
-        from runtime.tensor_parallel import apply_tp, check_tp, supports_tp
+        from runtime.tp_stage import parallelize_stage
 
         for key, group in tp_groups.items():
             st = self.layout.stages[key]
-            for b in st.blocks:
-                block = self.rm.local[b]
-                if supports_tp(block):
-                    check_tp(block, st.tp)
-                    apply_tp(block, group, st.tp_index(self.ctx.rank), st.tp)
+            leaving = {r.block for r in self.layout.routes_out_of(key)}
+            self.stage_tp[key] = parallelize_stage(
+                self.rm.program, st.blocks, self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
+                vocab=vocab_of(self.rm.model), leaving=leaving,
+                sequence_parallel=self.plan.group(st.group).sequence_parallel)
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
@@ -210,6 +213,7 @@ class RankTrainer:
         self.exchange.finish()
         self.tiers.before_reduce()
         c0 = time.perf_counter()
+        self.sync_sequence_parallel()
         self.reduce_gradients(events, t0)
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
@@ -298,10 +302,9 @@ class RankTrainer:
         """'block.param' -> ShardInfo for this stage's tensor-parallel parameters (empty without tp)."""
         if st.key not in self.tp_groups:
             return {}
-        from runtime.tensor_parallel import full_parameter_names, supports_tp
+        from runtime.tensor_parallel import full_parameter_names
 
-        return {f"{b}.{n}": info for b in st.blocks if supports_tp(self.rm.local[b])
-                for n, info in full_parameter_names(self.rm.local[b]).items()}
+        return {f"{b}.{n}": info for b in st.blocks for n, info in full_parameter_names(self.rm.local[b]).items()}
 
     def _unshard(self, st, shards: dict, name: str, value: torch.Tensor) -> torch.Tensor:
         """The full tensor of a tp-sharded parameter-shaped value (collective over the stage's tp group)."""
@@ -376,6 +379,13 @@ class RankTrainer:
         self.tiers.load_state_by_name(state)
         set_rng_state(manifest.rng_for(self.ctx.rank))
         return manifest.step
+
+    def sync_sequence_parallel(self) -> None:
+        """Sum the partial gradients of sequence-parallel replicated parameters over each stage's tp group."""
+        from runtime.sequence_parallel import sync_sequence_parallel_grads
+
+        for key, done in self.stage_tp.items():
+            sync_sequence_parallel_grads(done.partial_params, self.tp_groups[key])
 
     def reduce_gradients(self, events: list, t0: float) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage
