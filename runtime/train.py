@@ -52,6 +52,7 @@ class Job:
     resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
     trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
     lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)
+    bucket_bytes: int = 25 * 2**20  # dp gradient all-reduce in buckets during the backward (grad_buckets.py); 0: after it
 
 
 @dataclass
@@ -106,6 +107,8 @@ class RankTrainer:
                                self.rm.local, limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device,
                                lr=job.lr, prefetch=job.prefetch)
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
+        self.buckets = self._grad_buckets()
+        self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind == "B"}  # buckets armed there
         self.start_step = self._resume(job.resume) if job.resume else 0
         self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
 
@@ -201,11 +204,13 @@ class RankTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         compute = 0.0
         events: list[tuple[str, str, float, float]] = []
-        for task in self.tasks:
+        for i, task in enumerate(self.tasks):
             w0, c0 = self.exchange.wait_s, time.perf_counter()
             if task.kind == "F":
                 loss_sum += self.forward(task, batches, state)
             else:
+                if task.stage in self.buckets and self.last_backward[task.stage] == i:
+                    self.buckets[task.stage].arm()
                 self.backward(task, state)
             c1 = time.perf_counter()
             compute += c1 - c0 - (self.exchange.wait_s - w0)
@@ -213,8 +218,8 @@ class RankTrainer:
         self.exchange.finish()
         self.tiers.before_reduce()
         c0 = time.perf_counter()
-        self.sync_sequence_parallel()
         self.reduce_gradients(events, t0)
+        self.sync_sequence_parallel()  # after: a bucket's write-back would overwrite it (sums commute)
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
             results["grads"] = self.full_tensors(lambda p: p.grad)
@@ -387,11 +392,31 @@ class RankTrainer:
         for key, done in self.stage_tp.items():
             sync_sequence_parallel_grads(done.partial_params, self.tp_groups[key])
 
+    def _grad_buckets(self) -> dict[str, Any]:
+        """Bucketed all-reduce during the backward for the dp stages whose parameters and gradients stay in the
+        device tier (the host tiers move gradients after the backward: those stages reduce after it)."""
+        from runtime.grad_buckets import GradBuckets
+
+        out = {}
+        for key, group in self.dp_groups.items():
+            st = self.layout.stages[key]
+            memory = self.plan.group(st.group).stages[st.stage].memory
+            if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu":
+                params = [p for b in st.blocks for p in self.rm.local[b].parameters()]
+                out[key] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
+        return out
+
     def reduce_gradients(self, events: list, t0: float) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage
-        order, as the simulator's tail ops); each is a 'sync group sN' event of the timeline."""
+        order, as the simulator's tail ops, or the wait for its buckets launched during the backward); each is a
+        'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
             c0 = time.perf_counter()
+            if key in self.buckets:
+                self.buckets[key].finish()
+                st = self.layout.stages[key]
+                events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
+                continue
             params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
             params = list({id(p): p for p in params}.values())
             for p in params:
@@ -410,6 +435,8 @@ class RankTrainer:
             events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
+        for buckets in self.buckets.values():
+            buckets.close()
         self.tiers.close()  # removes the nvme tier's files
         self.rm = None
         gc.collect()
