@@ -141,24 +141,30 @@ def train_with_info(ctx: RankContext, job: Job) -> dict:
         trainer.close()
 
 
-def tiny_plan(*, sp: bool, tier: str | None = None):
+def tiny_plan(*, sp: bool, tier: str | None = None, pp: int = 1):
+    memory = Memory(activations={"*": tier} if tier else {})
+    llm = [(["llm"], [1, 2], memory)] if pp == 1 else \
+        [(["llm.embed", "llm.layers.0"], [1, 2], memory), (["llm"], [3, 4], memory)]
     plan = make_plan("tiny-vlm", [
         {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
-        {"name": "llm", "tp": 2, "stages": [(["llm"], [1, 2], Memory(activations={"*": tier} if tier else {}))]},
+        {"name": "llm", "tp": 2, "stages": llm},
     ], micro_batches=2)
     groups = tuple(replace(g, sequence_parallel=sp) if g.name == "llm" else g for g in plan.groups)
     return check_plan(replace(plan, groups=groups), profile("tiny-vlm"))
 
 
-@pytest.mark.parametrize("sp,tier", [(False, None), (True, None), (True, "selective"), (True, "recompute")])
-def test_tiny_vlm_tp2_vocab_and_sequence_parallel_match_reference(sp, tier):
-    plan = tiny_plan(sp=sp, tier=tier)
+@pytest.mark.parametrize("sp,tier,pp", [(False, None, 1), (True, None, 1), (True, "selective", 1),
+                                        (True, "recompute", 1), (True, "offload-cpu", 1), (True, None, 2)])
+def test_tiny_vlm_tp2_vocab_and_sequence_parallel_match_reference(sp, tier, pp):
+    plan = tiny_plan(sp=sp, tier=tier, pp=pp)
     job = Job(plan=plan, model="tiny-vlm", steps=3, seed=0, probe_grads=True)
     ref = reference_run(job)
     results = launch(train_with_info, plan.world_size, job, timeout_s=120)
-    vocab, seq = results[1]["info"]["llm/0"]
-    assert vocab == ["llm.embed", "llm.head"]
-    assert seq == (["llm.layers.0", "llm.layers.1"] if sp else [])
+    if pp == 1:
+        assert results[1]["info"]["llm/0"] == (["llm.embed", "llm.head"], ["llm.layers.0", "llm.layers.1"] if sp else [])
+    else:  # the embedding on the first stage, the head and loss on the second; one sp layer on each
+        assert results[1]["info"]["llm/0"] == (["llm.embed"], ["llm.layers.0"])
+        assert results[3]["info"]["llm/1"] == (["llm.head"], ["llm.layers.1"])
     losses = [m["loss"] for m in results[0]["metrics"]]
     for got, want in zip(losses, ref["losses"], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
