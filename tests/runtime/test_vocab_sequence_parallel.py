@@ -173,3 +173,21 @@ def test_tiny_vlm_tp2_vocab_and_sequence_parallel_match_reference(sp, tier, pp):
     scale = max(float(g.abs().max()) for g in ref["grads"].values())
     for name, want in ref["grads"].items():
         assert float((grads[name] - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3 * scale), name
+
+
+def test_checkpoint_of_a_vocab_and_sequence_parallel_run_resumes_under_tp1(tmp_path):
+    """The sharded embedding/head (and their Adam state) are written unsharded: a tp1 plan continues exactly."""
+    from runtime.train import train_rank
+
+    sharded = tiny_plan(sp=True)
+    first = Job(plan=sharded, model="tiny-vlm", steps=2, seed=0, checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    launch(train_rank, sharded.world_size, first, timeout_s=120)
+    plain = make_plan("tiny-vlm", [
+        {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
+        {"name": "llm", "stages": [(["llm"], [1])]},
+    ], micro_batches=2)
+    resumed = launch(train_rank, plain.world_size, replace(first, plan=plain, steps=3, checkpoint_every=0,
+                                                           checkpoint_dir=None, resume=str(tmp_path)), timeout_s=120)
+    want = reference_run(replace(first, plan=plain, steps=3))["losses"][2]
+    (row,) = resumed[0]["metrics"]
+    assert abs(row["loss"] - want) <= 1e-5 * abs(want)
