@@ -25,7 +25,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
