@@ -394,14 +394,15 @@ class RankTrainer:
 
     def _grad_buckets(self) -> dict[str, Any]:
         """Bucketed all-reduce during the backward for the dp stages whose parameters and gradients stay in the
-        device tier (the host tiers move gradients after the backward: those stages reduce after it)."""
+        device tier (the host tiers move gradients after the backward: those stages reduce after it) and that
+        are not ZeRO-sharded (ZeRO reduce-scatters instead)."""
         from runtime.grad_buckets import GradBuckets
 
         out = {}
         for key, group in self.dp_groups.items():
             st = self.layout.stages[key]
             memory = self.plan.group(st.group).stages[st.stage].memory
-            if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu":
+            if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu" and not self.plan.group(st.group).zero:
                 params = [p for b in st.blocks for p in self.rm.local[b].parameters()]
                 out[key] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
         return out
