@@ -141,23 +141,25 @@ def train_with_info(ctx: RankContext, job: Job) -> dict:
         trainer.close()
 
 
-def tiny_plan(*, sp: bool, tier: str | None = None, pp: int = 1):
+def tiny_plan(*, sp: bool, tier: str | None = None, pp: int = 1, dp: int = 1):
     memory = Memory(activations={"*": tier} if tier else {})
-    llm = [(["llm"], [1, 2], memory)] if pp == 1 else \
+    llm = [(["llm"], list(range(1, 1 + 2 * dp)), memory)] if pp == 1 else \
         [(["llm.embed", "llm.layers.0"], [1, 2], memory), (["llm"], [3, 4], memory)]
     plan = make_plan("tiny-vlm", [
         {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
-        {"name": "llm", "tp": 2, "stages": llm},
+        {"name": "llm", "tp": 2, "dp": dp, "stages": llm},
     ], micro_batches=2)
     groups = tuple(replace(g, sequence_parallel=sp) if g.name == "llm" else g for g in plan.groups)
     return check_plan(replace(plan, groups=groups), profile("tiny-vlm"))
 
 
-@pytest.mark.parametrize("sp,tier,pp", [(False, None, 1), (True, None, 1), (True, "selective", 1),
-                                        (True, "recompute", 1), (True, "offload-cpu", 1), (True, None, 2)])
-def test_tiny_vlm_tp2_vocab_and_sequence_parallel_match_reference(sp, tier, pp):
-    plan = tiny_plan(sp=sp, tier=tier, pp=pp)
-    job = Job(plan=plan, model="tiny-vlm", steps=3, seed=0, probe_grads=True)
+@pytest.mark.parametrize("sp,tier,pp,dp", [(False, None, 1, 1), (True, None, 1, 1), (True, "selective", 1, 1),
+                                           (True, "recompute", 1, 1), (True, "offload-cpu", 1, 1), (True, None, 2, 1),
+                                           (True, None, 1, 2)])
+def test_tiny_vlm_tp2_vocab_and_sequence_parallel_match_reference(sp, tier, pp, dp):
+    plan = tiny_plan(sp=sp, tier=tier, pp=pp, dp=dp)
+    # dp 2: the sequence-parallel partial gradients go through 4 KB buckets during the backward, then the tp sum
+    job = Job(plan=plan, model="tiny-vlm", steps=3, seed=0, probe_grads=True, bucket_bytes=4096)
     ref = reference_run(job)
     results = launch(train_with_info, plan.world_size, job, timeout_s=120)
     if pp == 1:
