@@ -212,7 +212,7 @@ def _check_tensor_parallel(plan: Plan, spec: str, plan_path: Path) -> None:
     from runtime.tensor_parallel import check_tp, supports_tp
 
     with torch.device("meta"):
-        model, _ = resolve(spec).factory(1)
+        model, example = resolve(spec).factory(1)
     for g, b in sharded:
         block = model.get_submodule(b)
         if supports_tp(block):
@@ -220,6 +220,37 @@ def _check_tensor_parallel(plan: Plan, spec: str, plan_path: Path) -> None:
                 check_tp(block, g.tp)
             except MmplanError as e:
                 raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
+    _check_sequence_parallel(plan, model, example, plan_path)
+
+
+def _check_sequence_parallel(plan: Plan, model: Any, example: dict, plan_path: Path) -> None:
+    """A sequence-parallel group's layers must see a sequence its tp divides: one forward on the meta device
+    records each such layer's sequence length before any rank starts."""
+    from runtime.tensor_parallel import supports_sequence_parallel
+
+    watched = {b: g for g in plan.groups if g.sequence_parallel and g.tp > 1 for b in g.blocks
+               if supports_sequence_parallel(model.get_submodule(b))}
+    if not watched:
+        return
+    lengths: dict[str, int] = {}
+
+    def record(name: str):
+        def hook(_module: Any, args: tuple) -> None:
+            lengths.setdefault(name, args[0].shape[1])  # (B, S, D)
+        return hook
+
+    handles = [model.get_submodule(b).register_forward_pre_hook(record(b)) for b in watched]
+    try:
+        model(**example)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run: the ranks check it at their first forward
+        return
+    finally:
+        for h in handles:
+            h.remove()
+    for b, g in watched.items():
+        if b in lengths and lengths[b] % g.tp:
+            raise MmplanError(f"plan {plan_path}: group {g.name!r} is sequence-parallel with tp={g.tp}, but block {b} "
+                              f"reads a sequence of {lengths[b]}; set sequence_parallel false or use a tp dividing it")
 
 
 def _check_host_memory(plan: Plan, profile: Profile | None, plan_path: Path, sample_bytes: float) -> None:

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plans.plan import ActivationTier
 from runtime.budget import DeviceBudget, OffTier
+from runtime.models.layers import Attention, CrossAttention, recompute_attention_core
 from runtime.tier_io import TierIO, bytes_of, read_file, write_file
 
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
@@ -28,6 +29,11 @@ def _plain_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def has_attention_core(module: Any) -> bool:
+    """True when `module` holds a zoo attention whose core the 'selective' tier can recompute alone."""
+    return isinstance(module, nn.Module) and any(isinstance(m, (Attention, CrossAttention)) for m in module.modules())
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -311,10 +317,10 @@ class ActivationTiers:
     @contextlib.contextmanager
     def context(self, tier: ActivationTier, *, block: str = "", previous: SavedActivations | None = None) -> Iterator[SavedActivations]:
         """Run one block's forward inside: its saved tensors are kept, or offloaded to the host or NVMe tier."""
-        if tier == "recompute":
-            raise ValueError("'recompute' is not a saved-tensor policy; run the block with run_block(..., 'recompute')")
+        if tier in ("recompute", "selective"):
+            raise ValueError(f"{tier!r} is not a saved-tensor policy; run the block with run_block(..., {tier!r})")
         if tier not in ("keep", "offload-cpu", "offload-nvme"):
-            raise ValueError(f"unknown activation tier {tier!r}; expected keep, offload-cpu, offload-nvme or recompute")
+            raise ValueError(f"unknown activation tier {tier!r}; expected keep, offload-cpu, offload-nvme, recompute or selective")
         saved = SavedActivations(self, block, tier, previous)
         try:
             with torch.autograd.graph.saved_tensors_hooks(*saved.hooks()):
@@ -330,10 +336,18 @@ class ActivationTiers:
     def run_block(self, module: Callable, args: Sequence[Any], kwargs: Mapping[str, Any], tier: ActivationTier, *,
                   block: str = "", previous: SavedActivations | None = None) -> tuple[Any, SavedActivations]:
         """module(*args, **kwargs) with its activations in `tier`; recompute uses non-reentrant checkpointing
-        (its saved inputs count as kept activations, and what it recomputes in the backward is counted too)."""
+        (its saved inputs count as kept activations, and what it recomputes in the backward is counted too);
+        selective keeps everything but the attention core's own tensors (the core saves only q, k, v and is
+        recomputed in the backward: models.layers.recompute_attention_core). A block without a zoo attention
+        runs 'selective' as 'recompute'."""
         if isinstance(module, nn.Module) and module not in self._ignored:
             self.budget.ignore_module(module)
             self._ignored.add(module)
+        if tier == "selective":
+            if has_attention_core(module):
+                with self.context("keep", block=block, previous=previous) as saved, recompute_attention_core():
+                    return module(*args, **kwargs), saved
+            tier = "recompute"  # no attention core of ours to recompute alone: the whole block (never more memory)
         if tier == "recompute":
             with self.context("keep", block=block, previous=previous) as saved:
                 out = checkpoint(module, *args, use_reentrant=False,

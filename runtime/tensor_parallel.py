@@ -53,7 +53,8 @@ from torch import nn
 from plans.errors import MmplanError
 
 from .models.flamingo import GatedCrossAttention
-from .models.layers import Attention, CrossAttention, GeluMLP, SwiGLU
+from .models.layers import Attention, CrossAttention, GeluMLP, SwiGLU, TransformerLayer
+from .sequence_parallel import reduce_scatter_to_sequence, sequence_parallel_region
 
 Style = Literal["colwise", "rowwise"]
 
@@ -121,15 +122,20 @@ class RowParallelLinear(nn.Linear):
     stay those of the nn.Linear it replaces.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: dist.ProcessGroup | None,
+                 *, sequence_parallel: bool = False) -> None:
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a full-size weight
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.register_parameter("bias", bias)
         self.group = group
+        self.sequence_parallel = sequence_parallel  # reduce-scatter along the sequence instead of all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
+        else:
+            out = reduce_from_tp_region(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -175,6 +181,7 @@ class TPLayout:
     tp: int
     tp_rank: int
     shards: dict[str, ShardInfo]
+    sequence_parallel: bool = False
 
 
 _LAYOUT_ATTR = "_mmplan_tp_layout"
@@ -256,14 +263,27 @@ def _shard(p: nn.Parameter, dim: int, tp_rank: int, tp: int) -> nn.Parameter:
     return nn.Parameter(piece, requires_grad=p.requires_grad)
 
 
-def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int, tp: int) -> nn.Module:
+def supports_sequence_parallel(block: nn.Module) -> bool:
+    """Blocks whose regions all read the block's sequence (self-attention and MLPs): the zoo's TransformerLayer."""
+    return isinstance(block, TransformerLayer)
+
+
+def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int, tp: int, *,
+             sequence_parallel: bool = False) -> nn.Module:
     """Shard `block` in place over `tp_group` (this process is `tp_rank` of `tp`) and return it.
 
     After the forward every tp rank holds the full, identical output; after the backward the full, identical
     gradient of every block input (x, and a cross-attention's context) and of every replicated parameter.
     tp == 1 leaves the block as it is.
+
+    sequence_parallel (runtime/sequence_parallel.py): the block then takes and returns this rank's slice of
+    the sequence (B, S/tp, D); its regions all-gather on entry and reduce-scatter on exit, and its replicated
+    parameters get partial gradients (sync_sequence_parallel_grads). The stage decides where runs of such
+    blocks start and end (set_sequence_ends).
     """
     check_tp(block, tp)
+    if sequence_parallel and not supports_sequence_parallel(block):
+        raise MmplanError(f"{type(block).__name__} does not support sequence parallelism (self-attention layers only)")
     if not 0 <= tp_rank < tp:
         raise MmplanError(f"{type(block).__name__}: tp_rank={tp_rank} is outside 0..{tp - 1}")
     if tp == 1:
@@ -291,7 +311,10 @@ def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int,
                     shards[f"{prefix}.bias"] = ShardInfo(f"{prefix}.bias", 0, tp_rank, tp, tuple(linear.bias.shape))
                     linear.bias = _shard(linear.bias, 0, tp_rank, tp)
             else:
-                setattr(region, attr, RowParallelLinear(weight, linear.bias, tp_group))
-        region.register_forward_pre_hook(_region_entry_hook(tp_group), with_kwargs=True)
-    setattr(block, _LAYOUT_ATTR, TPLayout(tp, tp_rank, shards))
+                setattr(region, attr, RowParallelLinear(weight, linear.bias, tp_group, sequence_parallel=sequence_parallel))
+        if sequence_parallel:
+            sequence_parallel_region(region, tp_group)
+        else:
+            region.register_forward_pre_hook(_region_entry_hook(tp_group), with_kwargs=True)
+    setattr(block, _LAYOUT_ATTR, TPLayout(tp, tp_rank, shards, sequence_parallel))
     return block

@@ -52,6 +52,7 @@ class Job:
     resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
     trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
     lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)
+    bucket_bytes: int = 25 * 2**20  # dp gradient all-reduce in buckets during the backward (grad_buckets.py); 0: after it
 
 
 @dataclass
@@ -106,6 +107,8 @@ class RankTrainer:
                                self.rm.local, limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device,
                                lr=job.lr, prefetch=job.prefetch)
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
+        self.buckets = self._grad_buckets()
+        self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind == "B"}  # buckets armed there
         self.start_step = self._resume(job.resume) if job.resume else 0
         self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
 
@@ -128,18 +131,21 @@ class RankTrainer:
         return dp_groups, tp_groups
 
     def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
-        """Shard the blocks that support it across their replica's tp ranks; the others stay replicated."""
+        """Shard the blocks that support it (transformer layers; the token embedding, LM head and loss over the
+        vocabulary; sequence parallelism where the plan asks) across their replica's tp ranks; the others stay
+        replicated (runtime/tp_stage.py)."""
+        self.stage_tp: dict[str, Any] = {}
         if not tp_groups:
             return
-        from runtime.tensor_parallel import apply_tp, check_tp, supports_tp
+        from runtime.tp_stage import parallelize_stage
 
         for key, group in tp_groups.items():
             st = self.layout.stages[key]
-            for b in st.blocks:
-                block = self.rm.local[b]
-                if supports_tp(block):
-                    check_tp(block, st.tp)
-                    apply_tp(block, group, st.tp_index(self.ctx.rank), st.tp)
+            leaving = {r.block for r in self.layout.routes_out_of(key)}
+            self.stage_tp[key] = parallelize_stage(
+                self.rm.program, st.blocks, self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
+                vocab=vocab_of(self.rm.model), leaving=leaving,
+                sequence_parallel=self.plan.group(st.group).sequence_parallel)
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
@@ -198,11 +204,13 @@ class RankTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         compute = 0.0
         events: list[tuple[str, str, float, float]] = []
-        for task in self.tasks:
+        for i, task in enumerate(self.tasks):
             w0, c0 = self.exchange.wait_s, time.perf_counter()
             if task.kind == "F":
                 loss_sum += self.forward(task, batches, state)
             else:
+                if task.stage in self.buckets and self.last_backward[task.stage] == i:
+                    self.buckets[task.stage].arm()
                 self.backward(task, state)
             c1 = time.perf_counter()
             compute += c1 - c0 - (self.exchange.wait_s - w0)
@@ -211,6 +219,7 @@ class RankTrainer:
         self.tiers.before_reduce()
         c0 = time.perf_counter()
         self.reduce_gradients(events, t0)
+        self.sync_sequence_parallel()  # after: a bucket's write-back would overwrite it (sums commute)
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
             results["grads"] = self.full_tensors(lambda p: p.grad)
@@ -298,10 +307,9 @@ class RankTrainer:
         """'block.param' -> ShardInfo for this stage's tensor-parallel parameters (empty without tp)."""
         if st.key not in self.tp_groups:
             return {}
-        from runtime.tensor_parallel import full_parameter_names, supports_tp
+        from runtime.tensor_parallel import full_parameter_names
 
-        return {f"{b}.{n}": info for b in st.blocks if supports_tp(self.rm.local[b])
-                for n, info in full_parameter_names(self.rm.local[b]).items()}
+        return {f"{b}.{n}": info for b in st.blocks for n, info in full_parameter_names(self.rm.local[b]).items()}
 
     def _unshard(self, st, shards: dict, name: str, value: torch.Tensor) -> torch.Tensor:
         """The full tensor of a tp-sharded parameter-shaped value (collective over the stage's tp group)."""
@@ -377,11 +385,39 @@ class RankTrainer:
         set_rng_state(manifest.rng_for(self.ctx.rank))
         return manifest.step
 
+    def sync_sequence_parallel(self) -> None:
+        """Sum the partial gradients of sequence-parallel replicated parameters over each stage's tp group."""
+        from runtime.sequence_parallel import sync_sequence_parallel_grads
+
+        for key, done in self.stage_tp.items():
+            sync_sequence_parallel_grads(done.partial_params, self.tp_groups[key])
+
+    def _grad_buckets(self) -> dict[str, Any]:
+        """Bucketed all-reduce during the backward for the dp stages whose parameters and gradients stay in the
+        device tier (the host tiers move gradients after the backward: those stages reduce after it) and that
+        are not ZeRO-sharded (ZeRO reduce-scatters instead)."""
+        from runtime.grad_buckets import GradBuckets
+
+        out = {}
+        for key, group in self.dp_groups.items():
+            st = self.layout.stages[key]
+            memory = self.plan.group(st.group).stages[st.stage].memory
+            if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu" and not self.plan.group(st.group).zero:
+                params = [p for b in st.blocks for p in self.rm.local[b].parameters()]
+                out[key] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
+        return out
+
     def reduce_gradients(self, events: list, t0: float) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage
-        order, as the simulator's tail ops); each is a 'sync group sN' event of the timeline."""
+        order, as the simulator's tail ops, or the wait for its buckets launched during the backward); each is a
+        'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
             c0 = time.perf_counter()
+            if key in self.buckets:
+                self.buckets[key].finish()
+                st = self.layout.stages[key]
+                events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
+                continue
             params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
             params = list({id(p): p for p in params}.values())
             for p in params:
@@ -400,6 +436,8 @@ class RankTrainer:
             events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
+        for buckets in self.buckets.values():
+            buckets.close()
         self.tiers.close()  # removes the nvme tier's files
         self.rm = None
         gc.collect()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -38,8 +41,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Queries (B, H, S, hd) against keys/values (B, Hkv, T, hd); returns (B, S, H * hd).
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v for q (B, H, S, hd) and k, v (B, Hkv, T, hd): the attention core (B, H, S, hd).
 
     Grouped-query attention: each of the Hkv key/value heads serves H / Hkv query heads. The ratio is read
     from the shapes, so it stays right when tensor parallelism shards the heads.
@@ -48,7 +51,47 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> t
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)  # (B, H, T, hd)
         v = v.repeat_interleave(n_rep, dim=1)  # (B, H, T, hd)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, S, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, S, hd)
+
+
+class _RecomputedCore(torch.autograd.Function):
+    """The attention core saving only its inputs q, k, v; the backward recomputes it (selective recompute,
+    Korthikanti et al. 2022, section 5: QK^T, softmax, dropout and AV are cheap to recompute, big to keep)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        ctx.causal = causal
+        ctx.save_for_backward(q, k, v)
+        return attention_core(q, k, v, causal)  # grad mode is off inside forward: nothing else is saved
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = attention_core(*inputs, ctx.causal)
+        return (*torch.autograd.grad(out, inputs, grad), None)
+
+
+_SELECTIVE = threading.local()  # .on: attend() recomputes its core in the backward (this thread's forward only)
+
+
+@contextlib.contextmanager
+def recompute_attention_core() -> Iterator[None]:
+    """Inside, every attend() saves only q, k, v and recomputes the core in the backward (the 'selective' tier)."""
+    before = getattr(_SELECTIVE, "on", False)
+    _SELECTIVE.on = True
+    try:
+        yield
+    finally:
+        _SELECTIVE.on = before
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Queries (B, H, S, hd) against keys/values (B, Hkv, T, hd); returns (B, S, H * hd)."""
+    if getattr(_SELECTIVE, "on", False) and torch.is_grad_enabled():
+        out = _RecomputedCore.apply(q, k, v, causal)
+    else:
+        out = attention_core(q, k, v, causal)  # (B, H, S, hd)
     return out.transpose(1, 2).flatten(2)  # (B, S, H * hd)
 
 

@@ -68,3 +68,31 @@ def test_a_model_whose_data_flow_differs_from_the_plan_is_refused(tmp_path):
     res = runner.invoke(app, ["run", str(plan), "--steps", "1"])
     assert res.exit_code == 2
     assert "traced data flow differs from the plan's" in res.output and "Traceback" not in res.output
+
+
+def test_run_trains_a_sequence_parallel_plan_with_selective_recompute(tmp_path):
+    """Group.sequence_parallel and the 'selective' activation tier are accepted and trained (tp2 LLM)."""
+    from plans.plan import save_plan
+    from tests.runtime.test_vocab_sequence_parallel import tiny_plan
+
+    plan = tmp_path / "sp.json"
+    save_plan(tiny_plan(sp=True, tier="selective"), plan)
+    res = runner.invoke(app, ["run", str(plan), "--steps", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.stdout.strip().splitlines()[-1])["losses"]) == 2
+
+
+def test_a_sequence_the_tp_size_does_not_divide_is_one_line(tmp_path):
+    from dataclasses import replace
+
+    from plans.plan import check_plan, save_plan
+    from tests.runtime.plan_builder import make_plan, profile
+
+    plan = make_plan("tiny-vlm", [{"name": "all", "tp": 2, "stages": [(["vision", "vision_proj", "llm"], [0, 1])]}])
+    plan = check_plan(replace(plan, groups=tuple(replace(g, sequence_parallel=True) for g in plan.groups)),
+                      profile("tiny-vlm"))
+    save_plan(plan, tmp_path / "sp.json")
+    res = runner.invoke(app, ["run", str(tmp_path / "sp.json"), "--steps", "1"])
+    assert res.exit_code != 0
+    assert "sequence-parallel with tp=2" in res.stderr and "vision.layers.0 reads a sequence of 17" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -1,0 +1,191 @@
+"""Vocabulary parallelism under tensor parallelism: the token embedding, the LM head and the cross-entropy
+sharded over the vocabulary (Shoeybi et al. 2019, "Megatron-LM", section 3: "Parallelize the input and
+output embedding"; Megatron-LM's VocabParallelEmbedding and vocab_parallel_cross_entropy).
+
+tp rank r of tp owns vocabulary rows [r*V/tp, (r+1)*V/tp):
+    embedding  looks up the ids it owns, zeros the others' rows and all-reduces (g): every tp rank holds the
+               full, identical (B, S, D) output; the backward passes the gradient through, each rank's rows
+               getting exactly their tokens' gradients.
+    head       column-parallel over the vocabulary: its input goes through f (identity forward, all-reduce
+               of the input gradient backward) and it returns this rank's logits slice (B, S, V/tp).
+    loss       cross-entropy from the logits slices with two all-reduces of (N,) vectors — the max and the
+               sum of exp — and one of the target logit, never gathering the (N, V) logits; the backward is
+               softmax - one-hot on the local slice.
+The head's output is read only by the loss (checked on the traced program: the path from the head to
+F.cross_entropy may only reshape, slice or cast), so a sliced logit never leaves the stage.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from plans.errors import MmplanError
+
+from .tensor_parallel import _LAYOUT_ATTR, ShardInfo, TPLayout, copy_to_tp_region, reduce_from_tp_region
+
+# glue allowed between the head and the loss: it must keep the vocabulary as the last dim
+_PASS_METHODS = {"flatten", "view", "reshape", "float", "to", "contiguous", "__getitem__", "type_as"}
+_PASS_FUNCTIONS = {operator.getitem, torch.flatten}
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An nn.Embedding holding rows [vocab_start, vocab_start + rows) of the full table (set by shard_embedding)."""
+
+    vocab_start: int
+    group: Any
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx, self.max_norm,
+                          self.norm_type, self.scale_grad_by_freq, self.sparse)  # (..., D)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.group)
+
+
+class VocabParallelHead(nn.Linear):
+    """An nn.Linear holding output rows [vocab_start, vocab_start + out_features): returns a logits slice."""
+
+    vocab_start: int
+    group: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # (..., V/tp)
+
+
+# ----------------------------------------------------------------------------------------------- the loss
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of (N, V/tp) logit slices against (N,) targets; ignored rows give 0."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: Any,
+                ignore_index: int) -> torch.Tensor:
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values  # (N,)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+        local = target - vocab_start
+        mine = (local >= 0) & (local < logits.shape[-1])  # (N,) targets whose logit this rank holds
+        idx = local.clamp(0, logits.shape[-1] - 1)
+        target_logit = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine  # (N,)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([sum_exp, target_logit])  # one all-reduce for the two (N,) sums
+        dist.all_reduce(both, group=group)
+        sum_exp, target_logit = both[0], both[1]
+        kept = target != ignore_index
+        loss = (sum_exp.log() - target_logit) * kept
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax slice, kept for the backward
+        ctx.save_for_backward(exp, idx, mine, kept)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        softmax, idx, mine, kept = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
+        g.mul_((grad * kept).unsqueeze(-1))
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Any = None,
+                                 size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+                                 reduction: str = "mean", label_smoothing: float = 0.0, *, vocab_start: int,
+                                 vocab: int, group: Any) -> torch.Tensor:
+    """F.cross_entropy(full_logits, target, ...) from this rank's (N, V/tp) slice (F.cross_entropy's signature)."""
+    if weight is not None or size_average is not None or reduce is not None or label_smoothing:
+        raise MmplanError("vocabulary-parallel cross-entropy supports ignore_index and reduction only (no class "
+                          "weights, label smoothing or legacy size_average/reduce); use tp=1 for the loss stage")
+    if logits.dim() != 2 or logits.shape[-1] * dist.get_world_size(group) != vocab:
+        raise MmplanError(f"vocabulary-parallel cross-entropy expects (N, {vocab} / tp) logits, got "
+                          f"{tuple(logits.shape)}: the glue between the head and the loss changed the vocabulary dim")
+    loss = _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group, ignore_index).to(logits.dtype)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
+
+
+# ----------------------------------------------------------------------------------------------- apply
+def _shard_rows(p: nn.Parameter, tp_rank: int, tp: int) -> nn.Parameter:
+    piece = p.detach().chunk(tp, dim=0)[tp_rank].clone(memory_format=torch.contiguous_format)
+    return nn.Parameter(piece, requires_grad=p.requires_grad)
+
+
+def _record(block: nn.Module, tp: int, tp_rank: int, shards: dict[str, ShardInfo]) -> None:
+    old: TPLayout | None = getattr(block, _LAYOUT_ATTR, None)
+    merged = {**(old.shards if old else {}), **shards}
+    setattr(block, _LAYOUT_ATTR, TPLayout(tp, tp_rank, merged))
+
+
+def vocab_embeddings(block: nn.Module, vocab: int) -> dict[str, nn.Embedding]:
+    """The token embeddings (nn.Embedding with `vocab` rows) inside `block`, by module path ('' = the block)."""
+    return {n: m for n, m in block.named_modules() if type(m) is nn.Embedding and m.num_embeddings == vocab}
+
+
+def shard_embedding(block: nn.Module, group: Any, tp_rank: int, tp: int, vocab: int,
+                    shared: dict[int, nn.Parameter]) -> bool:
+    """Make the block's token embeddings vocabulary-parallel; False (unchanged) when tp does not divide vocab."""
+    found = vocab_embeddings(block, vocab)
+    if not found or vocab % tp:
+        return False
+    shards = {}
+    for path, emb in found.items():
+        name = f"{path}.weight" if path else "weight"
+        shards[name] = ShardInfo(name, 0, tp_rank, tp, tuple(emb.weight.shape))
+        emb.weight = shared.setdefault(id(emb.weight), _shard_rows(emb.weight, tp_rank, tp))
+        emb.num_embeddings = emb.weight.shape[0]
+        emb.__class__ = VocabParallelEmbedding
+        emb.vocab_start, emb.group = tp_rank * emb.num_embeddings, group
+        if emb.padding_idx is not None:
+            raise MmplanError("a vocabulary-parallel embedding cannot have a padding_idx")
+    _record(block, tp, tp_rank, shards)
+    return True
+
+
+def _loss_node(program: Any, head: str) -> Any:
+    """The F.cross_entropy node reading `head`'s output through shape-only glue, or None."""
+    node = program.blocks[head]
+    while True:
+        if len(node.users) != 1:
+            return None
+        (user,) = node.users
+        if not user.args or user.args[0] is not node:
+            return None
+        if user.op == "call_function" and user.target is F.cross_entropy:
+            return user
+        passes = (user.op == "call_method" and user.target in _PASS_METHODS) or \
+                 (user.op == "call_function" and user.target in _PASS_FUNCTIONS)
+        if not passes:
+            return None
+        node = user
+
+
+def shard_head(program: Any, name: str, block: nn.Module, group: Any, tp_rank: int, tp: int, vocab: int,
+               leaving: set[str], shared: dict[int, nn.Parameter]) -> bool:
+    """Make an LM head (an nn.Linear block with `vocab` outputs, read only by F.cross_entropy on this stage)
+    column-parallel over the vocabulary and its loss vocabulary-parallel; False when it does not qualify."""
+    if type(block) is not nn.Linear or block.out_features != vocab or vocab % tp or name in leaving:
+        return False
+    loss = _loss_node(program, name)
+    if loss is None:
+        return False
+    shards = {"weight": ShardInfo("weight", 0, tp_rank, tp, tuple(block.weight.shape))}
+    block.weight = shared.setdefault(id(block.weight), _shard_rows(block.weight, tp_rank, tp))
+    if block.bias is not None:
+        shards["bias"] = ShardInfo("bias", 0, tp_rank, tp, tuple(block.bias.shape))
+        block.bias = _shard_rows(block.bias, tp_rank, tp)
+    block.out_features = block.weight.shape[0]
+    block.__class__ = VocabParallelHead
+    block.vocab_start, block.group = tp_rank * block.out_features, group
+    loss.target = functools.partial(vocab_parallel_cross_entropy, vocab_start=block.vocab_start, vocab=vocab,
+                                    group=group)
+    _record(block, tp, tp_rank, shards)
+    return True
