@@ -116,10 +116,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     elif world > MAX_LOCAL_RANKS:
         raise MmplanError(f"the plan needs {world} ranks; start it with torchrun on a cluster of that size "
                           f"(at most {MAX_LOCAL_RANKS} local processes)")
-    sharded = [g.name for g in plan.groups if g.zero]
-    if sharded:
-        raise MmplanError(f"group {sharded[0]} uses ZeRO stage {plan.group(sharded[0]).zero}: the cost model plans ZeRO, "
-                          "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
+    _check_zero(plan, plan_path)
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
     if launched is None:
@@ -188,6 +185,19 @@ def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, 
 
     other = {"step": metrics[-1]["step"], "step_time_s": metrics[-1]["step_time_s"]} if metrics else {}
     write_atomic(path, json.dumps(chrome_trace(timelines, other={"measured": True, **other})))
+
+
+def _check_zero(plan: Plan, plan_path: Path) -> None:
+    """ZeRO runs on FSDP2 (runtime/zero.py), which keeps parameters and gradients on the device: under ZeRO only
+    the optimizer state may be offloaded."""
+    for g in plan.groups:
+        if not g.zero:
+            continue
+        for i, st in enumerate(g.stages):
+            if st.memory.params != "gpu" or st.memory.grads != "gpu":
+                raise MmplanError(f"plan {plan_path}: group {g.name} stage {i} uses ZeRO stage {g.zero} with parameters in "
+                                  f"{st.memory.params!r} and gradients in {st.memory.grads!r}; the runtime's ZeRO (FSDP2) keeps "
+                                  "both on the GPU and offloads only the optimizer state: set zero=0 or keep them on the GPU")
 
 
 def _check_rank_numbering(plan: Plan, plan_path: Path) -> None:

@@ -14,6 +14,7 @@ from plans.plan import ActivationTier
 from runtime.activations import ActivationTiers, SavedActivations
 from runtime.budget import DeviceBudget
 from runtime.param_tiers import GradTier, ParamStore, TieredAdam, unique_params
+from runtime.zero import is_sharded, local_grad, local_of, local_view
 
 
 class TieredBlocks(Mapping):
@@ -82,6 +83,10 @@ class RankTiers:
     `stages`: (blocks in execution order, Memory) of every stage this rank runs; `modules`: the rank's
     local blocks by name; `named_params`: full parameter name -> parameter for those blocks (each
     parameter in exactly one block: block name + "." + its name inside the block).
+
+    Blocks sharded by ZeRO (runtime/zero.py, applied before) hold DTensor parameters: the optimizer runs on
+    their local shards in its tier (a CPU/NVMe-offloaded sharded optimizer), FSDP2 owns their gradients (so
+    they must stay in the device tier) and their parameters must be in the device tier too (FSDP2 shards them).
     """
 
     def __init__(self, stages: Sequence[tuple[Sequence[str], Any]], modules: Mapping[str, nn.Module], *,
@@ -95,6 +100,8 @@ class RankTiers:
         self.optimizers: list[TieredAdam] = []
         self.grads: list[GradTier] = []
         self._persistent_grads: list[bool] = []  # per optimizer: keep gradient buffers across steps
+        self.sharded: dict[str, nn.Parameter] = {}  # full name -> ZeRO-sharded (DTensor) parameter
+        self._shard_views: list[tuple[nn.Parameter, torch.Tensor]] = []  # (sharded parameter, its local shard)
         by_tiers: dict[tuple[str, str, str], list[str]] = {}
         seen: set[int] = set()  # a parameter tied between blocks belongs to the first (as in the profiler)
         for blocks, memory in stages:
@@ -117,6 +124,16 @@ class RankTiers:
                     if id(p) not in seen:
                         seen.add(id(p))
                         named[f"{b}.{n}"] = p
+            sharded = {n: p for n, p in named.items() if is_sharded(p)}
+            if sharded and (params_tier != "gpu" or grads_tier != "gpu"):
+                raise MmplanError(f"block of {next(iter(sharded))} is sharded by ZeRO (FSDP2), which keeps parameters and "
+                                  f"gradients in the device tier, but its stage puts parameters in {params_tier!r} and "
+                                  f"gradients in {grads_tier!r}; offload only the optimizer state under ZeRO")
+            for n, p in sharded.items():
+                view = local_view(p)
+                self.sharded[n] = p
+                self._shard_views.append((p, view))
+                named[n] = view
             store = None
             if params_tier == "gpu":
                 self.budget.add("params", sum(p.numel() * p.element_size() for p in named.values()))
@@ -124,7 +141,7 @@ class RankTiers:
                 store = ParamStore(mods, params_tier, self.budget, nvme_dir=nvme_dir, order=blocks, prefetch=prefetch)
                 self.stores.append(store)
                 self._store_of.update(dict.fromkeys(blocks, store))
-            self.grads.append(GradTier(named.values(), grads_tier, self.budget, nvme_dir=nvme_dir))
+            self.grads.append(GradTier([p for n, p in named.items() if n not in sharded], grads_tier, self.budget, nvme_dir=nvme_dir))
             self.optimizers.append(TieredAdam(named, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
             self._persistent_grads.append(grads_tier == "gpu" and params_tier == "gpu")
         for m in modules.values():
@@ -153,9 +170,15 @@ class RankTiers:
     def step(self) -> None:
         """Optimizer step; device-tier gradients stay allocated and are zeroed in place, like Megatron's
         persistent gradient buffer (so every step after the first holds them, as the cost model counts)."""
+        for p, view in self._shard_views:  # FSDP2's reduced gradient shards, for the optimizer on the local shards
+            view.grad = local_grad(p)
+            if view.grad is not None:
+                self.budget.hold("grads", view.grad)
         for opt, persistent in zip(self.optimizers, self._persistent_grads):
             opt.step()
             opt.zero_grad(set_to_none=not persistent)
+        for p, view in self._shard_views:
+            p.grad = view.grad = None
 
     def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         return {n: s for opt in self.optimizers for n, s in opt.state_by_name().items()}
@@ -179,7 +202,7 @@ class RankTiers:
             return
         with torch.no_grad():
             for n, p in unique_params(module):
-                p.copy_(local[n])
+                local_view(p).copy_(local_of(local[n], p))
 
     def close(self) -> None:
         self.activations.close()

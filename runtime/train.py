@@ -99,6 +99,8 @@ class RankTrainer:
         self.dp_groups, tp_groups = self._process_groups()
         self.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
+        self.zero_blocks = self._apply_zero()  # stage key -> its blocks sharded by FSDP2 (ZeRO 1-3)
+        self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind != "F"}
         self.params = self.rm.parameters()
         mine = self.layout.stages_on(ctx.rank)
         # the plan's memory tiers: device budget, activation tiers, parameter/gradient/optimizer placement, Adam
@@ -114,7 +116,7 @@ class RankTrainer:
         of its stages. new_group is collective: every rank creates every group, in the same order."""
         dp_groups, tp_groups = {}, {}
         for key, st in self.layout.stages.items():
-            if st.dp > 1:
+            if st.dp > 1 or self.plan.group(st.group).zero:  # ZeRO shards over the group even at dp 1 (FSDP2 path)
                 for k in range(st.tp):
                     ranks = [st.ranks[r * st.tp + k] for r in range(st.dp)]
                     g = dist.new_group(ranks)
@@ -140,6 +142,18 @@ class RankTrainer:
                 if supports_tp(block):
                     check_tp(block, st.tp)
                     apply_tp(block, group, st.tp_index(self.ctx.rank), st.tp)
+
+    def _apply_zero(self) -> dict[str, list]:
+        """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py)."""
+        from runtime.zero import apply_zero
+
+        out = {}
+        for key, group in self.dp_groups.items():
+            st = self.layout.stages[key]
+            zero = self.plan.group(st.group).zero
+            if zero:
+                out[key] = apply_zero({b: self.rm.local[b] for b in st.blocks}, group, zero, self.ctx.device)
+        return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
@@ -288,6 +302,11 @@ class RankTrainer:
                 if gt is not None and t.requires_grad:
                     roots.append(t)
                     grads.append(gt)
+        if task.stage in self.zero_blocks:
+            from runtime.zero import before_backward
+
+            last = self.tasks[self.last_backward[task.stage]] is task
+            before_backward(self.zero_blocks[task.stage], self.plan.group(self.layout.stages[task.stage].group).zero, last)
         if roots:
             torch.autograd.backward(roots, grads)
         self.tiers.after_backward()
@@ -320,7 +339,10 @@ class RankTrainer:
 
     def full_tensors(self, get) -> dict[str, torch.Tensor]:
         """`get(param)` for every local parameter, unsharded (tensor-parallel shards gathered), by its name in
-        the model — the layout-independent view. Returned by each stage's tp-rank 0; collective over tp groups."""
+        the model — the layout-independent view. Returned by each stage's tp-rank 0; collective over tp groups
+        (and over dp groups for ZeRO-sharded parameters)."""
+        from runtime import zero
+
         out: dict[str, torch.Tensor] = {}
         for st in self.layout.stages_on(self.ctx.rank):
             shards = self._shards(st)
@@ -328,7 +350,7 @@ class RankTrainer:
                 for name, p in self.rm.local[b].named_parameters():
                     value = get(p)
                     if value is not None:
-                        full = self._unshard(st, shards, f"{b}.{name}", value)
+                        full = self._unshard(st, shards, f"{b}.{name}", zero.full(value))
                         if st.tp_index(self.ctx.rank) == 0:
                             out[f"{b}.{name}"] = full.detach().clone()
         return out
@@ -337,15 +359,18 @@ class RankTrainer:
         """Every block once (dp replica 0, tp rank 0), unsharded and keyed by full names; rank 0 writes the
         manifest last, after everyone's files are on disk."""
         from runtime.checkpoint import rng_state, write_block_files, write_manifest
+        from runtime.zero import full, full_from_local
 
         optimizer = self.tiers.state_by_name()
+        sharded = self.tiers.sharded  # ZeRO: parameters gathered, optimizer state gathered from the local shards
         blocks, states = {}, {}
         for st in self.layout.stages_on(self.ctx.rank):
             shards = self._shards(st)
             writes = st.replica_of(self.ctx.rank) == 0 and st.tp_index(self.ctx.rank) == 0
             for b in st.blocks:
-                params = {n: self._unshard(st, shards, n, t) for n, t in self.tiers.block_params(b, self.rm.local[b]).items()}
-                opt = {n: {k: self._unshard(st, shards, n, t) for k, t in optimizer.get(n, {}).items()} for n in params}
+                params = {n: self._unshard(st, shards, n, full(t)) for n, t in self.tiers.block_params(b, self.rm.local[b]).items()}
+                opt = {n: {k: self._unshard(st, shards, n, full_from_local(t, sharded[n]) if n in sharded else t)
+                           for k, t in optimizer.get(n, {}).items()} for n in params}
                 if writes:
                     blocks[b] = params
                     states.update(opt)
@@ -362,6 +387,7 @@ class RankTrainer:
         """Load the latest complete checkpoint into this rank's blocks, whatever plan wrote it; returns its step."""
         from plans.errors import MmplanError
         from runtime.checkpoint import latest_checkpoint, load_block, set_rng_state
+        from runtime.zero import local_of
 
         manifest = latest_checkpoint(directory)
         if manifest is None:
@@ -372,7 +398,8 @@ class RankTrainer:
             for b in st.blocks:
                 params, opt = load_block(manifest, b)
                 self.tiers.load_block_params(b, self.rm.local[b], {n: self._reshard(shards, n, t) for n, t in params.items()})
-                state.update({n: {k: self._reshard(shards, n, t) for k, t in s.items()} for n, s in opt.items()})
+                state.update({n: {k: local_of(self._reshard(shards, n, t), self.tiers.sharded[n]) if n in self.tiers.sharded
+                                  else self._reshard(shards, n, t) for k, t in s.items()} for n, s in opt.items()})
         self.tiers.load_state_by_name(state)
         set_rng_state(manifest.rng_for(self.ctx.rank))
         return manifest.step
@@ -381,6 +408,8 @@ class RankTrainer:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage
         order, as the simulator's tail ops); each is a 'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
+            if key in self.zero_blocks or self.layout.stages[key].dp == 1:  # FSDP2 reduce-scattered them in the backward
+                continue
             c0 = time.perf_counter()
             params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
             params = list({id(p): p for p in params}.values())

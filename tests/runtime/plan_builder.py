@@ -24,7 +24,7 @@ def local_cluster(world: int):
 
 def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_batches: int = 2,
               schedule: str = "1f1b") -> Plan:
-    """groups: [{"name", "dp", "tp", "stages": [(block prefixes or names, ranks[, Memory])], "colocated_with"}] —
+    """groups: [{"name", "dp", "tp", "zero", "stages": [(block prefixes or names, ranks[, Memory])], "colocated_with"}] —
     a block belongs to the first stage whose patterns match it (prefix match); a Memory's activation tier
     given for the key "*" applies to every block of the stage."""
     prof = profile(model)
@@ -45,7 +45,7 @@ def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_ba
             stages.append(Stage(blocks=blocks, ranks=tuple(ranks), memory=mem))
         stages = tuple(stages)
         built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=g.get("tp", 1), pp=len(stages), stages=stages,
-                           colocated_with=g.get("colocated_with")))
+                           zero=g.get("zero", 0), colocated_with=g.get("colocated_with")))
     world = len({r for g in built for r in g.ranks})
     plan = Plan(profile=ProfileRef(prof.model, prof.fingerprint), cluster=local_cluster(world),
                 training=Training(global_batch=global_batch, micro_batches=micro_batches, schedule=schedule, dtype="fp32"),
