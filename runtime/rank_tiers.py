@@ -142,7 +142,8 @@ class RankTiers:
                 self.stores.append(store)
                 self._store_of.update(dict.fromkeys(blocks, store))
             self.grads.append(GradTier([p for n, p in named.items() if n not in sharded], grads_tier, self.budget, nvme_dir=nvme_dir))
-            self.optimizers.append(TieredAdam(named, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
+            trained = {n: p for n, p in named.items() if p.requires_grad or n in sharded and sharded[n].requires_grad}
+            self.optimizers.append(TieredAdam(trained, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
             self._persistent_grads.append(grads_tier == "gpu" and params_tier == "gpu")
         for m in modules.values():
             self.budget.ignore_module(m)
@@ -184,7 +185,7 @@ class RankTiers:
         return {n: s for opt in self.optimizers for n, s in opt.state_by_name().items()}
 
     def load_state_by_name(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        for opt in self.optimizers:
+        for opt in self.optimizers:  # state saved for a parameter now frozen is dropped
             opt.load_state_by_name({n: v for n, v in state.items() if n in opt.named})
 
     def block_params(self, block: str, module: nn.Module) -> dict[str, torch.Tensor]:

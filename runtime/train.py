@@ -66,9 +66,18 @@ class StepMetrics:
 
 
 def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, Any]]:
-    """The model with its initial weights: the same on every rank and in the reference run."""
+    """The model with its initial weights, the plan's frozen blocks frozen: the same on every rank and in the
+    reference run."""
     torch.manual_seed(job.seed)
-    return call_factory(resolve(job.model), micro_batch)
+    model, example = call_factory(resolve(job.model), micro_batch)
+    frozen = {b.name for b in job.plan.flow.blocks if b.frozen} if job.plan.flow is not None else set()
+    if frozen:
+        from runtime.program import block_modules
+
+        for name, m in block_modules(model).items():
+            if name in frozen:
+                m.requires_grad_(False)
+    return model, example
 
 
 def vocab_of(model: nn.Module) -> int:
@@ -254,7 +263,10 @@ class RankTrainer:
         leaves_in: dict[int, list[torch.Tensor]] = {}
         for route in lay.routes_into(task.stage):
             i = self.route_index[id(route)]
-            received[route.block], leaves_in[i] = self.exchange.recv_forward(i, task.replica, task.mb)
+            trains = has_backward(lay, route.src)  # else no gradient goes back to it (nothing before it trains)
+            received[route.block], leaves = self.exchange.recv_forward(i, task.replica, task.mb, needs_grad=trains)
+            if trains:
+                leaves_in[i] = leaves
 
         def fetch(node):
             if node.op == "placeholder":
@@ -411,7 +423,7 @@ class RankTrainer:
             if key in self.zero_blocks or self.layout.stages[key].dp == 1:  # FSDP2 reduce-scattered them in the backward
                 continue
             c0 = time.perf_counter()
-            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
+            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
             params = list({id(p): p for p in params}.values())
             for p in params:
                 if p.grad is None:
