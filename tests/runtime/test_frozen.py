@@ -18,6 +18,11 @@ PLANS = {
         {"name": "vision", "stages": [(["vision"], [0])]},
         {"name": "llm", "stages": [(["vision_proj", "llm"], [1])]},
     ], {"micro_batches": 4}),
+    # a frozen encoder sharded by ZeRO-1 on its own ranks (forwards only), the LLM under ZeRO-2
+    "frozen-encoder-zero1-llm-zero2": ([
+        {"name": "vision", "dp": 2, "zero": 1, "stages": [(["vision"], [0, 1])]},
+        {"name": "llm", "dp": 2, "zero": 2, "stages": [(["vision_proj", "llm"], [2, 3])]},
+    ], {}),
     "pp2xdp2-zero3": ([
         {"name": "all", "dp": 2, "zero": 3, "stages": [(["vision", "vision_proj", "llm.embed"], [0, 1]), (["llm"], [2, 3])]},
     ], {}),

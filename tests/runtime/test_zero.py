@@ -7,8 +7,8 @@ import pytest
 from plans.plan import Memory
 from runtime.launch import launch
 from runtime.train import Job, train_rank
+from runtime.reference import reference_run
 from tests.runtime.plan_builder import make_plan
-from tests.runtime.test_parity import reference
 
 STEPS = 6
 VLM_ALL = ["vision", "vision_proj", "llm"]
@@ -22,8 +22,22 @@ PLANS = {
     "dp2-zero2-optimizer-cpu": ("tiny-vlm", [
         {"name": "all", "dp": 2, "zero": 2, "stages": [(VLM_ALL, [0, 1], Memory(optimizer="cpu"))]},
     ], {}),
+    "dp2-zero3-recompute": ("tiny-vlm", [
+        {"name": "all", "dp": 2, "zero": 3, "stages": [(VLM_ALL, [0, 1], Memory(activations={"*": "recompute"}))]},
+    ], {}),
     "tp2-dp2-zero3": ("tiny-vlm", [{"name": "all", "dp": 2, "tp": 2, "zero": 3, "stages": [(VLM_ALL, [0, 1, 2, 3])]}], {}),
 }
+
+_REFERENCE: dict = {}
+
+
+def reference(model: str, job: Job) -> dict:
+    """The single-process run of `job` (cached by what it depends on: model, training, frozen blocks, steps)."""
+    frozen = tuple(b.name for b in job.plan.flow.blocks if b.frozen)
+    key = (model, job.plan.training, frozen, job.steps)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = reference_run(job)
+    return _REFERENCE[key]
 
 
 def check_parity(case: str, results: list, ref: dict) -> None:
