@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from runtime.program import block_modules, module_structure
+from runtime.program import block_modules, is_frozen, module_structure
 from runtime.source import ModelSource, call_factory
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
@@ -81,12 +81,6 @@ def freeze_blocks(model: nn.Module, patterns: Sequence[str], name: str = "the mo
             blocks[b].requires_grad_(False)
     if not any(p.requires_grad for p in model.parameters()):
         raise MmplanError(f"--freeze {' '.join(patterns)} freezes every parameter of {name}: nothing would train")
-
-
-def is_frozen(module: nn.Module) -> bool:
-    """plans.graph.Block.frozen: the block has parameters and none of them requires grad."""
-    params = list(module.parameters())
-    return bool(params) and not any(p.requires_grad for p in params)
 
 
 def _names_hint(names: list[str]) -> str:

@@ -61,7 +61,7 @@ def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = N
             f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
             f"but {spec!r} builds a model with fingerprint {found} (another module tree or data flow): re-profile and re-solve")
     if plan.flow is None:  # a hand-written plan: the flow of the model it was just checked against
-        plan = check_plan(replace(plan, flow=traced_flow(program)), None, f"plan {plan_path}")
+        plan = check_plan(replace(plan, flow=traced_flow(program, module)), None, f"plan {plan_path}")
     sample_bytes = sum(t[:1].numel() * t.element_size() for t in batch.values() if isinstance(t, torch.Tensor))
     return plan, profile, spec, float(sample_bytes)
 
