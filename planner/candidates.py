@@ -294,9 +294,11 @@ def zero_stages(cluster: Cluster, dp: int) -> tuple[int, ...]:
 
 
 def runs_with(policy: Policy, zero: int) -> bool:
-    """Whether the runtime trains a stage with these tiers under ZeRO stage `zero`: its ZeRO (FSDP2) keeps
-    parameters and gradients on the GPU and offloads only the optimizer state."""
-    return zero == 0 or (policy.params == "gpu" and policy.grads == "gpu")
+    """Whether the runtime trains a stage with these tiers under ZeRO stage `zero` (runtime.zero.zero_runs_with:
+    its FSDP2 holds parameters and gradients on the GPU, or both on the host with CPU offload)."""
+    from runtime.zero import zero_runs_with
+
+    return zero == 0 or zero_runs_with(policy.params, policy.grads, policy.optimizer)
 
 
 def unit_runs(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, stage_ranks: int | None = None,

@@ -188,16 +188,18 @@ def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, 
 
 
 def _check_zero(plan: Plan, plan_path: Path) -> None:
-    """ZeRO runs on FSDP2 (runtime/zero.py), which keeps parameters and gradients on the device: under ZeRO only
-    the optimizer state may be offloaded."""
+    """ZeRO runs on FSDP2 (runtime/zero.py): only the memory tiers it can hold (runtime.zero.zero_runs_with)."""
+    from runtime.zero import ZERO_TIERS, zero_runs_with
+
     for g in plan.groups:
         if not g.zero:
             continue
         for i, st in enumerate(g.stages):
-            if st.memory.params != "gpu" or st.memory.grads != "gpu":
+            m = st.memory
+            if not zero_runs_with(m.params, m.grads, m.optimizer):
                 raise MmplanError(f"plan {plan_path}: group {g.name} stage {i} uses ZeRO stage {g.zero} with parameters in "
-                                  f"{st.memory.params!r} and gradients in {st.memory.grads!r}; the runtime's ZeRO (FSDP2) keeps "
-                                  "both on the GPU and offloads only the optimizer state: set zero=0 or keep them on the GPU")
+                                  f"{m.params!r}, gradients in {m.grads!r} and optimizer state in {m.optimizer!r}; "
+                                  f"{ZERO_TIERS}: set zero=0 or change the tiers")
 
 
 def _check_rank_numbering(plan: Plan, plan_path: Path) -> None:

@@ -30,7 +30,7 @@ from plans.plan import ActivationTier, Memory, Plan, Tier, check_plan
 # and pipeline.py's chunk costs, term by term, their constants computed by the cost_models functions named
 # below; every figure is one rank's, per micro-batch unless noted):
 #   z[s,k] in {0,1}    stage s puts (params, grads, optimizer state) in tiers k = (tp, tg, to), 27 choices
-#                      (3 under ZeRO: the runtime's FSDP2 keeps params and grads on the GPU)
+#                      (5 under ZeRO: what the runtime's FSDP2 holds, runtime.zero.zero_runs_with)
 #   a[s,b,x] in {0,1}  block b keeps its activations (x = keep), recomputes them, or offloads them to cpu/nvme
 #   o[s,t] in {0,1}    stage s offloads some activations to tier t (the transfer's latency is paid once)
 #   h[s] >= 0          the transient GPU buffer: the recomputed block, or two blocks being offloaded / prefetched
@@ -105,6 +105,8 @@ def place_tiers(plan: Plan, profile: Profile, *, solver: Solver = "highs", time_
 
 
 def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
+    from runtime.zero import zero_runs_with  # imported here: torch.distributed only when tiers are placed
+
     cluster, training = plan.cluster, plan.training
     ev = evaluate(plan, profile)
     in_flight = {(sc.group, sc.index): sc.in_flight for sc in ev.stages}
@@ -135,7 +137,7 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
             gather, scatter, _ = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link)
             state = {}
             for k in STATES:
-                if g.zero and (k[0] != "gpu" or k[1] != "gpu"):  # the runtime's ZeRO (FSDP2) offloads only the optimizer
+                if g.zero and not zero_runs_with(*k):  # the tiers the runtime's ZeRO (FSDP2) can hold
                     continue
                 memory = Memory(*k)
                 tiers = state_residency(params, largest, dp=g.dp, zero=g.zero, memory=memory, dtype=training.dtype,

@@ -14,7 +14,7 @@ from plans.plan import ActivationTier
 from runtime.activations import ActivationTiers, SavedActivations
 from runtime.budget import DeviceBudget
 from runtime.param_tiers import GradTier, ParamStore, TieredAdam, unique_params
-from runtime.zero import is_sharded, local_grad, local_of, local_view
+from runtime.zero import ZERO_TIERS, is_sharded, local_grad, local_of, local_view, zero_runs_with
 
 
 class TieredBlocks(Mapping):
@@ -102,12 +102,13 @@ class RankTiers:
         self._persistent_grads: list[bool] = []  # per optimizer: keep gradient buffers across steps
         self.sharded: dict[str, nn.Parameter] = {}  # full name -> ZeRO-sharded (DTensor) parameter
         self._shard_views: list[tuple[nn.Parameter, torch.Tensor]] = []  # (sharded parameter, its local shard)
-        by_tiers: dict[tuple[str, str, str], list[str]] = {}
+        by_tiers: dict[tuple[str, str, str, bool], list[str]] = {}  # (tiers, ZeRO-sharded) -> blocks
         seen: set[int] = set()  # a parameter tied between blocks belongs to the first (as in the profiler)
         for blocks, memory in stages:
             for b in blocks:
                 self.memory[b] = memory
-                by_tiers.setdefault((memory.params, memory.optimizer, memory.grads), []).append(b)
+                sharded_block = any(is_sharded(p) for p in modules[b].parameters())
+                by_tiers.setdefault((memory.params, memory.optimizer, memory.grads, sharded_block), []).append(b)
         groups_of: dict[int, set[tuple[str, str, str]]] = {}
         for key, blocks in by_tiers.items():
             for b in blocks:
@@ -116,7 +117,7 @@ class RankTiers:
         if any(len(keys) > 1 and any(k[0] != "gpu" for k in keys) for keys in groups_of.values()):
             raise MmplanError("a parameter is tied between blocks whose stages hold parameters in different tiers; "
                               "give those stages the same Memory")
-        for (params_tier, optimizer_tier, grads_tier), blocks in by_tiers.items():
+        for (params_tier, optimizer_tier, grads_tier, _), blocks in by_tiers.items():
             mods = {b: modules[b] for b in blocks}
             named = {}
             for b, m in mods.items():
@@ -125,10 +126,10 @@ class RankTiers:
                         seen.add(id(p))
                         named[f"{b}.{n}"] = p
             sharded = {n: p for n, p in named.items() if is_sharded(p)}
-            if sharded and (params_tier != "gpu" or grads_tier != "gpu"):
-                raise MmplanError(f"block of {next(iter(sharded))} is sharded by ZeRO (FSDP2), which keeps parameters and "
-                                  f"gradients in the device tier, but its stage puts parameters in {params_tier!r} and "
-                                  f"gradients in {grads_tier!r}; offload only the optimizer state under ZeRO")
+            if sharded and not zero_runs_with(params_tier, grads_tier, optimizer_tier):
+                raise MmplanError(f"block of {next(iter(sharded))} is sharded by ZeRO (FSDP2), but its stage puts parameters "
+                                  f"in {params_tier!r}, gradients in {grads_tier!r} and the optimizer state in "
+                                  f"{optimizer_tier!r}; {ZERO_TIERS}")
             for n, p in sharded.items():
                 view = local_view(p)
                 self.sharded[n] = p
@@ -137,6 +138,8 @@ class RankTiers:
             store = None
             if params_tier == "gpu":
                 self.budget.add("params", sum(p.numel() * p.element_size() for p in named.values()))
+            elif sharded:  # FSDP2's CPU offload holds the shards (and their gradients) on the host
+                self.budget.add_host(params_tier, sum(p.numel() * p.element_size() for p in named.values()))
             else:
                 store = ParamStore(mods, params_tier, self.budget, nvme_dir=nvme_dir, order=blocks, prefetch=prefetch)
                 self.stores.append(store)

@@ -161,7 +161,8 @@ class RankTrainer:
             st = self.layout.stages[key]
             zero = self.plan.group(st.group).zero
             if zero:
-                out[key] = apply_zero({b: self.rm.local[b] for b in st.blocks}, group, zero, self.ctx.device)
+                offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
+                out[key] = apply_zero({b: self.rm.local[b] for b in st.blocks}, group, zero, self.ctx.device, offload)
         return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:

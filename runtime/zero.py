@@ -16,7 +16,9 @@ al. 2020):
 The runtime's loss is already divided by dp * micro-batches (train.py), so FSDP2 must sum, not average:
 gradient divide factor 1 with `set_force_sum_reduction_for_comms` (gloo has no PREMUL_SUM). Parameters
 become DTensors sharded on dim 0; the optimizer (param_tiers.TieredAdam, with its tiers) runs on their local
-shards (`local_view`), so a CPU-offloaded optimizer holds only this rank's share. Checkpoints stay
+shards (`local_view`), so a CPU-offloaded optimizer holds only this rank's share. A stage with parameters and
+gradients in the cpu tier uses FSDP2's CPUOffloadPolicy (ZeRO-Offload / ZeRO-Infinity's host-resident shards);
+no other parameter or gradient tier runs under ZeRO (`zero_runs_with`). Checkpoints stay
 unsharded and layout-independent: `full` gathers, `local_of` takes this rank's shard of a full tensor.
 """
 from __future__ import annotations
@@ -27,21 +29,33 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: torch.device) -> list[FSDPModule]:
+ZERO_TIERS = ("under ZeRO the runtime (FSDP2) keeps parameters and gradients on the GPU (optimizer state on the GPU, "
+              "CPU or NVMe), or both on the CPU with FSDP2's CPU offload (optimizer state on the CPU or NVMe)")
+
+
+def zero_runs_with(params: str, grads: str, optimizer: str) -> bool:
+    """The memory tiers a ZeRO stage can have (ZERO_TIERS)."""
+    return (params, grads) == ("gpu", "gpu") or ((params, grads) == ("cpu", "cpu") and optimizer in ("cpu", "nvme"))
+
+
+def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: torch.device,
+               offload: bool = False) -> list[FSDPModule]:
     """Shard each block with parameters over `group` (this rank's data-parallel group of the stage), in place;
-    returns the sharded blocks. Apply after tensor parallelism (the shards are of the tp-local tensors)."""
+    returns the sharded blocks. Apply after tensor parallelism (the shards are of the tp-local tensors).
+    `offload`: FSDP2's CPU offload (sharded parameters and gradients on the host, gathered to the device for use)."""
     if zero not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3 here, got {zero}")
     mesh = DeviceMesh.from_group(group, device.type)
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     sharded = []
     for m in modules.values():
         if not any(True for _ in m.parameters()):
             continue
-        fully_shard(m, mesh=mesh, reshard_after_forward=zero >= 3)
+        fully_shard(m, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy)
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
         sharded.append(m)

@@ -36,12 +36,12 @@ def test_a_zero3_homogeneous_plan_trains_with_the_losses_of_zero0(tmp_path):
         assert abs(g - w) <= 1e-5 * abs(w), (got, want)
 
 
-def test_zero_with_parameters_off_the_gpu_is_refused_in_one_line(tmp_path):
+def test_zero_with_tiers_fsdp2_cannot_hold_is_refused_in_one_line(tmp_path):
     prof = tmp_path / "vlm.json"
     assert runner.invoke(app, ["profile", "tiny-vlm", "-o", str(prof)]).exit_code == 0
     plan = _solve(tmp_path, prof, 3)
     data = json.loads(plan.read_text())
-    data["groups"][0]["stages"][0]["memory"]["params"] = "cpu"
+    data["groups"][0]["stages"][0]["memory"]["params"] = "cpu"  # gradients left on the GPU: FSDP2 cannot split them
     plan.write_text(json.dumps(data))
     line = one_line_error(runner.invoke(app, ["run", str(plan), "--steps", "1"]))
-    assert "ZeRO stage 3" in line and "optimizer state" in line
+    assert "ZeRO stage 3" in line and "parameters in 'cpu', gradients in 'gpu'" in line

@@ -22,6 +22,9 @@ PLANS = {
     "dp2-zero2-optimizer-cpu": ("tiny-vlm", [
         {"name": "all", "dp": 2, "zero": 2, "stages": [(VLM_ALL, [0, 1], Memory(optimizer="cpu"))]},
     ], {}),
+    "dp2-zero3-params-cpu": ("tiny-vlm", [
+        {"name": "all", "dp": 2, "zero": 3, "stages": [(VLM_ALL, [0, 1], Memory(params="cpu", grads="cpu", optimizer="cpu"))]},
+    ], {}),
     "dp2-zero3-recompute": ("tiny-vlm", [
         {"name": "all", "dp": 2, "zero": 3, "stages": [(VLM_ALL, [0, 1], Memory(activations={"*": "recompute"}))]},
     ], {}),
