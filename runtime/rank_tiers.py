@@ -85,8 +85,9 @@ class RankTiers:
     parameter in exactly one block: block name + "." + its name inside the block).
 
     Blocks sharded by ZeRO (runtime/zero.py, applied before) hold DTensor parameters: the optimizer runs on
-    their local shards in its tier (a CPU/NVMe-offloaded sharded optimizer), FSDP2 owns their gradients (so
-    they must stay in the device tier) and their parameters must be in the device tier too (FSDP2 shards them).
+    their local shards in its tier (a CPU/NVMe-offloaded sharded optimizer); FSDP2 owns their parameters and
+    gradients (no ParamStore or GradTier for them: on the device, or on the host with its CPU offload,
+    zero.zero_runs_with). Frozen parameters (requires_grad False) get no optimizer state.
     """
 
     def __init__(self, stages: Sequence[tuple[Sequence[str], Any]], modules: Mapping[str, nn.Module], *,
