@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from plans.errors import MmplanError
 from plans.graph import Block, Profile
@@ -97,9 +97,10 @@ def model_state_bytes(params: float, *, dp: int, zero: int, dtype: str = "bf16",
 
 
 def state_residency(params: float, largest: float, *, dp: int, zero: int, memory: StateTiers, dtype: str = "bf16",
-                    optimizer: str = "adam") -> TierBytes:
+                    optimizer: str = "adam", trained: Any = None) -> TierBytes:
     """Bytes per tier of one rank's model states: `params` parameters on the rank (tp-parallel blocks divided
-    by tp), the largest block's `largest` of them.
+    by tp), the largest block's `largest` of them; `trained` of them (default: all) are not frozen and have gradients
+    and optimizer state.
 
     Each of params / grads / optimizer state (model_state_bytes, ZeRO-sharded) sits in the tier `memory` names.
     Streaming from another tier needs GPU buffers, as runtime/param_tiers.py holds them: parameters off the GPU
@@ -110,6 +111,9 @@ def state_residency(params: float, largest: float, *, dp: int, zero: int, memory
     """
     share = zero_divisors(zero, dp)
     state = model_state_bytes(params, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
+    if trained is not None:  # `trained` of the params are not frozen: only they have gradients and optimizer state
+        of_trained = model_state_bytes(trained, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
+        state = ModelState(params=state.params, grads=of_trained.grads, optimizer=of_trained.optimizer)
     out = TierBytes().put(memory.params, state.params).put(memory.grads, state.grads).put(memory.optimizer, state.optimizer)
     block = largest * DTYPE_BYTES[dtype]  # bytes, the largest block's parameters (or gradients)
     if memory.params != "gpu":
@@ -210,8 +214,9 @@ def stage_memory(
     """
     shard = {b.name: (tp if b.supports_tp else 1) for b in blocks}
     params = sum(b.params / shard[b.name] for b in blocks)
+    trained = sum(b.params / shard[b.name] for b in blocks if not b.frozen)  # frozen blocks: no grads, no optimizer state
     largest = max((b.params / shard[b.name] for b in blocks), default=0.0)
-    out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer)
+    out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer, trained=trained)
     transient = 0.0  # bytes: the one block being recomputed, or the two being offloaded / prefetched
     for b in blocks:
         act = b.activation_bytes * samples / shard[b.name]  # bytes of one micro-batch

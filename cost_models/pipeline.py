@@ -114,6 +114,7 @@ class _Cost:
     """What one chunk costs per micro-batch on one of its ranks (filled by _cost_chunk)."""
 
     params: float = 0.0  # parameters on one rank (tp-parallel blocks divided by tp)
+    trained: float = 0.0  # of them, those of blocks not frozen (synced and updated in the tail)
     time: OpTime = field(default_factory=OpTime)
     fwd: float = 0.0  # task durations per micro-batch
     bwd: float = 0.0
@@ -167,7 +168,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
     for s, cs in enumerate(graph.stages):
         ch = graph.chunks[cs[0]]
         g = group_of[ch.group]
-        tails.append(stage_tail(g, ch.stage, sum(costs[c].params for c in cs), plan.training, cluster))
+        tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster))  # frozen: no sync / update
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
@@ -225,6 +226,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         if tier.startswith("offload-"):
             out_bytes[tier.removeprefix("offload-")] += b.activation_bytes * samples / t
         params += b.params / t
+        cost.trained += 0.0 if b.frozen else b.params / t
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op

@@ -92,6 +92,7 @@ def profile(
     dtype: Annotated[Optional[str], typer.Option(help="fp32 | bf16 | fp16 (default: the model's, bf16 for real-size zoo models).")] = None,
     measure: Annotated[bool, typer.Option(help="Time forward/backward of each distinct block on --device (cpu or cuda).")] = False,
     group: Annotated[Optional[list[str]], typer.Option(help="Override module groups: PATTERN=GROUP (fnmatch on block names, repeatable).")] = None,
+    freeze: Annotated[Optional[list[str]], typer.Option(help="Freeze the blocks matching PATTERN (fnmatch on block names, repeatable): not trained, no gradients or optimizer state.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -107,7 +108,7 @@ def profile(
     source = resolve(model)
     with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
         prof = profile_model(source, micro_batch=micro_batch, device=device, dtype=dtype, measure=measure,
-                             groups=parse_group_overrides(group or []), progress=note)
+                             groups=parse_group_overrides(group or []), progress=note, freeze=freeze or [])
     save_profile(prof, output)
     if as_json:
         print(json.dumps({"profile": str(output), "model": prof.model, "fingerprint": prof.fingerprint,

@@ -26,6 +26,7 @@ import hashlib
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
@@ -39,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from runtime.program import block_modules, module_structure
+from runtime.program import block_modules, is_frozen, module_structure
 from runtime.source import ModelSource, call_factory
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
@@ -63,6 +64,27 @@ _GLUE = "(glue)"  # FLOPs of tensor code between blocks (e.g. the loss); not par
 def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Blocks in definition order: container elements plus maximal container-free submodules."""
     return list(block_modules(model).items())
+
+
+def freeze_blocks(model: nn.Module, patterns: Sequence[str], name: str = "the model") -> None:
+    """`--freeze`: stop the parameters of every block matching one of `patterns` (fnmatch on block names) from
+    requiring grad, so the profile measures what training them frozen costs. A pattern matching no block, or
+    patterns leaving no block to train, are errors."""
+    if not patterns:
+        return
+    blocks = block_modules(model)
+    for pattern in patterns:
+        matched = [b for b in blocks if fnmatchcase(b, pattern)]
+        if not matched:
+            raise MmplanError(f"--freeze {pattern!r} matches no block of {name} (blocks: {_names_hint(list(blocks))})")
+        for b in matched:
+            blocks[b].requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise MmplanError(f"--freeze {' '.join(patterns)} freezes every parameter of {name}: nothing would train")
+
+
+def _names_hint(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
 
 
 def default_group(block_name: str) -> str:
@@ -461,6 +483,7 @@ def profile_model(
     groups: list[tuple[str, str]] = (),
     reps: int = 5,
     progress: Progress | None = None,
+    freeze: Sequence[str] = (),
 ) -> Profile:
     """Profile a model: see the module docstring for what is measured and how."""
     note = progress or (lambda step, frac: None)
@@ -478,6 +501,7 @@ def profile_model(
     with torch.device("meta") if fake else nullcontext():
         model, batch = call_factory(source, micro_batch)
     batch = _cast(model, batch, DTYPES[dtype])
+    freeze_blocks(model, freeze, source.name)
     note("tracing forward and backward", 0.1)
     try:
         records, trace = analyse(model, batch, fake=fake)
@@ -497,7 +521,7 @@ def profile_model(
         if not fake:  # the whole model is on the device: fit the block times to the in-context times
             timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
     note("done", 1.0)
-    options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure)
+    options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure, freeze=tuple(freeze))
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
                      _device_name(torch.device(device)) if measure else None, options)
 
@@ -521,7 +545,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
             supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
             structure=module_structure(rec.module),
-            reduces_batch=rec.reduces_batch,
+            reduces_batch=rec.reduces_batch, frozen=is_frozen(rec.module),
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,
         ))
     order = {r.name: r.order for r in records}

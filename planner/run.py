@@ -61,7 +61,7 @@ def checked_plan(plan_path: Path, model: str | None, profile: Profile | None = N
             f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
             f"but {spec!r} builds a model with fingerprint {found} (another module tree or data flow): re-profile and re-solve")
     if plan.flow is None:  # a hand-written plan: the flow of the model it was just checked against
-        plan = check_plan(replace(plan, flow=traced_flow(program)), None, f"plan {plan_path}")
+        plan = check_plan(replace(plan, flow=traced_flow(program, module)), None, f"plan {plan_path}")
     sample_bytes = sum(t[:1].numel() * t.element_size() for t in batch.values() if isinstance(t, torch.Tensor))
     return plan, profile, spec, float(sample_bytes)
 
@@ -116,10 +116,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     elif world > MAX_LOCAL_RANKS:
         raise MmplanError(f"the plan needs {world} ranks; start it with torchrun on a cluster of that size "
                           f"(at most {MAX_LOCAL_RANKS} local processes)")
-    sharded = [g.name for g in plan.groups if g.zero]
-    if sharded:
-        raise MmplanError(f"group {sharded[0]} uses ZeRO stage {plan.group(sharded[0]).zero}: the cost model plans ZeRO, "
-                          "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
+    _check_zero(plan, plan_path)
     if plan.training.schedule not in ("gpipe", "1f1b"):
         raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
     if launched is None:
@@ -188,6 +185,21 @@ def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, 
 
     other = {"step": metrics[-1]["step"], "step_time_s": metrics[-1]["step_time_s"]} if metrics else {}
     write_atomic(path, json.dumps(chrome_trace(timelines, other={"measured": True, **other})))
+
+
+def _check_zero(plan: Plan, plan_path: Path) -> None:
+    """ZeRO runs on FSDP2 (runtime/zero.py): only the memory tiers it can hold (runtime.zero.zero_runs_with)."""
+    from runtime.zero import ZERO_TIERS, zero_runs_with
+
+    for g in plan.groups:
+        if not g.zero:
+            continue
+        for i, st in enumerate(g.stages):
+            m = st.memory
+            if not zero_runs_with(m.params, m.grads, m.optimizer):
+                raise MmplanError(f"plan {plan_path}: group {g.name} stage {i} uses ZeRO stage {g.zero} with parameters in "
+                                  f"{m.params!r}, gradients in {m.grads!r} and optimizer state in {m.optimizer!r}; "
+                                  f"{ZERO_TIERS}: set zero=0 or change the tiers")
 
 
 def _check_rank_numbering(plan: Plan, plan_path: Path) -> None:

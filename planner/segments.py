@@ -97,6 +97,7 @@ class Segments:
         inp = np.array(self.unit.input_bytes, dtype=float) * self.samples / shard
         self.width = DTYPE_BYTES[st.dtype]
         self.params = _span(params)
+        self.trained = _span(params * np.array([not b.frozen for b in blocks], dtype=float))  # frozen: no grads / optimizer / sync
         self.largest = _range_max(params)  # parameters of the largest block
         self.act, self.act_max = _span(act), _range_max(act)
         self.checkpoint = _span(inp)
@@ -138,9 +139,9 @@ class Segments:
         def tail(x: float):
             return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
 
-        sync = _affine(lambda x: tail(x).grad_sync, self.params)
-        opt = _affine(lambda x: tail(x).optimizer, self.params)
-        gathered = _affine(lambda x: tail(x).param_gather, self.params)
+        sync = _affine(lambda x: tail(x).grad_sync, self.trained)
+        opt = _affine(lambda x: tail(x).optimizer, self.trained)
+        gathered = _affine(lambda x: tail(x).param_gather, self.trained)
         out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
         self._cache[key] = out
         return out
@@ -155,7 +156,7 @@ class Segments:
             return self._cache[key]
         st = self.setting
         base = state_residency(self.params, self.largest, dp=self.dp, zero=self.zero, memory=policy, dtype=st.dtype,
-                               optimizer=st.optimizer)
+                               optimizer=st.optimizer, trained=self.trained)
         base = base.put("gpu", activation_transient(policy.activations, self.act_max))
         per_mb = activation_residency(policy.activations, self.act, self.checkpoint)
         zeros = np.zeros_like(self.params)

@@ -30,6 +30,7 @@ from plans.plan import ActivationTier, Memory, Plan, Tier, check_plan
 # and pipeline.py's chunk costs, term by term, their constants computed by the cost_models functions named
 # below; every figure is one rank's, per micro-batch unless noted):
 #   z[s,k] in {0,1}    stage s puts (params, grads, optimizer state) in tiers k = (tp, tg, to), 27 choices
+#                      (5 under ZeRO: what the runtime's FSDP2 holds, runtime.zero.zero_runs_with)
 #   a[s,b,x] in {0,1}  block b keeps its activations (x = keep), recomputes them, or offloads them to cpu/nvme
 #   o[s,t] in {0,1}    stage s offloads some activations to tier t (the transfer's latency is paid once)
 #   h[s] >= 0          the transient GPU buffer: the recomputed block, or two blocks being offloaded / prefetched
@@ -94,7 +95,7 @@ def place_tiers(plan: Plan, profile: Profile, *, solver: Solver = "highs", time_
         return None
     memories: dict[tuple[int, int], Memory] = {}
     for st in stages:
-        k = next(k for k in STATES if (z[st.key][k].value() or 0) > 0.5)
+        k = next(k for k in st.state if (z[st.key][k].value() or 0) > 0.5)
         acts = {b: x for b in st.blocks for x in ACTIVATION_TIERS if (a[st.key][b][x].value() or 0) > 0.5 and x != "keep"}
         memories[st.key] = Memory(params=k[0], grads=k[1], optimizer=k[2], activations=acts)
     groups = tuple(replace(g, stages=tuple(replace(s, memory=memories[gi, si]) for si, s in enumerate(g.stages)))
@@ -104,6 +105,8 @@ def place_tiers(plan: Plan, profile: Profile, *, solver: Solver = "highs", time_
 
 
 def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
+    from runtime.zero import zero_runs_with  # imported here: torch.distributed only when tiers are placed
+
     cluster, training = plan.cluster, plan.training
     ev = evaluate(plan, profile)
     in_flight = {(sc.group, sc.index): sc.in_flight for sc in ev.stages}
@@ -117,7 +120,7 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
         for si, s in enumerate(g.stages):
             f = fc = b = bc = 0.0
             rf, rc, act, ckpt = {}, {}, {}, {}
-            params = largest = 0.0
+            params = largest = trained = 0.0
             for name in s.blocks:
                 blk = blocks[name]
                 t = g.tp if blk.supports_tp else 1
@@ -127,17 +130,20 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                 act[name] = blk.activation_bytes * samples / t
                 ckpt[name] = inputs.get(name, 0.0) * samples / t
                 params += blk.params / t
+                trained += 0.0 if blk.frozen else blk.params / t  # frozen: no grads, optimizer state or update
                 largest = max(largest, blk.params / t)
             param_bytes = params * width
             link = dp_link(cluster, s.ranks, g.tp)
             gather, scatter, _ = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link)
             state = {}
             for k in STATES:
+                if g.zero and not zero_runs_with(*k):  # the tiers the runtime's ZeRO (FSDP2) can hold
+                    continue
                 memory = Memory(*k)
                 tiers = state_residency(params, largest, dp=g.dp, zero=g.zero, memory=memory, dtype=training.dtype,
-                                        optimizer=training.optimizer)
+                                        optimizer=training.optimizer, trained=trained)
                 pin, gout = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=memory, cluster=cluster)
-                opt = tail_over(params, dp=g.dp, zero=g.zero, memory=memory, link=link, cluster=cluster,
+                opt = tail_over(trained, dp=g.dp, zero=g.zero, memory=memory, link=link, cluster=cluster,
                                 dtype=training.dtype, optimizer=training.optimizer).optimizer
                 state[k] = (tiers.gpu, tiers.cpu, tiers.nvme, pin, gout, opt)
             residency = {name: {x: activation_residency(x, act[name], ckpt[name]) for x in ACTIVATION_TIERS}
@@ -176,7 +182,7 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
     node_cpu, node_nvme = defaultdict(list), defaultdict(list)
     gpu = {}
     for n, st in enumerate(stages):
-        z[st.key] = {k: prob.add_variable(f"z_{n}_{''.join(x[0] for x in k)}", cat="Binary") for k in STATES}
+        z[st.key] = {k: prob.add_variable(f"z_{n}_{''.join(x[0] for x in k)}", cat="Binary") for k in st.state}
         a[st.key] = {b: {x: prob.add_variable(f"a_{n}_{i}_{x.replace('-', '_')}", cat="Binary") for x in ACTIVATION_TIERS}
                      for i, b in enumerate(st.blocks)}
         zs, av = z[st.key], a[st.key]
@@ -192,8 +198,8 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
             prob += h >= st.transient[b]["recompute"] * av[b]["recompute"], f"transient_{n}_{i}_rc"
         out = pulp.lpSum(o[t] * costs[t][0] + pulp.lpSum(st.act[b] * costs[t][1] * av[b][f"offload-{t}"] for b in st.blocks)
                          for t in ("cpu", "nvme"))
-        pin = pulp.lpSum(st.state[k][3] * zs[k] for k in STATES)
-        gout = pulp.lpSum(st.state[k][4] * zs[k] for k in STATES)
+        pin = pulp.lpSum(st.state[k][3] * zs[k] for k in st.state)
+        gout = pulp.lpSum(st.state[k][4] * zs[k] for k in st.state)
         bwd = st.bwd + pulp.lpSum(st.recompute_fwd[b] * av[b]["recompute"] for b in st.blocks)
         bcomm = st.bwd_comm + pulp.lpSum(st.recompute_comm[b] * av[b]["recompute"] for b in st.blocks)
         ef, eb = prob.add_variable(f"ef_{n}", lowBound=0), prob.add_variable(f"eb_{n}", lowBound=0)
@@ -201,15 +207,15 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
         prob += ef >= st.gather - st.fwd, f"expose_fz_{n}"
         prob += eb >= out + pin + gout - bwd, f"expose_b_{n}"
         prob += eb >= st.gather + st.scatter - bwd, f"expose_bz_{n}"
-        opt = pulp.lpSum(st.state[k][5] * zs[k] for k in STATES)
+        opt = pulp.lpSum(st.state[k][5] * zs[k] for k in st.state)
         terms[st.key] = m * (st.fwd + st.fwd_comm + ef + bwd + bcomm + eb) + opt
         def resident(tier: str):  # activation bytes per micro-batch in flight on `tier` (activation_residency)
             return pulp.lpSum(getattr(st.residency[b][x], tier) * av[b][x] for b in st.blocks for x in ACTIVATION_TIERS
                               if getattr(st.residency[b][x], tier))
 
-        gpu[st.key] = pulp.lpSum(st.state[k][0] * zs[k] for k in STATES) + h + st.in_flight * resident("gpu")
-        cpu = pulp.lpSum(st.state[k][1] * zs[k] for k in STATES) + st.in_flight * resident("cpu")
-        nvme = pulp.lpSum(st.state[k][2] * zs[k] for k in STATES) + st.in_flight * resident("nvme")
+        gpu[st.key] = pulp.lpSum(st.state[k][0] * zs[k] for k in st.state) + h + st.in_flight * resident("gpu")
+        cpu = pulp.lpSum(st.state[k][1] * zs[k] for k in st.state) + st.in_flight * resident("cpu")
+        nvme = pulp.lpSum(st.state[k][2] * zs[k] for k in st.state) + st.in_flight * resident("nvme")
         per_node = defaultdict(int)
         for r in st.ranks:
             per_node[cluster.node_of(r)] += 1

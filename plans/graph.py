@@ -10,7 +10,7 @@ from typing import Any
 import networkx as nx
 
 from plans.errors import FormatError
-from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
+from plans.serial import OMIT_DEFAULT, dumps, from_data, read_json, to_data, validate, write_atomic
 
 PROFILE_SCHEMA = "mmplan.profile/2"
 
@@ -42,6 +42,9 @@ class Block:
     # time(b samples) = fwd_ms + fwd_ms_per_sample * (b - micro_batch); small blocks are overhead-bound
     fwd_ms_per_sample: float | None = None
     bwd_ms_per_sample: float | None = None
+    # not trained: `mmplan profile --freeze` matched it, or it has parameters and none requires grad (no gradients,
+    # optimizer state or gradient sync; profiled with its parameters frozen)
+    frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ class ProfileOptions:
     groups: tuple[tuple[str, str], ...] = ()  # --group overrides (pattern, group), in order
     device: str = "meta"
     measure: bool = False
+    freeze: tuple[str, ...] = field(default=(), metadata={OMIT_DEFAULT: True})  # --freeze patterns, in order
 
 
 @dataclass(frozen=True, slots=True)

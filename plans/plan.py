@@ -8,7 +8,7 @@ from typing import Any, Literal
 from plans.cluster import Cluster
 from plans.errors import FormatError
 from plans.graph import Profile
-from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
+from plans.serial import OMIT_DEFAULT, dumps, from_data, read_json, to_data, validate, write_atomic
 
 PLAN_SCHEMA = "mmplan.plan/2"
 
@@ -92,6 +92,7 @@ class FlowBlock:
 
     name: str
     output_bytes: float
+    frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})  # not trained (plans.graph.Block.frozen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +338,7 @@ def _check_profile(plan: Plan, profile: Profile, what: str) -> None:
 def flow_of(profile: Profile) -> Flow:
     """The plan's copy of a profile's data flow."""
     return Flow(
-        blocks=tuple(FlowBlock(b.name, b.output_bytes) for b in profile.blocks),
+        blocks=tuple(FlowBlock(b.name, b.output_bytes, b.frozen) for b in profile.blocks),
         edges=tuple((e.src, e.dst) for e in profile.edges),
         loss=profile.loss,
     )

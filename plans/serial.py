@@ -20,12 +20,15 @@ from plans.errors import FormatError
 from plans.limits import MAX_FILE_BYTES
 
 T = TypeVar("T")
+OMIT_DEFAULT = "omit_default"  # dataclass field metadata key: to_data leaves the field out while it equals its default
 
 
 def to_data(obj: Any) -> Any:
     """Dataclasses -> plain JSON data (dicts keep field order; tuples become lists)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        # a field declared with metadata OMIT_DEFAULT is left out while it has its default (files without it stay as they were)
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get(OMIT_DEFAULT) and getattr(obj, f.name) == f.default)}
     if isinstance(obj, (list, tuple)):
         return [to_data(x) for x in obj]
     if isinstance(obj, dict):

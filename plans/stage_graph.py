@@ -104,6 +104,7 @@ class StageGraph:
     micro_batches: int
     classes: tuple[tuple[int, ...], ...]  # ranks of each rank class, by first rank
     class_chunks: tuple[tuple[int, ...], ...]  # chunks each class hosts
+    trains: tuple[bool, ...] = ()  # per chunk: it or a chunk feeding it (transitively) has a block that is not frozen
 
     @cached_property
     def routes_into(self) -> tuple[tuple[int, ...], ...]:
@@ -133,8 +134,9 @@ class StageGraph:
         return tuple(tuple(v) for v in by.values())
 
     def has_backward(self, chunk: int) -> bool:
-        """Whether the chunk's outputs reach the loss (else it runs forwards only)."""
-        return self.distance[chunk] >= 0
+        """Whether the chunk's outputs reach the loss and it, or something before it, trains (else it runs forwards
+        only: a frozen encoder whose inputs need no gradient has no backward, and no gradient is routed back to it)."""
+        return self.distance[chunk] >= 0 and (not self.trains or self.trains[chunk])
 
     def chunks_on(self, rank: int) -> tuple[int, ...]:
         c = self.class_of.get(rank)
@@ -215,6 +217,14 @@ def _build(plan: Plan) -> StageGraph:
         for dst, b in sorted(wanted, key=lambda k: (k[0], order[k[1]]))
     )
     distance = _distances(chunks, routes, loss)
+    frozen = {b.name for b in flow.blocks if b.frozen}
+    trains = [any(b not in frozen for b in c.blocks) for c in chunks]
+    changed = True
+    while changed:  # a chunk fed by a training chunk needs its backward (to pass gradients on); routes form a DAG
+        changed = False
+        for r in routes:
+            if trains[r.src] and not trains[r.dst]:
+                trains[r.dst] = changed = True
     hosted: dict[int, list[int]] = defaultdict(list)
     for i, c in enumerate(chunks):
         for r in c.ranks:
@@ -225,7 +235,7 @@ def _build(plan: Plan) -> StageGraph:
     return StageGraph(
         chunks=tuple(chunks), routes=routes, loss=loss, distance=distance,
         micro_batch=training.micro_batch, micro_batches=training.micro_batches,
-        classes=tuple(tuple(v) for v in classes.values()), class_chunks=tuple(classes),
+        classes=tuple(tuple(v) for v in classes.values()), class_chunks=tuple(classes), trains=tuple(trains),
     )
 
 

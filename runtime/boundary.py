@@ -89,8 +89,9 @@ class Exchange:
                     key = (route_idx, k, leaf, 0, mb)
                     self._put(dst, t[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
 
-    def recv_forward(self, route_idx: int, replica: int, mb: int) -> tuple[Any, list[torch.Tensor]]:
-        """The producer's output for this consumer replica's samples, as fresh leaves requiring grad."""
+    def recv_forward(self, route_idx: int, replica: int, mb: int, needs_grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
+        """The producer's output for this consumer replica's samples, as fresh leaves (requiring grad when
+        `needs_grad`: the producer runs a backward)."""
         route = self.layout.routes[route_idx]
         spec = self.specs[route.block]
         parts: list[list[torch.Tensor]] = [[] for _ in spec.leaves]
@@ -100,7 +101,7 @@ class Exchange:
                 key = (route_idx, k, leaf, 0, mb)
                 parts[leaf].append(self._get(src, (p.stop - p.start, *shape), dtype, key, self.tag(*key[:4], mb)))
         leaves = [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in parts]
-        leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
+        leaves = [t.requires_grad_() if needs_grad and t.is_floating_point() else t for t in leaves]
         return tree_unflatten(leaves, spec.tree), leaves
 
     # backward: consumer replica -> producer replicas

@@ -123,6 +123,8 @@ class DeviceBudget:
         """Never count these tensors' storages as held (parameters and buffers, as the profiler does)."""
         with self._lock:
             for t in tensors:
+                if hasattr(t, "to_local"):  # a ZeRO-sharded (DTensor) parameter: its local shard's storage
+                    t = t.to_local().detach()
                 s = t.untyped_storage()
                 self._ignored[s._cdata] = weakref.ref(s)
 

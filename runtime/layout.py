@@ -32,7 +32,7 @@ class Layout:
     loss_stage: str
     micro_batch: int  # samples per micro-batch (all replicas together)
     micro_batches: int
-    distance: dict[str, int]  # stage key -> most routes on a path to the loss stage (-1: none)
+    distance: dict[str, int]  # stage key -> most routes on a path to the loss stage (-1: none, or it runs no backward)
 
     def stages_on(self, rank: int) -> list[Chunk]:
         return [s for s in self.stages.values() if rank in s.ranks]
@@ -62,7 +62,7 @@ def build_layout(plan: Plan, program: Program) -> Layout:
     stages = dict(zip(keys, graph.chunks))
     routes = tuple(Route(r.block, keys[r.src], keys[r.dst], r.pieces) for r in graph.routes)
     layout = Layout(graph, stages, routes, keys[graph.loss], plan.training.micro_batch, plan.training.micro_batches,
-                    {k: graph.distance[i] for i, k in enumerate(keys)})
+                    {k: graph.distance[i] if graph.has_backward(i) else -1 for i, k in enumerate(keys)})
     _check_against(layout, program)
     return layout
 

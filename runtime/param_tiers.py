@@ -310,9 +310,10 @@ class TieredAdam:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         self.tier, self.budget, self.store = tier, budget, store
         self.named = dict(named_params)
-        if store is not None:
-            blocks = {b: [f"{b}.{n}" for n, _ in store.params[b]] for b in store.order}
-        self.blocks: dict[str, list[str]] = {k: list(v) for k, v in (blocks or {"": list(self.named)}).items()}
+        if store is not None:  # the store's blocks, their frozen parameters (not among named_params) left out
+            blocks = {b: [f"{b}.{n}" for n, _ in store.params[b] if f"{b}.{n}" in self.named] for b in store.order}
+        blocks = {k: list(v) for k, v in (blocks or {"": list(self.named)}).items()}
+        self.blocks: dict[str, list[str]] = {k: v for k, v in blocks.items() if v}  # a block with nothing to train has no Adam
         unknown = [n for names in self.blocks.values() for n in names if n not in self.named]
         if unknown:
             raise MmplanError(f"TieredAdam: parameter {unknown[0]} of a block is not among the named parameters")
@@ -399,6 +400,8 @@ class TieredAdam:
     def load_state_by_name(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Copy saved state into the tier's tensors (files stay where they are)."""
         for n, values in state.items():
+            if not values:  # saved while the parameter was frozen: its Adam state starts fresh
+                continue
             if n not in self.named:
                 raise MmplanError(f"optimizer state for {n}, which is not a parameter of this rank")
             mine = self._state_of(n)

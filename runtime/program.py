@@ -89,10 +89,19 @@ class Program:
         return [(key, name) for name, node in self.blocks.items() for key in sorted(self.deps(node)[1])]
 
 
-def traced_flow(program: Program) -> Flow:
-    """The data flow of a traced model in the plan's form (output bytes unknown: 0), for a hand-written plan
-    that carries none; plans/stage_graph.py then derives stages and routes from it as from a profile's."""
-    return Flow(blocks=tuple(FlowBlock(b, 0.0) for b in program.blocks), edges=tuple(program.edges()),
+def is_frozen(module: nn.Module) -> bool:
+    """plans.graph.Block.frozen of a module as built: it has parameters and none of them requires grad."""
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def traced_flow(program: Program, model: nn.Module | None = None) -> Flow:
+    """The data flow of a traced model in the plan's form (output bytes unknown: 0; blocks frozen as `model` builds
+    them), for a hand-written plan that carries none; plans/stage_graph.py then derives stages and routes from it
+    as from a profile's."""
+    modules = block_modules(model) if model is not None else {}
+    return Flow(blocks=tuple(FlowBlock(b, 0.0, b in modules and is_frozen(modules[b])) for b in program.blocks),
+                edges=tuple(program.edges()),
                 loss=tuple(sorted(program.loss_deps(), key=list(program.blocks).index)))
 
 

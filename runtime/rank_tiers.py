@@ -14,6 +14,7 @@ from plans.plan import ActivationTier
 from runtime.activations import ActivationTiers, SavedActivations
 from runtime.budget import DeviceBudget
 from runtime.param_tiers import GradTier, ParamStore, TieredAdam, unique_params
+from runtime.zero import ZERO_TIERS, is_sharded, local_grad, local_of, local_view, zero_runs_with
 
 
 class TieredBlocks(Mapping):
@@ -82,6 +83,11 @@ class RankTiers:
     `stages`: (blocks in execution order, Memory) of every stage this rank runs; `modules`: the rank's
     local blocks by name; `named_params`: full parameter name -> parameter for those blocks (each
     parameter in exactly one block: block name + "." + its name inside the block).
+
+    Blocks sharded by ZeRO (runtime/zero.py, applied before) hold DTensor parameters: the optimizer runs on
+    their local shards in its tier (a CPU/NVMe-offloaded sharded optimizer); FSDP2 owns their parameters and
+    gradients (no ParamStore or GradTier for them: on the device, or on the host with its CPU offload,
+    zero.zero_runs_with). Frozen parameters (requires_grad False) get no optimizer state.
     """
 
     def __init__(self, stages: Sequence[tuple[Sequence[str], Any]], modules: Mapping[str, nn.Module], *,
@@ -95,12 +101,15 @@ class RankTiers:
         self.optimizers: list[TieredAdam] = []
         self.grads: list[GradTier] = []
         self._persistent_grads: list[bool] = []  # per optimizer: keep gradient buffers across steps
-        by_tiers: dict[tuple[str, str, str], list[str]] = {}
+        self.sharded: dict[str, nn.Parameter] = {}  # full name -> ZeRO-sharded (DTensor) parameter
+        self._shard_views: list[tuple[nn.Parameter, torch.Tensor]] = []  # (sharded parameter, its local shard)
+        by_tiers: dict[tuple[str, str, str, bool], list[str]] = {}  # (tiers, ZeRO-sharded) -> blocks
         seen: set[int] = set()  # a parameter tied between blocks belongs to the first (as in the profiler)
         for blocks, memory in stages:
             for b in blocks:
                 self.memory[b] = memory
-                by_tiers.setdefault((memory.params, memory.optimizer, memory.grads), []).append(b)
+                sharded_block = any(is_sharded(p) for p in modules[b].parameters())
+                by_tiers.setdefault((memory.params, memory.optimizer, memory.grads, sharded_block), []).append(b)
         groups_of: dict[int, set[tuple[str, str, str]]] = {}
         for key, blocks in by_tiers.items():
             for b in blocks:
@@ -109,7 +118,7 @@ class RankTiers:
         if any(len(keys) > 1 and any(k[0] != "gpu" for k in keys) for keys in groups_of.values()):
             raise MmplanError("a parameter is tied between blocks whose stages hold parameters in different tiers; "
                               "give those stages the same Memory")
-        for (params_tier, optimizer_tier, grads_tier), blocks in by_tiers.items():
+        for (params_tier, optimizer_tier, grads_tier, _), blocks in by_tiers.items():
             mods = {b: modules[b] for b in blocks}
             named = {}
             for b, m in mods.items():
@@ -117,15 +126,28 @@ class RankTiers:
                     if id(p) not in seen:
                         seen.add(id(p))
                         named[f"{b}.{n}"] = p
+            sharded = {n: p for n, p in named.items() if is_sharded(p)}
+            if sharded and not zero_runs_with(params_tier, grads_tier, optimizer_tier):
+                raise MmplanError(f"block of {next(iter(sharded))} is sharded by ZeRO (FSDP2), but its stage puts parameters "
+                                  f"in {params_tier!r}, gradients in {grads_tier!r} and the optimizer state in "
+                                  f"{optimizer_tier!r}; {ZERO_TIERS}")
+            for n, p in sharded.items():
+                view = local_view(p)
+                self.sharded[n] = p
+                self._shard_views.append((p, view))
+                named[n] = view
             store = None
             if params_tier == "gpu":
                 self.budget.add("params", sum(p.numel() * p.element_size() for p in named.values()))
+            elif sharded:  # FSDP2's CPU offload holds the shards (and their gradients) on the host
+                self.budget.add_host(params_tier, sum(p.numel() * p.element_size() for p in named.values()))
             else:
                 store = ParamStore(mods, params_tier, self.budget, nvme_dir=nvme_dir, order=blocks, prefetch=prefetch)
                 self.stores.append(store)
                 self._store_of.update(dict.fromkeys(blocks, store))
-            self.grads.append(GradTier(named.values(), grads_tier, self.budget, nvme_dir=nvme_dir))
-            self.optimizers.append(TieredAdam(named, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
+            self.grads.append(GradTier([p for n, p in named.items() if n not in sharded], grads_tier, self.budget, nvme_dir=nvme_dir))
+            trained = {n: p for n, p in named.items() if p.requires_grad or n in sharded and sharded[n].requires_grad}
+            self.optimizers.append(TieredAdam(trained, tier=optimizer_tier, budget=self.budget, nvme_dir=nvme_dir, store=store, lr=lr))
             self._persistent_grads.append(grads_tier == "gpu" and params_tier == "gpu")
         for m in modules.values():
             self.budget.ignore_module(m)
@@ -153,15 +175,21 @@ class RankTiers:
     def step(self) -> None:
         """Optimizer step; device-tier gradients stay allocated and are zeroed in place, like Megatron's
         persistent gradient buffer (so every step after the first holds them, as the cost model counts)."""
+        for p, view in self._shard_views:  # FSDP2's reduced gradient shards, for the optimizer on the local shards
+            view.grad = local_grad(p)
+            if view.grad is not None:
+                self.budget.hold("grads", view.grad)
         for opt, persistent in zip(self.optimizers, self._persistent_grads):
             opt.step()
             opt.zero_grad(set_to_none=not persistent)
+        for p, view in self._shard_views:
+            p.grad = view.grad = None
 
     def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         return {n: s for opt in self.optimizers for n, s in opt.state_by_name().items()}
 
     def load_state_by_name(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        for opt in self.optimizers:
+        for opt in self.optimizers:  # state saved for a parameter now frozen is dropped
             opt.load_state_by_name({n: v for n, v in state.items() if n in opt.named})
 
     def block_params(self, block: str, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -179,7 +207,7 @@ class RankTiers:
             return
         with torch.no_grad():
             for n, p in unique_params(module):
-                p.copy_(local[n])
+                local_view(p).copy_(local_of(local[n], p))
 
     def close(self) -> None:
         self.activations.close()

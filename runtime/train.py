@@ -67,9 +67,18 @@ class StepMetrics:
 
 
 def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, Any]]:
-    """The model with its initial weights: the same on every rank and in the reference run."""
+    """The model with its initial weights, the plan's frozen blocks frozen: the same on every rank and in the
+    reference run."""
     torch.manual_seed(job.seed)
-    return call_factory(resolve(job.model), micro_batch)
+    model, example = call_factory(resolve(job.model), micro_batch)
+    frozen = {b.name for b in job.plan.flow.blocks if b.frozen} if job.plan.flow is not None else set()
+    if frozen:
+        from runtime.program import block_modules
+
+        for name, m in block_modules(model).items():
+            if name in frozen:
+                m.requires_grad_(False)
+    return model, example
 
 
 def vocab_of(model: nn.Module) -> int:
@@ -100,6 +109,8 @@ class RankTrainer:
         self.dp_groups, tp_groups = self._process_groups()
         self.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
+        self.zero_blocks = self._apply_zero()  # stage key -> its blocks sharded by FSDP2 (ZeRO 1-3)
+        self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind != "F"}  # ZeRO syncs, buckets armed there
         self.params = self.rm.parameters()
         mine = self.layout.stages_on(ctx.rank)
         # the plan's memory tiers: device budget, activation tiers, parameter/gradient/optimizer placement, Adam
@@ -108,7 +119,6 @@ class RankTrainer:
                                lr=job.lr, prefetch=job.prefetch)
         self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
         self.buckets = self._grad_buckets()
-        self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind == "B"}  # buckets armed there
         self.start_step = self._resume(job.resume) if job.resume else 0
         self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
 
@@ -117,7 +127,7 @@ class RankTrainer:
         of its stages. new_group is collective: every rank creates every group, in the same order."""
         dp_groups, tp_groups = {}, {}
         for key, st in self.layout.stages.items():
-            if st.dp > 1:
+            if st.dp > 1 or self.plan.group(st.group).zero:  # ZeRO shards over the group even at dp 1 (FSDP2 path)
                 for k in range(st.tp):
                     ranks = [st.ranks[r * st.tp + k] for r in range(st.dp)]
                     g = dist.new_group(ranks)
@@ -146,6 +156,19 @@ class RankTrainer:
                 self.rm.program, st.blocks, self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
                 vocab=vocab_of(self.rm.model), leaving=leaving,
                 sequence_parallel=self.plan.group(st.group).sequence_parallel)
+
+    def _apply_zero(self) -> dict[str, list]:
+        """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py)."""
+        from runtime.zero import apply_zero
+
+        out = {}
+        for key, group in self.dp_groups.items():
+            st = self.layout.stages[key]
+            zero = self.plan.group(st.group).zero
+            if zero:
+                offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
+                out[key] = apply_zero({b: self.rm.local[b] for b in st.blocks}, group, zero, self.ctx.device, offload)
+        return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
@@ -249,7 +272,10 @@ class RankTrainer:
         leaves_in: dict[int, list[torch.Tensor]] = {}
         for route in lay.routes_into(task.stage):
             i = self.route_index[id(route)]
-            received[route.block], leaves_in[i] = self.exchange.recv_forward(i, task.replica, task.mb)
+            trains = has_backward(lay, route.src)  # else no gradient goes back to it (nothing before it trains)
+            received[route.block], leaves = self.exchange.recv_forward(i, task.replica, task.mb, needs_grad=trains)
+            if trains:
+                leaves_in[i] = leaves
 
         def fetch(node):
             if node.op == "placeholder":
@@ -297,6 +323,11 @@ class RankTrainer:
                 if gt is not None and t.requires_grad:
                     roots.append(t)
                     grads.append(gt)
+        if task.stage in self.zero_blocks:
+            from runtime.zero import before_backward
+
+            last = self.tasks[self.last_backward[task.stage]] is task
+            before_backward(self.zero_blocks[task.stage], self.plan.group(self.layout.stages[task.stage].group).zero, last)
         if roots:
             torch.autograd.backward(roots, grads)
         self.tiers.after_backward()
@@ -328,7 +359,10 @@ class RankTrainer:
 
     def full_tensors(self, get) -> dict[str, torch.Tensor]:
         """`get(param)` for every local parameter, unsharded (tensor-parallel shards gathered), by its name in
-        the model — the layout-independent view. Returned by each stage's tp-rank 0; collective over tp groups."""
+        the model — the layout-independent view. Returned by each stage's tp-rank 0; collective over tp groups
+        (and over dp groups for ZeRO-sharded parameters)."""
+        from runtime import zero
+
         out: dict[str, torch.Tensor] = {}
         for st in self.layout.stages_on(self.ctx.rank):
             shards = self._shards(st)
@@ -336,7 +370,7 @@ class RankTrainer:
                 for name, p in self.rm.local[b].named_parameters():
                     value = get(p)
                     if value is not None:
-                        full = self._unshard(st, shards, f"{b}.{name}", value)
+                        full = self._unshard(st, shards, f"{b}.{name}", zero.full(value))
                         if st.tp_index(self.ctx.rank) == 0:
                             out[f"{b}.{name}"] = full.detach().clone()
         return out
@@ -345,15 +379,18 @@ class RankTrainer:
         """Every block once (dp replica 0, tp rank 0), unsharded and keyed by full names; rank 0 writes the
         manifest last, after everyone's files are on disk."""
         from runtime.checkpoint import rng_state, write_block_files, write_manifest
+        from runtime.zero import full, full_from_local
 
         optimizer = self.tiers.state_by_name()
+        sharded = self.tiers.sharded  # ZeRO: parameters gathered, optimizer state gathered from the local shards
         blocks, states = {}, {}
         for st in self.layout.stages_on(self.ctx.rank):
             shards = self._shards(st)
             writes = st.replica_of(self.ctx.rank) == 0 and st.tp_index(self.ctx.rank) == 0
             for b in st.blocks:
-                params = {n: self._unshard(st, shards, n, t) for n, t in self.tiers.block_params(b, self.rm.local[b]).items()}
-                opt = {n: {k: self._unshard(st, shards, n, t) for k, t in optimizer.get(n, {}).items()} for n in params}
+                params = {n: self._unshard(st, shards, n, full(t)) for n, t in self.tiers.block_params(b, self.rm.local[b]).items()}
+                opt = {n: {k: self._unshard(st, shards, n, full_from_local(t, sharded[n]) if n in sharded else t)
+                           for k, t in optimizer.get(n, {}).items()} for n in params}
                 if writes:
                     blocks[b] = params
                     states.update(opt)
@@ -370,6 +407,7 @@ class RankTrainer:
         """Load the latest complete checkpoint into this rank's blocks, whatever plan wrote it; returns its step."""
         from plans.errors import MmplanError
         from runtime.checkpoint import latest_checkpoint, load_block, set_rng_state
+        from runtime.zero import local_of
 
         manifest = latest_checkpoint(directory)
         if manifest is None:
@@ -380,7 +418,8 @@ class RankTrainer:
             for b in st.blocks:
                 params, opt = load_block(manifest, b)
                 self.tiers.load_block_params(b, self.rm.local[b], {n: self._reshard(shards, n, t) for n, t in params.items()})
-                state.update({n: {k: self._reshard(shards, n, t) for k, t in s.items()} for n, s in opt.items()})
+                state.update({n: {k: local_of(self._reshard(shards, n, t), self.tiers.sharded[n]) if n in self.tiers.sharded
+                                  else self._reshard(shards, n, t) for k, t in s.items()} for n, s in opt.items()})
         self.tiers.load_state_by_name(state)
         set_rng_state(manifest.rng_for(self.ctx.rank))
         return manifest.step
@@ -403,7 +442,9 @@ class RankTrainer:
             st = self.layout.stages[key]
             memory = self.plan.group(st.group).stages[st.stage].memory
             if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu" and not self.plan.group(st.group).zero:
-                params = [p for b in st.blocks for p in self.rm.local[b].parameters()]
+                params = [p for b in st.blocks for p in self.rm.local[b].parameters() if p.requires_grad]
+                if not params:
+                    continue
                 out[key] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
         return out
 
@@ -412,13 +453,15 @@ class RankTrainer:
         order, as the simulator's tail ops, or the wait for its buckets launched during the backward); each is a
         'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
+            if key in self.zero_blocks or self.layout.stages[key].dp == 1:  # FSDP2 reduce-scattered them in the backward
+                continue
             c0 = time.perf_counter()
             if key in self.buckets:
                 self.buckets[key].finish()
                 st = self.layout.stages[key]
                 events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
                 continue
-            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
+            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
             params = list({id(p): p for p in params}.values())
             for p in params:
                 if p.grad is None:

@@ -186,7 +186,8 @@ CASES: dict[str, Callable[[Inputs], Case]] = {
         x.run(x.plan_with("plan.json", _set("profile/model", "no-such-model"))), "unknown model"),
     "run: ranks do not match the launch": lambda x: Case(x.run(), "launched with 3", env={"WORLD_SIZE": "3"}),
     "run: WORLD_SIZE that is not a number": lambda x: Case(x.run(), "WORLD_SIZE", env={"WORLD_SIZE": "two"}),
-    "run: ZeRO stage the runtime refuses": lambda x: Case(x.run(x.plan_with("plan.json", _set("groups/0/zero", 1))), "ZeRO"),
+    "run: ZeRO with tiers FSDP2 cannot hold": lambda x: Case(x.run(x.plan_with("plan.json", lambda d: (
+        _set("groups/0/zero", 1)(d), _set("groups/0/stages/0/memory", {"params": "nvme"})(d)))), "ZeRO stage 1"),
     "run: schedule the runtime refuses": lambda x: Case(
         x.run(x.plan_with("plan.json", _set("training/schedule", "interleaved"))), "schedule"),
     "run: zero steps": lambda x: Case(["run", x.plan, "--steps", "0"], "--steps"),

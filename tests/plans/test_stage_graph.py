@@ -142,3 +142,20 @@ def test_every_dst_rank_receives_its_slice_exactly_once(layout: tuple[Group, Gro
                 s_start, s_stop = senders[src_rank]
                 assert s_start <= start < stop <= s_stop
     assert sum(t[3] - t[2] for t in got) == m * dst.tp
+
+
+def test_a_chunk_runs_a_backward_only_when_it_or_a_chunk_before_it_trains():
+    """Frozen a (alone on its ranks): forwards only, so nothing is routed back to it; frozen c after a trained b still
+    passes gradients back to b; the schedule has no backward task for a."""
+    from dataclasses import replace
+
+    from plans.schedule import schedule
+
+    chain = profile([("a.0", "a"), ("b.0", "b"), ("c.0", "c")], [("a.0", "b.0"), ("b.0", "c.0")])
+    frozen = replace(chain, blocks=tuple(replace(b, frozen=b.name in ("a.0", "c.0")) for b in chain.blocks))
+    groups = (group("a", 1, [0], ("a.0",)), group("b", 1, [1], ("b.0",)), group("c", 1, [2], ("c.0",)))
+    training = Training(global_batch=2, micro_batches=2)
+    g = graph(groups, frozen, training)
+    assert [g.has_backward(c) for c in range(3)] == [False, True, True]
+    assert not any(t.backward and t.chunk == 0 for t in schedule(g, "1f1b").rank_order(g, 0))
+    assert all(graph(groups, chain, training).has_backward(c) for c in range(3))

@@ -10,10 +10,10 @@ from planner.profile import profile_model
 _PROFILES: dict = {}
 
 
-def profile(model: str):
-    if model not in _PROFILES:
-        _PROFILES[model] = profile_model(resolve(model), micro_batch=1)
-    return _PROFILES[model]
+def profile(model: str, freeze: tuple[str, ...] = ()):
+    if (model, freeze) not in _PROFILES:
+        _PROFILES[model, freeze] = profile_model(resolve(model), micro_batch=1, freeze=freeze)
+    return _PROFILES[model, freeze]
 
 
 def local_cluster(world: int):
@@ -23,11 +23,11 @@ def local_cluster(world: int):
 
 
 def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_batches: int = 2,
-              schedule: str = "1f1b") -> Plan:
-    """groups: [{"name", "dp", "tp", "stages": [(block prefixes or names, ranks[, Memory])], "colocated_with"}] —
+              schedule: str = "1f1b", freeze: tuple[str, ...] = ()) -> Plan:
+    """groups: [{"name", "dp", "tp", "zero", "stages": [(block prefixes or names, ranks[, Memory])], "colocated_with"}] —
     a block belongs to the first stage whose patterns match it (prefix match); a Memory's activation tier
-    given for the key "*" applies to every block of the stage."""
-    prof = profile(model)
+    given for the key "*" applies to every block of the stage; `freeze`: profile --freeze patterns."""
+    prof = profile(model, tuple(freeze))
     assigned: dict[str, tuple[int, int]] = {}
     for gi, g in enumerate(groups):
         for si, (patterns, *_) in enumerate(g["stages"]):
@@ -45,7 +45,7 @@ def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_ba
             stages.append(Stage(blocks=blocks, ranks=tuple(ranks), memory=mem))
         stages = tuple(stages)
         built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=g.get("tp", 1), pp=len(stages), stages=stages,
-                           colocated_with=g.get("colocated_with")))
+                           zero=g.get("zero", 0), colocated_with=g.get("colocated_with")))
     world = len({r for g in built for r in g.ranks})
     plan = Plan(profile=ProfileRef(prof.model, prof.fingerprint), cluster=local_cluster(world),
                 training=Training(global_batch=global_batch, micro_batches=micro_batches, schedule=schedule, dtype="fp32"),

@@ -1,0 +1,107 @@
+"""ZeRO 1/2/3 on torch's FSDP2: a stage's blocks sharded over its data-parallel group, one `fully_shard` per block.
+
+Why FSDP2 for all three stages (and not torch's ZeroRedundancyOptimizer for 1/2): one mechanism whose
+collectives are reduce-scatter + all-gather (the volume of the all-reduce it replaces, as cost_models/tail.py
+prices ZeRO), shards every parameter evenly along dim 0 (ZeroRedundancyOptimizer gives each rank whole
+parameters, so shares are uneven, and broadcasts every updated parameter from its owner), and the three stages
+differ only in when FSDP2 reshards parameters and reduces gradients (DeepSpeed's definitions, Rajbhandari et
+al. 2020):
+
+- ZeRO-1: parameters stay unsharded through the step (``reshard_after_forward=False``, resharded after the
+  stage's last backward); gradients accumulate unsharded and are reduce-scattered once, at the last backward;
+  the optimizer updates this rank's shard and the next forward all-gathers it.
+- ZeRO-2: as ZeRO-1, but every micro-batch's backward reduce-scatters, so only gradient shards accumulate.
+- ZeRO-3: parameters resharded after each forward and each backward (all-gathered again before each use).
+
+The runtime's loss is already divided by dp * micro-batches (train.py), so FSDP2 must sum, not average:
+gradient divide factor 1 with `set_force_sum_reduction_for_comms` (gloo has no PREMUL_SUM). Parameters
+become DTensors sharded on dim 0; the optimizer (param_tiers.TieredAdam, with its tiers) runs on their local
+shards (`local_view`), so a CPU-offloaded optimizer holds only this rank's share. A stage with parameters and
+gradients in the cpu tier uses FSDP2's CPUOffloadPolicy (ZeRO-Offload / ZeRO-Infinity's host-resident shards);
+no other parameter or gradient tier runs under ZeRO (`zero_runs_with`). Checkpoints stay
+unsharded and layout-independent: `full` gathers, `local_of` takes this rank's shard of a full tensor.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+ZERO_TIERS = ("under ZeRO the runtime (FSDP2) keeps parameters and gradients on the GPU (optimizer state on the GPU, "
+              "CPU or NVMe), or both on the CPU with FSDP2's CPU offload (optimizer state on the CPU or NVMe)")
+
+
+def zero_runs_with(params: str, grads: str, optimizer: str) -> bool:
+    """The memory tiers a ZeRO stage can have (ZERO_TIERS)."""
+    return (params, grads) == ("gpu", "gpu") or ((params, grads) == ("cpu", "cpu") and optimizer in ("cpu", "nvme"))
+
+
+def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: torch.device,
+               offload: bool = False) -> list[FSDPModule]:
+    """Shard each block with parameters over `group` (this rank's data-parallel group of the stage), in place;
+    returns the sharded blocks. Apply after tensor parallelism (the shards are of the tp-local tensors).
+    `offload`: FSDP2's CPU offload (sharded parameters and gradients on the host, gathered to the device for use)."""
+    if zero not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3 here, got {zero}")
+    mesh = DeviceMesh.from_group(group, device.type)
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    sharded = []
+    for m in modules.values():
+        if not any(True for _ in m.parameters()):
+            continue
+        fully_shard(m, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+        sharded.append(m)
+    return sharded
+
+
+def before_backward(modules: Iterable[FSDPModule], zero: int, last: bool) -> None:
+    """Set what the coming backward of a stage's micro-batch does: reduce gradients (every micro-batch from
+    ZeRO-2 on; only the last for ZeRO-1) and reshard parameters (always under ZeRO-3; else after the last)."""
+    for m in modules:
+        m.set_requires_gradient_sync(zero >= 2 or last, recurse=False)
+        m.set_reshard_after_backward(zero >= 3 or last, recurse=False)
+
+
+def is_sharded(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local_view(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter as a plain leaf tensor sharing its storage (in-place updates
+    reach the parameter); a plain tensor is returned as it is."""
+    if not isinstance(p, DTensor):
+        return p
+    with torch.no_grad():
+        return p.to_local().detach()
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective over the data-parallel group for a sharded one)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which `local` is this rank's shard, sharded as parameter `like` (collective)."""
+    if not isinstance(like, DTensor) or local.dim() == 0:
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()).full_tensor()
+
+
+def local_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `whole`, sharded as parameter `like` (no communication)."""
+    if not isinstance(like, DTensor) or whole.dim() == 0:
+        return whole
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
