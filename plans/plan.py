@@ -14,7 +14,7 @@ PLAN_SCHEMA = "mmplan.plan/2"
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Tier = Literal["gpu", "cpu", "nvme"]  # where params / grads / optimizer state live
-ActivationTier = Literal["keep", "offload-cpu", "offload-nvme", "recompute"]  # a block's saved activations
+ActivationTier = Literal["keep", "offload-cpu", "offload-nvme", "recompute", "selective"]  # a block's saved activations
 DType = Literal["fp32", "bf16", "fp16"]
 
 
@@ -73,6 +73,7 @@ class Group:
     stages: tuple[Stage, ...]
     zero: int = 0  # ZeRO stage 0-3 over the group's dp replicas
     colocated_with: str | None = None  # another group whose ranks this one time-shares; None = own ranks
+    sequence_parallel: bool = False  # tp blocks shard norm/dropout regions along the sequence (Korthikanti et al. 2022)
 
     @property
     def ranks(self) -> tuple[int, ...]:
