@@ -266,7 +266,7 @@ class _FlopCount(TorchDispatchMode):
 
 # ops that move no data (allocation, metadata); views are recognised by OpOverload.is_view
 _NO_TRAFFIC = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.detach, _aten.lift_fresh, _aten.alias,
-               _aten._local_scalar_dense, _aten.arange, _aten.scalar_tensor, _aten.zeros, _aten.ones, _aten.full}
+               _aten._local_scalar_dense, _aten._unsafe_view, _aten.arange, _aten.scalar_tensor, _aten.zeros, _aten.ones, _aten.full}
 _SOFTMAX = {_aten._softmax, _aten._safe_softmax} if hasattr(_aten, "_safe_softmax") else {_aten._softmax}
 
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cost_models.comm import dp_link, zero_collectives
-from cost_models.compute import block_time
-from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, state_residency
+from cost_models.compute import block_time, tp_shard
+from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
 from cost_models.offload import state_streaming, transfer_time
 from cost_models.tail import tail_over
 from plans.cluster import Link
@@ -88,13 +88,13 @@ class Segments:
         self.samples = st.global_batch / self.micro_batches / self.dp  # per replica and micro-batch
         blocks = self.unit.blocks
         ops = (self.times or BlockTimes(st)).of(self.unit, self.tp, self.samples)
-        shard = np.array([self.tp if b.supports_tp else 1 for b in blocks], dtype=float)
+        shard = np.array([tp_shard(b, self.tp) for b in blocks], dtype=float)
         self.n = len(blocks)
         self.fwd, self.fwd_comm = _span(np.array([o.fwd for o in ops])), _span(np.array([o.fwd_comm for o in ops]))
         self.bwd, self.bwd_comm = _span(np.array([o.bwd for o in ops])), _span(np.array([o.bwd_comm for o in ops]))
         params = np.array([b.params for b in blocks], dtype=float) / shard
-        act = np.array([b.activation_bytes for b in blocks], dtype=float) * self.samples / shard
-        inp = np.array(self.unit.input_bytes, dtype=float) * self.samples / shard
+        act = np.array([kept_activation_bytes(b, self.tp) for b in blocks], dtype=float) * self.samples
+        inp = np.array(self.unit.input_bytes, dtype=float) * self.samples  # checkpoints: whole without sequence parallelism
         self.width = DTYPE_BYTES[st.dtype]
         self.params = _span(params)
         self.largest = _range_max(params)  # parameters of the largest block
