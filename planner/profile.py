@@ -178,6 +178,9 @@ class _Trace:
         owner, backward = self.owner()
         if owner is None or getattr(func, "is_view", False) or func._overloadpacket in _NO_TRAFFIC:
             return
+        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if not outputs:  # metadata queries (aten.device, sizes) move nothing
+            return
         rec = self.records[owner]
         total = 0
         for x in (*tree_flatten((args, kwargs))[0], *tree_flatten(out)[0]):
