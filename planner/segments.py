@@ -11,7 +11,7 @@ from cost_models.comm import dp_link, zero_collectives
 from cost_models.compute import block_time, tp_shard
 from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
 from cost_models.offload import state_streaming, transfer_time
-from cost_models.tail import tail_over
+from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.cluster import Link
 
 if TYPE_CHECKING:
@@ -138,7 +138,10 @@ class Segments:
         def tail(x: float):
             return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
 
-        sync = _affine(lambda x: tail(x).grad_sync, self.params)
+        # the gradient sync hides behind the last backward but for its last bucket (tail.tail_over's overlap_s)
+        full = _affine(lambda x: tail(x).grad_sync, self.params)
+        bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.params, BUCKET_BYTES / self.width))
+        sync = np.maximum(bucket, full - bwd)
         opt = _affine(lambda x: tail(x).optimizer, self.params)
         gathered = _affine(lambda x: tail(x).param_gather, self.params)
         out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
