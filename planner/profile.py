@@ -137,6 +137,10 @@ class _Trace:
     last_linear: dict = field(default_factory=dict)  # call id of a Linear-holding module -> its last Linear call id
     attends: set = field(default_factory=set)  # call ids of Linear-holding modules that ran an attention op
     linear_outputs: set = field(default_factory=set)  # storages nn.Linear calls produced (q, k, v, MLP hidden)
+    # outputs of memory-bound ops: storage -> [tensor, block, backward, bytes, bytes memory-bound ops read,
+    # materialised] (see fuse())
+    produced: dict = field(default_factory=dict)
+    traffic: list = field(default_factory=list)  # memory-bound ops: (block, backward, outside, reads, writes)
 
     def note_nodes(self, out: Any) -> None:
         for leaf in tree_flatten(out)[0]:
@@ -182,13 +186,53 @@ class _Trace:
         if not outputs:  # metadata queries (aten.device, sizes) move nothing
             return
         rec = self.records[owner]
-        total = 0
-        for x in (*tree_flatten((args, kwargs))[0], *tree_flatten(out)[0]):
-            if isinstance(x, torch.Tensor) and tuple(x.shape) not in rec.param_shapes:
-                total += _nbytes(x)
-        rec.memory_bytes[backward] += total
-        if not backward and not any(_holds_linear(m) for m, _ in self.stack):
-            rec.replicated_memory_bytes += total
+        outside = not backward and not any(_holds_linear(m) for m, _ in self.stack)
+        reads = [(self.produced.get(x.untyped_storage()._cdata), _nbytes(x)) for x in tree_flatten((args, kwargs))[0]
+                 if isinstance(x, torch.Tensor) and tuple(x.shape) not in rec.param_shapes]
+        writes = []
+        for x in outputs:
+            if tuple(x.shape) not in rec.param_shapes:
+                entry = [x, owner, backward, _nbytes(x), 0, False]
+                self.produced[x.untyped_storage()._cdata] = entry
+                writes.append(entry)
+        self.traffic.append((owner, backward, outside, reads, writes))
+
+    def note_reads(self, args, kwargs, memory_bound: bool) -> None:
+        """An op reads its inputs: a memory-bound op of the same block and pass could read them in the same fused
+        kernel as their producer; anything else (a GEMM, attention, another block, glue) needs them in memory."""
+        where = self.owner()
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                entry = self.produced.get(x.untyped_storage()._cdata)
+                if entry is not None:
+                    if memory_bound and (entry[1], entry[2]) == where:
+                        entry[4] += _nbytes(x)  # what this read moves (a view may be part of the storage)
+                    else:
+                        entry[5] = True
+
+    def materialise(self, t: torch.Tensor) -> None:
+        """`t` is saved for backward or leaves its block: it is written to memory whatever kernels surround it."""
+        entry = self.produced.get(t.untyped_storage()._cdata)
+        if entry is not None:
+            entry[5] = True
+
+    def fuse(self) -> None:
+        """Memory-bound traffic as fused kernels move it: a tensor a memory-bound op makes and only memory-bound ops
+        of the same block and pass read -- never saved, never an output, never a GEMM's input -- stays on chip
+        when the chain is one kernel (Megatron-LM / Transformer Engine fuse bias-GeLU, bias-dropout-add,
+        scale-mask-softmax and the norms; PyTorch's eager per-op traffic would count its write and every read)."""
+        def on_chip(entry, owner, backward) -> bool:
+            return entry is not None and entry[4] > 0 and not entry[5] and (entry[1], entry[2]) == (owner, backward)
+
+        for owner, backward, outside, reads, writes in self.traffic:
+            moved = sum(n for entry, n in reads if not on_chip(entry, owner, backward))
+            moved += sum(entry[3] for entry in writes if not on_chip(entry, owner, backward))
+            rec = self.records[owner]
+            rec.memory_bytes[backward] += moved
+            if outside:
+                rec.replicated_memory_bytes += moved
+        self.produced.clear()
+        self.traffic.clear()
 
     def note_attention(self) -> None:
         """An attention op (softmax, SDPA) ran: the innermost Linear-holding module is an attention core."""
@@ -243,6 +287,8 @@ class _FlopCount(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         formula = _FLOP_FORMULAS.get(packet)
+        if not getattr(func, "is_view", False) and packet not in _NO_TRAFFIC:
+            self.trace.note_reads(args, kwargs, memory_bound=formula is None)
         if formula is not None:
             self.trace.ops.add(packet.__name__)
             flops = formula(*args, **kwargs, out_val=out)
@@ -327,6 +373,7 @@ def _install_hooks(trace: _Trace) -> list:
             rec.reduces_batch = bool(leaves) and all(x.dim() == 0 for x in leaves)
             for i, leaf in enumerate(leaves):
                 rec.output_bytes += _nbytes(leaf)
+                trace.materialise(leaf)
                 trace.provenance.pop(id(leaf), None)
                 trace.tag(leaf, frozenset({(rec.name, i, _nbytes(leaf))}))
 
@@ -399,6 +446,7 @@ def _pack_hook(trace: _Trace):
             trace.records[owner].activation_bytes += storage.nbytes()
             kind = _saved_kind(trace, key) if trace.current == owner else ("outside",)
             trace.records[owner].saved.append((storage.nbytes(), kind))
+        trace.materialise(t)
         return t
 
     return pack
@@ -471,6 +519,7 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
                     loss = _scalar_loss(out)
                 if loss.requires_grad:
                     loss.backward()
+            trace.fuse()
         finally:
             for h in handles:
                 h.remove()
