@@ -70,6 +70,21 @@ def gemm_time(flops: float, kernels: int, cluster: Cluster, dtype: str) -> float
     return flops / (peak_flops(cluster.device, dtype) * efficiency(cluster.device, per_kernel))
 
 
+def gemm_kernels_time(kernels: tuple[tuple[float, float, int], ...], scale: float, cluster: Cluster, dtype: str) -> float:
+    """GEMM kernels by shape, (FLOPs, bytes read + written, count) per sample, `scale` samples per tp shard: each on
+    the roofline (Williams et al. 2009), the slower of its compute -- FLOPs / (peak x efficiency of its size) --
+    and its traffic -- bytes / stream bandwidth. A GEMM with a short inner dimension (attention's QK^T and AV over
+    a head dim of 64-128) is memory-bound however many FLOPs it has (NVIDIA, "Matrix Multiplication Background
+    User's Guide", arithmetic intensity)."""
+    peak, bandwidth = peak_flops(cluster.device, dtype), stream_bandwidth(cluster.device)
+    total = 0.0
+    for flops, nbytes, count in kernels:
+        f = flops * scale
+        if f > 0:
+            total += count * max(f / (peak * efficiency(cluster.device, f)), nbytes * scale / bandwidth)
+    return total
+
+
 def attention_time(flops: float, cluster: Cluster, dtype: str) -> float:
     """A fused attention kernel (flash attention) executing `flops` FLOPs (hardware.attention_efficiency)."""
     if flops <= 0:
@@ -89,8 +104,12 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     memory-bound bytes, of which the share outside the TP regions (norms, residual) every tp rank repeats unless
     sequence parallelism splits it (Korthikanti et al. 2022, section 4.2.2)."""
     kernels = max(block.matmuls, 1)
-    fwd = gemm_time(block.fwd_matmul_flops * samples / t, kernels, cluster, dtype)
-    bwd = gemm_time(block.bwd_matmul_flops * samples / t, 2 * kernels, cluster, dtype)
+    if block.fwd_gemms or block.bwd_gemms:  # by shape: each kernel on the roofline
+        fwd = gemm_kernels_time(block.fwd_gemms, samples / t, cluster, dtype)
+        bwd = gemm_kernels_time(block.bwd_gemms, samples / t, cluster, dtype)
+    else:  # by size only
+        fwd = gemm_time(block.fwd_matmul_flops * samples / t, kernels, cluster, dtype)
+        bwd = gemm_time(block.bwd_matmul_flops * samples / t, 2 * kernels, cluster, dtype)
     core = attention_time(block.fwd_attention_flops * samples / t, cluster, dtype)
     fwd += core
     bwd += attention_time(block.bwd_attention_flops * samples / t, cluster, dtype)

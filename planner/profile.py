@@ -102,6 +102,7 @@ class _BlockRecord:
     memory_bytes: list = field(default_factory=lambda: [0.0, 0.0])
     replicated_memory_bytes: float = 0.0  # of memory_bytes[0]: forward ops outside every tensor-parallel region
     matmuls: int = 0
+    gemms: list = field(default_factory=lambda: [{}, {}])  # [fwd, bwd]: (flops, bytes) of a GEMM kernel -> count
     param_shapes: frozenset = frozenset()  # shapes of the block's parameters (their gradients are not activations)
     # saved storages by tensor-parallel class (see _classify_saved): (bytes, kind, module call) in saving order
     saved: list = field(default_factory=list)
@@ -160,7 +161,7 @@ class _Trace:
             return self.current, 0
         return self.owner_of_node(node._sequence_nr()), 1
 
-    def count(self, flops: float, kind: str = "matmul") -> None:
+    def count(self, flops: float, kind: str = "matmul", nbytes: float = 0.0) -> None:
         owner, backward = self.owner()
         if owner is None:
             self.glue_flops += flops
@@ -173,6 +174,8 @@ class _Trace:
         if kind == "matmul":
             rec.matmul_flops[backward] += flops
             rec.matmuls += 1 - backward
+            shape = (flops, nbytes)
+            rec.gemms[backward][shape] = rec.gemms[backward].get(shape, 0) + 1
         else:
             rec.attention_flops[backward] += flops
 
@@ -304,8 +307,10 @@ class _FlopCount(TorchDispatchMode):
                         rec.bwd_flops += flops / 2
                     else:
                         rec.fwd_flops += flops / 2
-            else:
-                self.trace.count(flops)
+            else:  # a GEMM: its FLOPs and the bytes it reads and writes (its shape, for the roofline)
+                nbytes = sum(_nbytes(x) for x in (*tree_flatten((args, kwargs))[0], *tree_flatten(out)[0])
+                             if isinstance(x, torch.Tensor))
+                self.trace.count(flops, nbytes=nbytes)
         else:
             if packet in _SOFTMAX:
                 self.trace.note_attention()
@@ -715,7 +720,8 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             bwd_attention_flops=_per_sample(rec.attention_flops[1], mb),
             fwd_memory_bytes=_per_sample(rec.memory_bytes[0], mb), bwd_memory_bytes=_per_sample(rec.memory_bytes[1], mb),
             replicated_memory_fraction=round(rec.replicated_memory_bytes / rec.memory_bytes[0], 4) if rec.memory_bytes[0] else 0.0,
-            matmuls=rec.matmuls, activation_replicated_bytes=_per_sample(replicated, mb),
+            matmuls=rec.matmuls, fwd_gemms=_gemm_list(rec.gemms[0], mb), bwd_gemms=_gemm_list(rec.gemms[1], mb),
+            activation_replicated_bytes=_per_sample(replicated, mb),
             attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss),
         ))
     order = {r.name: r.order for r in records}
@@ -763,6 +769,11 @@ def vocab_role(rec: _BlockRecord, vocab: int | None, loss: tuple[str, ...]) -> s
     if rec.name in loss and any(isinstance(m, nn.Linear) and m.out_features == vocab for m in modules):
         return "head"
     return ""
+
+
+def _gemm_list(kernels: dict, mb: int) -> tuple[tuple[float, float, int], ...]:
+    """(FLOPs, bytes, count) per sample of a block's distinct GEMM kernels, largest first."""
+    return tuple(sorted(((_per_sample(f, mb), _per_sample(b, mb), n) for (f, b), n in kernels.items()), reverse=True))
 
 
 def _per_sample(value: float, mb: int) -> float | int:

@@ -52,6 +52,9 @@ class Block:
     bwd_memory_bytes: float = 0.0
     replicated_memory_fraction: float = 0.0  # of the memory-bound work: the share outside the tensor-parallel region
     # (norms, residual adds), which every tp rank repeats unless sequence parallelism shards it (forward's share)
+    # the GEMM kernels by shape: (FLOPs, bytes read + written, count) per sample, for the roofline of each kernel
+    fwd_gemms: tuple[tuple[float, float, int], ...] = ()
+    bwd_gemms: tuple[tuple[float, float, int], ...] = ()
     matmuls: int = 0  # GEMM kernels in one forward (launches; their FLOPs set each GEMM's size)
     # The saved activations by how tensor parallelism stores them (parts of activation_bytes, per sample):
     activation_replicated_bytes: float = 0.0  # saved outside the column->row parallel region (norms, linear inputs,
