@@ -1,6 +1,8 @@
 """Compute by op class, vocabulary-parallel blocks, activations as TP stores them, the bucketed gradient sync."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cost_models.comm import all_reduce_time
@@ -81,3 +83,42 @@ def test_gradient_sync_hides_all_but_the_last_bucket():
     hidden = tail_over(params, dp=8, zero=0, memory=Memory(), link=cluster.inter_node, cluster=cluster, overlap_s=10.0)
     assert hidden.grad_sync == pytest.approx(all_reduce_time(BUCKET_BYTES, 8, cluster.inter_node))
     assert hidden.bytes_sent == exposed.bytes_sent
+
+
+def test_pipeline_route_between_tp_stages_is_scatter_then_all_gather():
+    from cost_models.comm import all_gather_time, p2p_time
+    from cost_models.pipeline import route_time
+    from plans.stage_graph import stage_graph
+    from tests.cost_models.test_pipeline import make_cluster, make_group, make_plan, make_profile
+    from plans import plan as P
+
+    nbytes = 8e7  # per sample, between the two stages
+    profile = make_profile([("llm", 2, 1e9)], edge_bytes=nbytes)
+    for b in profile.blocks:
+        assert b.output_bytes == nbytes
+    profile = type(profile).build(profile.model, profile.dtype, 1,
+                                  tuple(replace(b, supports_tp=True) for b in profile.blocks), profile.edges)
+    cluster = make_cluster(nodes=2, gpus_per_node=8)
+    plan = make_plan(profile, [make_group("llm", [["llm.0"], ["llm.1"]], tp=8)], P.Training(1, 1), cluster)
+    graph = stage_graph(plan)
+    lag, sent = route_time(graph, graph.routes[0], cluster)
+    # each of 8 tp ranks sends 1/8 across the nodes, then the receivers all-gather inside theirs (Narayanan et al.
+    # 2021, section 4.1): not 8 whole copies from one rank
+    assert lag == pytest.approx(p2p_time(nbytes / 8, cluster.inter_node) + all_gather_time(nbytes, 8, cluster.intra_node))
+    assert lag < 8 * p2p_time(nbytes, cluster.inter_node) / 4
+    assert sent == pytest.approx(nbytes)
+
+
+def test_stage_memory_selective_keeps_all_but_the_core_and_rebuilds_one():
+    from cost_models.memory import stage_memory
+
+    b = layer(params=0, param_bytes=0)
+    keep = stage_memory([b], samples=1, tp=8, dp=1, zero=0, memory=Memory(), in_flight_micro_batches=2,
+                        input_bytes={"l": 2 * SBH})
+    sel = stage_memory([b], samples=1, tp=8, dp=1, zero=0, memory=Memory(activations={"l": "selective"}),
+                       in_flight_micro_batches=2, input_bytes={"l": 2 * SBH})
+    full = stage_memory([b], samples=1, tp=8, dp=1, zero=0, memory=Memory(activations={"l": "recompute"}),
+                        in_flight_micro_batches=2, input_bytes={"l": 2 * SBH})
+    core = 5 * A * S * S / 8
+    assert keep.gpu - sel.gpu == pytest.approx(2 * core - core)  # two micro-batches in flight, one core rebuilt
+    assert full.gpu == pytest.approx(2 * 2 * SBH + kept_activation_bytes(b, 8))  # checkpoints + one rebuilt block
