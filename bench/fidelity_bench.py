@@ -14,6 +14,12 @@ Sources:
   recomputation), also the NVIDIA/Megatron-LM README table. Metric: TFLOP/s per GPU with
   F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (their eq. 3, recomputation counted). Micro-batch size per
   replica: not in the table; 1 assumed. Interleaving: not used in Table 1 rows (1F1B).
+- [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023),
+  abstract: the 530B GPT-3-style model (105 layers, hidden 20480, 128 heads; Table 3) on 2240 A100 80GB GPUs
+  (TP 8, PP 35, so DP 8) reaches 54.2 % MFU with sequence parallelism + selective recomputation, 42.1 % with full
+  recomputation. Metric: MFU with model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (their appendix; no
+  recomputation counted) x 312 TFLOP/s. Assumed: global batch 2240 (not in the abstract), micro-batch 1,
+  interleaved schedule not used (1F1B).
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -78,8 +84,9 @@ class Row:
     global_batch: int
     published: float  # TFLOP/s per GPU
     metric: str  # "n21" | "palm"
-    recompute: str = "full"
+    recompute: str = "full"  # "full" | "selective" | "none"
     schedule: str = "1f1b"
+    sequence_parallel: bool = False
     note: str = ""
 
     @property
@@ -106,6 +113,10 @@ ROWS = (
     Row("N21 T1 310.1B", _gpt("gpt-310.1b", 96, 16384, 128), "a100-80g", 8, 16, 15, 2160, 155, "n21"),
     Row("N21 T1 529.6B", _gpt("gpt-529.6b", 105, 20480, 128), "a100-80g", 8, 35, 9, 2520, 163, "n21"),
     Row("N21 T1 1008B", _gpt("gpt-1t", 128, 25600, 160), "a100-80g", 8, 64, 6, 3072, 163, "n21"),
+    # [K22] abstract (MFU x 312 TFLOP/s)
+    Row("K22 530B SP+selective", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.542 * 312, "k22",
+        recompute="selective", sequence_parallel=True),
+    Row("K22 530B full recompute", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.421 * 312, "k22"),
     # [L3] Table 4 (tokens per batch 16M = 2048 sequences of 8192)
     Row("L3 T4 405B 8k GPUs", LLAMA3_405B, "h100-sxm", 8, 16, 64, 2048, 430, "palm", recompute="none",
         schedule="interleaved:2"),
@@ -119,6 +130,8 @@ def published_flops(row: Row, m: Model) -> float:
     B, s, l, h, V = row.global_batch, m.seq, m.layers, m.hidden, m.vocab
     if row.metric == "n21":  # Narayanan et al. 2021, eq. 3 (with recomputation)
         return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    if row.metric == "k22":  # Korthikanti et al. 2022, model FLOPs (no recomputation)
+        return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
     return B * s * (6 * m.params + 12 * l * h * s)  # PaLM appendix B, per token: 6N + 12 l h s
 
 
@@ -140,6 +153,13 @@ def predict(row: Row) -> tuple[float, float]:
     spec = f"tp={row.tp},pp={row.pp},dp={row.dp},micro-batch=1,schedule={row.schedule}," \
            f"recompute={'full' if row.recompute == 'full' else 'none'}"
     plan = homogeneous_plan(profile, cluster, row.global_batch, spec, predict=False)
+    if row.recompute == "selective" or row.sequence_parallel:
+        tier = "selective" if row.recompute == "selective" else "keep"
+        blocks = {b.name: b for b in profile.blocks}
+        groups = tuple(replace(g, sequence_parallel=row.sequence_parallel, stages=tuple(
+            replace(st, memory=replace(st.memory, activations={b: tier for b in st.blocks if blocks[b].supports_tp}))
+            for st in g.stages)) for g in plan.groups)
+        plan = replace(plan, groups=groups)
     step = evaluate(plan, profile).predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step
 

@@ -64,7 +64,7 @@ def cost_model(option: str, shape: dict) -> float:
 
 def main() -> int:
     columns = [("cost model", cost_model), *_COLUMNS]
-    print(f"{'layer':12} {'option':18} {'Table 2':>12} " + " ".join(f"{n:>12} {'err':>7}" for n, _ in columns))
+    print(f"{'layer':12} {'option':18} {'Table 2':>12} " + " ".join(f"{n:>12} {'err':>8}" for n, _ in columns))
     misses = 0
     for shape in SHAPES:
         for option in OPTIONS:
@@ -73,11 +73,11 @@ def main() -> int:
             for i, (_, fn) in enumerate(columns):
                 got = fn(option, shape)
                 if got is None:
-                    cells.append(f"{'-':>12} {'':>7}")
+                    cells.append(f"{'-':>12} {'':>8}")
                     continue
                 err = got / target - 1
                 misses += i == 0 and abs(err) > TOLERANCE
-                cells.append(f"{got / 2**20:10.1f}Mi {err:+7.1%}")
+                cells.append(f"{got / 2**20:10.1f}Mi {err:+8.3%}")
             print(f"{shape['name']:12} {option:18} {target / 2**20:10.1f}Mi " + " ".join(cells))
     print(f"{misses} cost-model rows outside +-{TOLERANCE:.0%}")
     return 1 if misses else 0

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.comm import all_gather_time, dp_link, link_for, p2p_time, ring_bytes_sent, zero_collectives
+from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
 from cost_models.compute import OpTime, block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, state_streaming, transfer_time
@@ -285,8 +285,8 @@ def _scatter_gather_time(graph: StageGraph, route: Route, cluster: Cluster) -> t
         if t.dst_rank != dst.tp_ranks(dst.replica_of(t.dst_rank))[0]:
             continue  # one message per piece and consumer replica: its tp-rank-0 counterpart stands for all
         nbytes = (t.stop - t.start) * route.bytes_per_sample
-        dt = p2p_time(nbytes / tp, link_for(cluster, (t.src_rank, t.dst_rank)))
-        dt += all_gather_time(nbytes, tp, link_for(cluster, dst.tp_ranks(dst.replica_of(t.dst_rank))))
+        dt = hand_over_time(nbytes, tp, link_for(cluster, (t.src_rank, t.dst_rank)),
+                            link_for(cluster, dst.tp_ranks(dst.replica_of(t.dst_rank))))
         load[0, t.src_rank] += dt
         load[1, t.dst_rank] += dt
         total += nbytes  # tp messages of nbytes / tp
