@@ -58,6 +58,15 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return link.latency_s + nbytes / link.bandwidth
 
 
+def hand_over_time(nbytes: float, tp: int, link: Link, tp_link: Link) -> float:
+    """One pipeline hand-over of `nbytes` between stages of equal tp: a p2p send for tp = 1; for tp > 1 Megatron's
+    scatter/gather (Narayanan et al. 2021, section 4.1): each tp rank sends 1/tp to its counterpart over `link`,
+    then the receiving tp ranks all-gather the pieces over `tp_link`."""
+    if tp <= 1:
+        return p2p_time(nbytes, link)
+    return p2p_time(nbytes / tp, link) + all_gather_time(nbytes, tp, tp_link)
+
+
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce: 2(n-1) alpha + 2(n-1)/n * bytes / bandwidth.
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from cost_models.comm import all_reduce_time
-from cost_models.hardware import efficiency, peak_flops
+from cost_models.hardware import attention_efficiency, efficiency, peak_flops, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
 from cost_models.offload import transfer_time
 from plans.cluster import Cluster, Link
@@ -49,6 +49,106 @@ def measured_ms(ms: float, per_sample: float | None, samples: float, measured_mi
     return max(ms + per_sample * (samples - measured_micro_batch), 0.1 * ms * min(1.0, samples / measured_micro_batch))
 
 
+def tp_shard(block: Block, tp: int) -> int:
+    """Over how many ranks tensor parallelism splits a block: tp for Megatron-style layers and for the
+    vocabulary-parallel embedding and output head (Shoeybi et al. 2019, section 3), 1 for the rest."""
+    return tp if (block.supports_tp or block.vocab_parallel) else 1
+
+
+def by_op_class(block: Block) -> bool:
+    """Whether the profile split the block's work by op class (profiles made before that time all FLOPs as GEMMs)."""
+    return (block.fwd_matmul_flops + block.fwd_attention_flops + block.fwd_memory_bytes
+            + block.bwd_matmul_flops + block.bwd_attention_flops + block.bwd_memory_bytes) > 0
+
+
+def gemm_time(flops: float, kernels: int, cluster: Cluster, dtype: str) -> float:
+    """GEMMs of `flops` FLOPs in `kernels` launches: each at the device's efficiency for its size (FLOPs per kernel,
+    i.e. M x N x K: hardware.efficiency, a roofline with a per-launch cost), at the dense peak of `dtype`."""
+    if flops <= 0:
+        return 0.0
+    per_kernel = flops / max(kernels, 1)
+    return flops / (peak_flops(cluster.device, dtype) * efficiency(cluster.device, per_kernel))
+
+
+def gemm_kernels_time(kernels: tuple[tuple[float, float, int], ...], scale: float, cluster: Cluster, dtype: str) -> float:
+    """GEMM kernels by shape, (FLOPs, bytes read + written, count) per sample, `scale` samples per tp shard: each on
+    the roofline (Williams et al. 2009), the slower of its compute -- FLOPs / (peak x efficiency of its size) --
+    and its traffic -- bytes / stream bandwidth. A GEMM with a short inner dimension (attention's QK^T and AV over
+    a head dim of 64-128) is memory-bound however many FLOPs it has (NVIDIA, "Matrix Multiplication Background
+    User's Guide", arithmetic intensity)."""
+    peak, bandwidth = peak_flops(cluster.device, dtype), stream_bandwidth(cluster.device)
+    total = 0.0
+    for flops, nbytes, count in kernels:
+        f = flops * scale
+        if f > 0:
+            total += count * max(f / (peak * efficiency(cluster.device, f)), nbytes * scale / bandwidth)
+    return total
+
+
+def attention_time(flops: float, cluster: Cluster, dtype: str) -> float:
+    """A fused attention kernel (flash attention) executing `flops` FLOPs (hardware.attention_efficiency)."""
+    if flops <= 0:
+        return 0.0
+    return flops / (peak_flops(cluster.device, dtype) * attention_efficiency(cluster.device, flops))
+
+
+def memory_time(nbytes: float, cluster: Cluster) -> float:
+    """Memory-bound work: bytes read + written / attainable memory bandwidth (the roofline's sloped side)."""
+    return nbytes / stream_bandwidth(cluster.device) if nbytes > 0 else 0.0
+
+
+def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str
+             ) -> tuple[float, float, float]:
+    """(forward, backward, attention-core forward) seconds of one tp shard's compute, by op class: GEMMs (divided
+    over the tp ranks; backward = dgrad + wgrad, two kernels per forward GEMM), fused attention (divided), and
+    memory-bound bytes, of which the share outside the TP regions (norms, residual) every tp rank repeats unless
+    sequence parallelism splits it (Korthikanti et al. 2022, section 4.2.2)."""
+    kernels = max(block.matmuls, 1)
+    if block.fwd_gemms or block.bwd_gemms:  # by shape: each kernel on the roofline
+        fwd = gemm_kernels_time(block.fwd_gemms, samples / t, cluster, dtype)
+        bwd = gemm_kernels_time(block.bwd_gemms, samples / t, cluster, dtype)
+    else:  # by size only
+        fwd = gemm_time(block.fwd_matmul_flops * samples / t, kernels, cluster, dtype)
+        bwd = gemm_time(block.bwd_matmul_flops * samples / t, 2 * kernels, cluster, dtype)
+    core = attention_time(block.fwd_attention_flops * samples / t, cluster, dtype)
+    fwd += core
+    bwd += attention_time(block.bwd_attention_flops * samples / t, cluster, dtype)
+    rep = 0.0 if sequence_parallel else block.replicated_memory_fraction
+    share = (rep + (1 - rep) / t) * samples  # memory-bound bytes of this shard per profiled sample
+    fwd += memory_time(block.fwd_memory_bytes * share, cluster)
+    bwd += memory_time(block.bwd_memory_bytes * share, cluster)
+    if block.vocab_parallel == "head":
+        # the fused vocabulary-parallel cross-entropy over this shard's logits: max, exp-sum and the loss forward,
+        # the softmax gradient backward, each a pass reading and writing the fp32 logits (Megatron-LM
+        # tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy); logits are output_bytes in `dtype`
+        logits = block.output_bytes * samples / t * 4 / DTYPE_BYTES[dtype]
+        fwd += memory_time(2 * logits, cluster)
+        bwd += memory_time(2 * logits, cluster)
+    # selective recompute reruns the core: its fused kernel, and rewrites what it saved (scores, softmax, mask)
+    core += memory_time(2 * block.attention_core_bytes * samples / t, cluster)
+    return fwd, bwd, core
+
+
+def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's blocking tensor-parallel collectives on one micro-batch.
+
+    Transformer layers: Megatron's f/g operators all-reduce the layer's output twice in the forward and twice in
+    the backward (Shoeybi et al. 2019, Figure 3; Narayanan et al. 2021, section 3.1); with sequence parallelism
+    they become all-gathers and reduce-scatters of the same ring volume (Korthikanti et al. 2022, section 4.2.2),
+    so the same time. Vocabulary-parallel embedding: one all-reduce of its output in the forward. Vocabulary-
+    parallel head: the input is copied (f), so one all-reduce of the input gradient in the backward, plus the
+    cross-entropy's three all-reduces of one float per token in the forward (max, predicted logit, exp-sum;
+    latency-bound: priced at their alpha terms)."""
+    if t <= 1:
+        return 0.0, 0.0
+    if block.vocab_parallel == "embedding":
+        return all_reduce_time(block.output_bytes * samples, t, link), 0.0
+    if block.vocab_parallel == "head":
+        return 3 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
+    one = all_reduce_time(block.output_bytes * samples, t, link)
+    return 2 * one, 2 * one
+
+
 def block_time(
     block: Block,
     samples: float,
@@ -57,35 +157,43 @@ def block_time(
     *,
     dtype: str = "bf16",
     measured_micro_batch: int | None = None,
-    recompute: bool = False,
+    recompute: bool | str = False,
     tp_link: Link | None = None,
+    sequence_parallel: bool = False,
+    input_bytes: float = 0.0,
 ) -> OpTime:
-    """Forward and backward of `block` for `samples` samples on one of its `tp` shards.
+    """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
-    Compute: with `measured_micro_batch` (the profile's micro-batch, when it was measured on this
-    device) the measured fwd_ms / bwd_ms at `samples` (measured_ms: affine in the batch); else
-    FLOPs x samples / tp / (peak[dtype] x efficiency(FLOPs of the shard)). tp divides only blocks that
-    support it; both paths assume compute splits evenly over the tp shards.
-    TP communication: Megatron's f/g operators all-reduce the layer's output twice in the forward and
-    twice in the backward (Narayanan et al. 2021, section 3.1; Shoeybi et al. 2019, Figure 3), over the TP
-    link (inside a node). Recompute runs the forward again before the backward (Chen et al. 2016),
-    its all-reduces included.
+    Compute: with `measured_micro_batch` (the profile's micro-batch, when it was measured on this device) the
+    measured fwd_ms / bwd_ms at `samples` (measured_ms: affine in the batch), divided evenly over the shards;
+    else by op class (_compute: GEMMs on the efficiency curve by size, fused attention as its own kernel,
+    memory-bound bytes at the stream bandwidth), or, for a profile without the split, FLOPs / (peak x
+    efficiency) as if every FLOP were one GEMM.
+    TP communication: tp_collectives, over the TP link (inside a node). `recompute`: True / "recompute" runs the
+    whole forward again before the backward (Chen et al. 2016), its all-reduces included; "selective" reruns
+    only the attention core (Korthikanti et al. 2022, section 5: no communication). `input_bytes`: the block's
+    input per sample (the head's backward all-reduce).
     """
-    t = tp if block.supports_tp else 1
+    t = tp_shard(block, tp)
+    core = 0.0
     if measured_micro_batch is not None and block.fwd_ms is not None and block.bwd_ms is not None:
         fwd = measured_ms(block.fwd_ms, block.fwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
         bwd = measured_ms(block.bwd_ms, block.bwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
+        if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs
+            core = fwd * block.fwd_attention_flops / block.fwd_flops
+    elif by_op_class(block):
+        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype)
     else:
         peak = peak_flops(cluster.device, dtype)
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard
         fwd = f / (peak * efficiency(cluster.device, f)) if f > 0 else 0.0
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
-    comm = 0.0
-    if t > 1:
-        comm = 2 * all_reduce_time(block.output_bytes * samples, t, tp_link or cluster.intra_node)
-    if recompute:
-        return OpTime(fwd=fwd, fwd_comm=comm, bwd=bwd + fwd, bwd_comm=2 * comm)
-    return OpTime(fwd=fwd, fwd_comm=comm, bwd=bwd, bwd_comm=comm)
+    fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes)
+    if recompute is True or recompute == "recompute":
+        return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
+    if recompute == "selective":
+        return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + core, bwd_comm=bwd_comm)
+    return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd, bwd_comm=bwd_comm)
 
 
 def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:

@@ -66,7 +66,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Ev
         tb = stage_memory(
             [blocks[b] for b in stage.blocks], samples=training.micro_batch / g.dp, tp=g.tp, dp=g.dp,
             zero=g.zero, memory=stage.memory, in_flight_micro_batches=sc.in_flight, input_bytes=inputs,
-            dtype=training.dtype, optimizer=training.optimizer,
+            dtype=training.dtype, optimizer=training.optimizer, sequence_parallel=g.sequence_parallel,
         )
         per_stage.append(tb)
         for r in stage.ranks:

@@ -43,6 +43,16 @@ def _launch_bound_curve(peak: float, best: float, launch_s: float) -> tuple[tupl
 _GPU_LAUNCH_S = 5e-6
 _GPU_BEST_FRACTION = {"a100": 0.80, "hopper": 0.75}
 
+# Memory-bound kernels (norms, softmax, elementwise, copies) stream at a fraction of the datasheet HBM bandwidth:
+# BabelStream's Triad (Deakin et al. 2018, "Evaluating attainable memory bandwidth of parallel programming models
+# via BabelStream"; published runs: A100-SXM4-40GB ~1.4 TB/s of 1.555, H100 SXM ~3.0 TB/s of 3.35) reaches ~90 %.
+_GPU_STREAM_FRACTION = 0.90
+# Fused attention (flash attention) as its own kernel, fraction of the dense bf16 peak over forward + backward:
+# FlashAttention-2 reaches 50-73 % of peak on A100 (Dao 2023, abstract and Figure 4: ~60 % fwd+bwd at head dim
+# 128); on H100 FlashAttention-2 reaches ~35 % and FlashAttention-3 / cuDNN 60-75 % (Shah et al. 2024, Figures
+# 1-3); we take the middle, 0.5, for Hopper. Used only for the FLOPs the profile attributes to fused attention.
+_GPU_ATTENTION_FRACTION = {"a100": 0.60, "hopper": 0.50}
+
 # Per-hop latencies of NCCL's own cost model, Ring / Simple protocol, in microseconds
 # (NVIDIA/nccl src/graph/tuning.cc, hwLat[NVLINK] = 3.4, hwLat[NET] = 9.6).
 _NVLINK_LATENCY_S = 3.4e-6
@@ -183,6 +193,29 @@ def efficiency(device: Device, flops: float) -> float:
     (f0, e0), (f1, e1) = points[i - 1], points[i]
     t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
     return e0 + t * (e1 - e0)
+
+
+def _family(device: Device) -> str | None:
+    """The catalog family a device belongs to by name ("a100", "hopper"), None for others (CPUs, custom)."""
+    name = device.name.lower()
+    if "a100" in name:
+        return "a100"
+    if "h100" in name or "h200" in name or "hopper" in name:
+        return "hopper"
+    return None
+
+
+def stream_bandwidth(device: Device) -> float:
+    """Bytes/s a memory-bound kernel achieves: the datasheet bandwidth x BabelStream's attainable fraction on GPUs
+    of the catalog; a device described otherwise (local-cpu, `mmplan calibrate`) gives its measured figure."""
+    return device.memory_bandwidth * (_GPU_STREAM_FRACTION if _family(device) else 1.0)
+
+
+def attention_efficiency(device: Device, flops: float) -> float:
+    """Fraction of peak a fused attention kernel achieves (flash attention, see _GPU_ATTENTION_FRACTION); on other
+    devices the GEMM curve (a CPU runs attention as its own matmuls)."""
+    family = _family(device)
+    return _GPU_ATTENTION_FRACTION[family] if family else efficiency(device, flops)
 
 
 def peak_flops(device: Device, dtype: str) -> float:
@@ -515,5 +548,5 @@ def _string(text: str) -> str:
     return f'"{escaped}"'
 
 
-__all__ = ["CATALOG", "GB", "GBps", "GiB", "MiB", "TB", "TFLOPS", "US", "catalog_cluster", "cluster_from_toml",
-           "cluster_to_toml", "efficiency", "load_cluster_toml", "parse_cluster", "peak_flops"]
+__all__ = ["CATALOG", "GB", "GBps", "GiB", "MiB", "TB", "TFLOPS", "US", "attention_efficiency", "catalog_cluster",
+           "cluster_from_toml", "cluster_to_toml", "efficiency", "stream_bandwidth", "load_cluster_toml", "parse_cluster", "peak_flops"]

@@ -125,12 +125,27 @@ def state_residency(params: float, largest: float, *, dp: int, zero: int, memory
     return out
 
 
+def kept_activation_bytes(block: Block, tp: int, *, sequence_parallel: bool = False, tier: ActivationTier = "keep") -> float:
+    """Bytes per sample of a block's saved activations on one tp rank, as Megatron's tensor parallelism stores them
+    (Korthikanti et al. 2022, section 4 and Table 2): what its TP regions save is split over the t ranks; what is
+    saved outside them (norm and column-parallel linear inputs, residual dropout masks:
+    activation_replicated_bytes) is held whole by every rank unless sequence parallelism splits it too; selective
+    recompute drops the attention core (attention_core_bytes) -- per layer sbh(10 + 24/t + 5as/(ht)) with TP,
+    sbh(34/t + 5as/(ht)) with TP + SP, sbh(10 + 24/t) / sbh(34/t) with selective recompute. Vocabulary-parallel
+    blocks split everything (their logits and the cross-entropy's). Full recompute is activation_residency's."""
+    t = tp if (block.supports_tp or block.vocab_parallel) else 1
+    total = block.activation_bytes
+    core = block.attention_core_bytes if tier == "selective" else 0.0
+    replicated = 0.0 if (sequence_parallel or block.vocab_parallel) else block.activation_replicated_bytes
+    return replicated + (total - core - replicated) / t
+
+
 def activation_residency(tier: ActivationTier, act: float, checkpoint: float) -> TierBytes:
     """Bytes per tier, per micro-batch in flight, of a block's saved activations (`act` bytes of one micro-batch;
     `checkpoint` the bytes of its inputs): keep = on the GPU; recompute = only the block input stays, as a
     checkpoint (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"); offload-cpu / offload-nvme
     = in that tier."""
-    if tier == "keep":
+    if tier in ("keep", "selective"):  # selective: act already excludes the attention core (kept_activation_bytes)
         return TierBytes(gpu=act)
     if tier == "recompute":
         return TierBytes(gpu=checkpoint)
@@ -143,7 +158,7 @@ def activation_transient(tier: ActivationTier, act: float) -> float:
     blocks' worth on the GPU, the one being offloaded or prefetched and the one in use (ZeRO-Offload's
     double buffer, Ren et al. 2021, section 4.2). Linear and non-decreasing in `act`: the stage's transient is
     this of its largest block."""
-    if tier == "keep":
+    if tier in ("keep", "selective"):  # selective: the core of one block, added by stage_memory
         return 0.0 * act
     return (1 if tier == "recompute" else 2) * act
 
@@ -204,24 +219,29 @@ def stage_memory(
     input_bytes: dict[str, float],
     dtype: str = "bf16",
     optimizer: str = "adam",
+    sequence_parallel: bool = False,
 ) -> TierBytes:
     """Peak bytes per tier on one rank of a stage running `blocks` on `samples` samples per micro-batch.
 
     Model states: state_residency of the rank's parameters (tp-parallel blocks divided by tp) in the tiers of
-    the plan's Memory. Activations (per sample, as profiled; tp-parallel blocks divided by tp, i.e. sequence
-    parallelism, Korthikanti et al. 2022) times the micro-batches in flight, each block's by activation_residency
-    of its tier, plus the largest activation_transient of its blocks.
+    the plan's Memory. Activations (per sample, as profiled, on one tp rank: kept_activation_bytes) times the
+    micro-batches in flight, each block's by activation_residency of its tier, plus the largest
+    activation_transient of its blocks (under selective recompute: the attention core of one block, rebuilt
+    during its backward).
     """
-    shard = {b.name: (tp if b.supports_tp else 1) for b in blocks}
+    shard = {b.name: (tp if (b.supports_tp or b.vocab_parallel) else 1) for b in blocks}
     params = sum(b.params / shard[b.name] for b in blocks)
     trained = sum(b.params / shard[b.name] for b in blocks if not b.frozen)  # frozen blocks: no grads, no optimizer state
     largest = max((b.params / shard[b.name] for b in blocks), default=0.0)
     out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer, trained=trained)
     transient = 0.0  # bytes: the one block being recomputed, or the two being offloaded / prefetched
     for b in blocks:
-        act = b.activation_bytes * samples / shard[b.name]  # bytes of one micro-batch
-        checkpoint = input_bytes.get(b.name, 0.0) * samples / shard[b.name]
         tier = memory.activations.get(b.name, "keep")
+        act = kept_activation_bytes(b, tp, sequence_parallel=sequence_parallel, tier=tier) * samples  # one micro-batch
+        # the checkpoint of a recomputed block: its input, split over the tp ranks only with sequence parallelism
+        checkpoint = input_bytes.get(b.name, 0.0) * samples / (shard[b.name] if sequence_parallel else 1)
         out = out + activation_residency(tier, act, checkpoint).scaled(in_flight_micro_batches)
         transient = max(transient, activation_transient(tier, act))
+        if tier == "selective":
+            transient = max(transient, b.attention_core_bytes * samples / shard[b.name])
     return out.put("gpu", transient)

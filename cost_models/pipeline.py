@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.comm import dp_link, link_for, p2p_time, ring_bytes_sent, zero_collectives
-from cost_models.compute import OpTime, block_time, measured_on
-from cost_models.memory import DTYPE_BYTES
+from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
+from cost_models.compute import OpTime, block_time, measured_on, tp_shard
+from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, state_streaming, transfer_time
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
@@ -36,8 +36,9 @@ from plans.trace import LANES as TRACE_LANES
 # - After a class's last task, as in the runtime's loop: the data-parallel gradient sync of each stage it
 #   hosts (comm lane, a collective over all the stage's classes), then each stage's optimizer step
 #   (compute lane), then for ZeRO 1-2 the all-gather of the updated parameters (comm lane).
-# - Not modelled (documented simplifications): overlap of the gradient sync with backward (the runtime
-#   syncs after the last task); contention of concurrent transfers on one link; a global gradient-norm
+# - The gradient sync is bucketed and overlaps the stage's last backward (tail.tail_over); routes between stages
+#   of equal tp > 1 use the scatter/gather optimisation (route_time).
+# - Not modelled (documented simplifications): contention of concurrent transfers on one link; a global gradient-norm
 #   all-reduce before the optimizer step.
 
 Lane = Literal["compute", "comm", "transfer"]
@@ -142,7 +143,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
                 raise MmplanError(f"block {b!r} of group {ch.group!r} is not in the profile of {profile.model!r}; re-solve the plan for this profile")
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     group_of = {g.name: g for g in plan.groups}
-    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured) for ch in graph.chunks]
+    inputs = block_input_bytes(profile)
+    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
 
@@ -168,7 +170,10 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
     for s, cs in enumerate(graph.stages):
         ch = graph.chunks[cs[0]]
         g = group_of[ch.group]
-        tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster))  # frozen: no sync / update
+        # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
+        # chunk's, under the interleaved schedule)
+        tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
+                                overlap_s=costs[cs[0]].time.bwd))
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
@@ -207,7 +212,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
 # --- costs -------------------------------------------------------------------------------------------
 
 
-def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None) -> _Cost:
+def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
+                inputs: dict[str, float]) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
     mem = g.stages[ch.stage].memory
@@ -218,13 +224,17 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     out_bytes = {"cpu": 0.0, "nvme": 0.0}  # activation bytes offloaded per micro-batch, by tier
     for name in ch.blocks:
         b = blocks[name]
-        t = g.tp if b.supports_tp else 1
+        t = tp_shard(b, g.tp)
         tier = mem.activations.get(name, "keep")
-        time += block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier == "recompute")
-        if t > 1:  # ring all-reduces: 2 per forward, 2 per backward (and 2 more when recomputed)
+        time += block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
+                           sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0))
+        if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
+            tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,
+                                        t, all_reduce=True)
+        elif t > 1:  # ring all-reduces: 2 per forward, 2 per backward (and 2 more when recomputed)
             tp_bytes += (6 if tier == "recompute" else 4) * ring_bytes_sent(b.output_bytes * samples, t, all_reduce=True)
         if tier.startswith("offload-"):
-            out_bytes[tier.removeprefix("offload-")] += b.activation_bytes * samples / t
+            out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
         params += b.params / t
         cost.trained += 0.0 if b.frozen else b.params / t
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
@@ -251,6 +261,9 @@ def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float
     """
     load: dict[tuple[int, int], float] = defaultdict(float)  # (0 = send / 1 = recv, rank) -> seconds
     total = 0.0
+    src, dst = graph.chunks[route.src], graph.chunks[route.dst]
+    if src.tp == dst.tp > 1 and src.ranks != dst.ranks:
+        return _scatter_gather_time(graph, route, cluster)
     for t in graph.transfers(route):
         if t.src_rank == t.dst_rank:
             continue
@@ -260,6 +273,28 @@ def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float
         load[1, t.dst_rank] += dt
         total += nbytes
     return max(load.values(), default=0.0), total
+
+
+def _scatter_gather_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:
+    """A route between stages of equal tp > 1 with Megatron's scatter/gather optimisation (Narayanan et al. 2021,
+    section 4.1): every tp rank of the producer replica sends 1/tp of a piece to its counterpart, and the
+    consumer's tp ranks all-gather the pieces over the TP link. Each tp rank's sends run in parallel; a
+    rank's pieces go one after another; the route takes as long as its busiest rank."""
+    src, dst = graph.chunks[route.src], graph.chunks[route.dst]
+    tp = src.tp
+    load: dict[tuple[int, int], float] = defaultdict(float)
+    total = 0.0
+    for t in graph.transfers(route):
+        if t.dst_rank != dst.tp_ranks(dst.replica_of(t.dst_rank))[0]:
+            continue  # one message per piece and consumer replica: its tp-rank-0 counterpart stands for all
+        nbytes = (t.stop - t.start) * route.bytes_per_sample
+        dt = hand_over_time(nbytes, tp, link_for(cluster, (t.src_rank, t.dst_rank)),
+                            link_for(cluster, dst.tp_ranks(dst.replica_of(t.dst_rank))))
+        load[0, t.src_rank] += dt
+        load[1, t.dst_rank] += dt
+        total += nbytes  # tp messages of nbytes / tp
+    return max(load.values(), default=0.0), total
+
 
 
 # --- the DAG of ops and its longest paths ------------------------------------------------------------

@@ -26,17 +26,23 @@ class StageTail:
         return self.grad_sync + self.optimizer + self.param_gather
 
 
-def stage_tail(group: Group, stage_index: int, params_per_rank: float, training: Training, cluster: Cluster) -> StageTail:
+# PyTorch DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25; Li et al.
+# 2020, "PyTorch Distributed", section 3.2.3); the runtime's bucketed reduction uses the same size.
+BUCKET_BYTES = 25 * 2**20
+
+
+def stage_tail(group: Group, stage_index: int, params_per_rank: float, training: Training, cluster: Cluster,
+               *, overlap_s: float = 0.0) -> StageTail:
     """The tail of stage `stage_index` of `group` holding `params_per_rank` parameters on each rank (tp-parallel
     blocks divided by tp), its collectives over the link of its dp group (dp_link); see tail_over."""
     stage = group.stages[stage_index]
     return tail_over(params_per_rank, dp=group.dp, zero=group.zero, memory=stage.memory,
                      link=dp_link(cluster, stage.ranks, group.tp), cluster=cluster, dtype=training.dtype,
-                     optimizer=training.optimizer)
+                     optimizer=training.optimizer, overlap_s=overlap_s)
 
 
 def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers, link: Link, cluster: Cluster,
-              dtype: str = "bf16", optimizer: str = "adam") -> StageTail:
+              dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0) -> StageTail:
     """The tail of a stage whose dp group communicates over `link` (stage_tail, for callers that know the link
     but not the ranks yet: the solver's candidates).
 
@@ -45,13 +51,17 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     ZeRO 2: the reduce-scatter ran after every backward, the all-gather remains; ZeRO 3: nothing. The
     optimizer step updates the rank's ZeRO share of the parameters (zero_divisors; optimizer_step_time).
     Collective times: cost_models/comm.py (Thakur, Rabenseifner & Gropp 2005).
+    The gradient sync (ZeRO 0-1) is bucketed (BUCKET_BYTES) and each bucket is reduced asynchronously as soon as
+    the last micro-batch's backward has produced it (DDP's overlap, Li et al. 2020, section 3.2.3): it hides
+    behind the `overlap_s` seconds of that backward, except the last bucket, which is ready only at its end.
+    `grad_sync` is the exposed part.
     """
     nbytes = params_per_rank * DTYPE_BYTES[dtype]  # this rank's gradients (and parameters)
     sync, sent = 0.0, 0.0
-    if zero == 0:
-        sync, sent = all_reduce_time(nbytes, dp, link), ring_bytes_sent(nbytes, dp, all_reduce=True)
-    elif zero == 1:
-        sync, sent = reduce_scatter_time(nbytes, dp, link), ring_bytes_sent(nbytes, dp, all_reduce=False)
+    collective = all_reduce_time if zero == 0 else reduce_scatter_time
+    if zero in (0, 1):
+        sync = max(collective(min(nbytes, BUCKET_BYTES), dp, link), collective(nbytes, dp, link) - overlap_s)
+        sent = ring_bytes_sent(nbytes, dp, all_reduce=zero == 0)
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer

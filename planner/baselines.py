@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from cost_models.comm import dp_link
-from cost_models.compute import block_time, measured_on
+from cost_models.compute import block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
@@ -456,7 +456,7 @@ def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
             b += bb
         fwd.append(f)
         bwd.append(b)
-        params = sum(blk.params / (spec.tp if blk.supports_tp else 1) for blk in stage)
+        params = sum(blk.params / tp_shard(blk, spec.tp) for blk in stage)
         link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
         tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
                               dtype=training.dtype, optimizer=training.optimizer).total)

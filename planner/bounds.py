@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cost_models.comm import fastest_link, link_between
+from cost_models.comm import all_gather_time, fastest_link, link_between
 from cost_models.memory import warmup_forwards
 from plans.cluster import Cluster
 
@@ -122,6 +122,12 @@ def boundary_bound(src: Layout, dst: Layout, cluster: Cluster) -> float:
     link = link_between(cluster, crosses_nodes=True) if fills_nodes else fastest_link(cluster)
     micro = src.samples * src.dp  # samples of a micro-batch
     per = src.out_bytes
+    if src.tp == dst.tp > 1:  # scatter/gather (comm.hand_over_time): 1/tp per rank pair, all-gather at the receiver
+        tp = dst.tp
+        gather = all_gather_time(micro / dst.dp * per, tp, fastest_link(cluster))
+        recv = max(1, src.dp // dst.dp) * link.latency_s + micro / dst.dp * per / (tp * link.bandwidth) + gather
+        send = max(1, dst.dp // src.dp) * link.latency_s + micro / src.dp * per / (tp * link.bandwidth)
+        return max(recv, send)
     recv = max(1, src.dp // dst.dp) * link.latency_s + micro / dst.dp * per / link.bandwidth
     sends = max(1, dst.dp // src.dp) * dst.tp
     send = sends * link.latency_s + dst.tp * micro / src.dp * per / link.bandwidth

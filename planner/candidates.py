@@ -8,7 +8,7 @@ from typing import Literal
 
 import numpy as np
 
-from cost_models.comm import link_for, p2p_time
+from cost_models.comm import hand_over_time, link_between, link_for, p2p_time
 from cost_models.memory import block_input_bytes, in_flight, warmup_forwards
 from planner.bounds import Bound, layout_bound, run_bound
 from planner.partition import cut_table
@@ -355,9 +355,16 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
 def _send(seg: Segments, link: Link) -> np.ndarray:
     """Forward + backward p2p of the tensors crossing a cut before block j, per micro-batch and replica."""
     cross = np.zeros(seg.n + 1)
+    tp_link = _tp_link(seg)
     for j in range(1, seg.n):
-        cross[j] = 2 * p2p_time(seg.unit.cross_bytes[j] * seg.samples, link)
+        cross[j] = 2 * hand_over_time(seg.unit.cross_bytes[j] * seg.samples, seg.tp, link, tp_link)
     return cross
+
+
+def _tp_link(seg: Segments) -> Link:
+    """The link of a tp group (inside a node unless tp exceeds a node): the hand-over's all-gather."""
+    cl = seg.setting.cluster
+    return link_between(cl, crosses_nodes=seg.tp > cl.gpus_per_node)
 
 
 def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None) -> Layout:
@@ -377,7 +384,8 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
             figures[row, sel] = x[a, b]
     fwd, bwd, tail, opt, gather, g0, g1, c0, c1, n0, n1 = figures[:11]
     stage_ranks = seg.tp * seg.dp
-    lag = tuple(p2p_time(seg.unit.cross_bytes[c] * seg.samples, _stage_link(cl, stage_ranks, k)) for k, c in enumerate(cuts))
+    lag = tuple(hand_over_time(seg.unit.cross_bytes[c] * seg.samples, seg.tp, _stage_link(cl, stage_ranks, k), _tp_link(seg))
+                for k, c in enumerate(cuts))
     entries = tuple(int(np.searchsorted(starts, f.block, side="right")) - 1 for f in seg.unit.feeds)
     return Layout(
         unit=seg.unit.name, schedule=st.schedule, micro_batches=seg.micro_batches, tp=seg.tp, dp=seg.dp, zero=seg.zero,

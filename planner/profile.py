@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import hashlib
 import statistics
 import time
@@ -117,6 +118,16 @@ class _BlockRecord:
     signature: str = ""
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
+    # by op class (see _FlopCount): [forward, backward]
+    matmul_flops: list = field(default_factory=lambda: [0.0, 0.0])
+    attention_flops: list = field(default_factory=lambda: [0.0, 0.0])
+    memory_bytes: list = field(default_factory=lambda: [0.0, 0.0])
+    replicated_memory_bytes: float = 0.0  # of memory_bytes[0]: forward ops outside every tensor-parallel region
+    matmuls: int = 0
+    gemms: list = field(default_factory=lambda: [{}, {}])  # [fwd, bwd]: (flops, bytes) of a GEMM kernel -> count
+    param_shapes: frozenset = frozenset()  # shapes of the block's parameters (their gradients are not activations)
+    # saved storages by tensor-parallel class (see _classify_saved): (bytes, kind, module call) in saving order
+    saved: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,15 @@ class _Trace:
     glue_flops: float = 0.0
     loss: tuple[str, ...] = ()  # blocks whose outputs the forward's result derives from
     ops: set = field(default_factory=set)  # names of the FLOP-counted ops that ran
+    stack: list = field(default_factory=list)  # [(module, call id)] of the submodules running inside a block
+    calls: int = 0  # submodule calls so far (call ids)
+    last_linear: dict = field(default_factory=dict)  # call id of a Linear-holding module -> its last Linear call id
+    attends: set = field(default_factory=set)  # call ids of Linear-holding modules that ran an attention op
+    linear_outputs: set = field(default_factory=set)  # storages nn.Linear calls produced (q, k, v, MLP hidden)
+    # outputs of memory-bound ops: storage -> [tensor, block, backward, bytes, bytes memory-bound ops read,
+    # materialised] (see fuse())
+    produced: dict = field(default_factory=dict)
+    traffic: list = field(default_factory=list)  # memory-bound ops: (block, backward, outside, reads, writes)
 
     def note_nodes(self, out: Any) -> None:
         for leaf in tree_flatten(out)[0]:
@@ -156,19 +176,95 @@ class _Trace:
             return self.seq_ranges[i][2]
         return None
 
-    def count(self, flops: float) -> None:
+    def owner(self) -> tuple[str | None, int]:
+        """The block the running op works for and 0 (forward) or 1 (backward; from the autograd node)."""
         node = torch._C._current_autograd_node()
         if node is None:
-            owner = self.current
-            if owner is not None:
-                self.records[owner].fwd_flops += flops
-                return
+            return self.current, 0
+        return self.owner_of_node(node._sequence_nr()), 1
+
+    def count(self, flops: float, kind: str = "matmul", nbytes: float = 0.0) -> None:
+        owner, backward = self.owner()
+        if owner is None:
+            self.glue_flops += flops
+            return
+        rec = self.records[owner]
+        if backward:
+            rec.bwd_flops += flops
         else:
-            owner = self.owner_of_node(node._sequence_nr())
-            if owner is not None:
-                self.records[owner].bwd_flops += flops
+            rec.fwd_flops += flops
+        if kind == "matmul":
+            rec.matmul_flops[backward] += flops
+            rec.matmuls += 1 - backward
+            shape = (flops, nbytes)
+            rec.gemms[backward][shape] = rec.gemms[backward].get(shape, 0) + 1
+        else:
+            rec.attention_flops[backward] += flops
+
+    def count_bytes(self, func, args, kwargs, out) -> None:
+        """Bytes a memory-bound op reads and writes, for its block; tensors of a parameter's shape (weights,
+        weight gradients) are per micro-batch, not per sample, and left out."""
+        owner, backward = self.owner()
+        if owner is None or getattr(func, "is_view", False) or func._overloadpacket in _NO_TRAFFIC:
+            return
+        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if not outputs:  # metadata queries (aten.device, sizes) move nothing
+            return
+        rec = self.records[owner]
+        outside = not backward and not any(_holds_linear(m) for m, _ in self.stack)
+        reads = [(self.produced.get(x.untyped_storage()._cdata), _nbytes(x)) for x in tree_flatten((args, kwargs))[0]
+                 if isinstance(x, torch.Tensor) and tuple(x.shape) not in rec.param_shapes]
+        writes = []
+        for x in outputs:
+            if tuple(x.shape) not in rec.param_shapes:
+                entry = [x, owner, backward, _nbytes(x), 0, False]
+                self.produced[x.untyped_storage()._cdata] = entry
+                writes.append(entry)
+        self.traffic.append((owner, backward, outside, reads, writes))
+
+    def note_reads(self, args, kwargs, memory_bound: bool) -> None:
+        """An op reads its inputs: a memory-bound op of the same block and pass could read them in the same fused
+        kernel as their producer; anything else (a GEMM, attention, another block, glue) needs them in memory."""
+        where = self.owner()
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                entry = self.produced.get(x.untyped_storage()._cdata)
+                if entry is not None:
+                    if memory_bound and (entry[1], entry[2]) == where:
+                        entry[4] += _nbytes(x)  # what this read moves (a view may be part of the storage)
+                    else:
+                        entry[5] = True
+
+    def materialise(self, t: torch.Tensor) -> None:
+        """`t` is saved for backward or leaves its block: it is written to memory whatever kernels surround it."""
+        entry = self.produced.get(t.untyped_storage()._cdata)
+        if entry is not None:
+            entry[5] = True
+
+    def fuse(self) -> None:
+        """Memory-bound traffic as fused kernels move it: a tensor a memory-bound op makes and only memory-bound ops
+        of the same block and pass read -- never saved, never an output, never a GEMM's input -- stays on chip
+        when the chain is one kernel (Megatron-LM / Transformer Engine fuse bias-GeLU, bias-dropout-add,
+        scale-mask-softmax and the norms; PyTorch's eager per-op traffic would count its write and every read)."""
+        def on_chip(entry, owner, backward) -> bool:
+            return entry is not None and entry[4] > 0 and not entry[5] and (entry[1], entry[2]) == (owner, backward)
+
+        for owner, backward, outside, reads, writes in self.traffic:
+            moved = sum(n for entry, n in reads if not on_chip(entry, owner, backward))
+            moved += sum(entry[3] for entry in writes if not on_chip(entry, owner, backward))
+            rec = self.records[owner]
+            rec.memory_bytes[backward] += moved
+            if outside:
+                rec.replicated_memory_bytes += moved
+        self.produced.clear()
+        self.traffic.clear()
+
+    def note_attention(self) -> None:
+        """An attention op (softmax, SDPA) ran: the innermost Linear-holding module is an attention core."""
+        for module, call in reversed(self.stack):
+            if _holds_linear(module):
+                self.attends.add(call)
                 return
-        self.glue_flops += flops
 
     def tag(self, t: torch.Tensor, prov: frozenset) -> None:
         self.provenance[id(t)] = self.provenance.get(id(t), frozenset()) | prov
@@ -204,7 +300,8 @@ class _Provenance(TorchFunctionMode):
 
 
 class _FlopCount(TorchDispatchMode):
-    """Counts every op's FLOPs for its block (see the module docstring)."""
+    """Counts every op's work for its block (see the module docstring), by op class: GEMM FLOPs, fused-attention
+    FLOPs (halved under a causal mask, which flash kernels skip), and bytes of every other op (memory-bound)."""
 
     def __init__(self, trace: _Trace):
         super().__init__()
@@ -213,11 +310,45 @@ class _FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        packet = func._overloadpacket
+        formula = _FLOP_FORMULAS.get(packet)
+        if not getattr(func, "is_view", False) and packet not in _NO_TRAFFIC:
+            self.trace.note_reads(args, kwargs, memory_bound=formula is None)
         if formula is not None:
-            self.trace.ops.add(func._overloadpacket.__name__)
-            self.trace.count(formula(*args, **kwargs, out_val=out))
+            self.trace.ops.add(packet.__name__)
+            flops = formula(*args, **kwargs, out_val=out)
+            if "attention" in packet.__name__:
+                self.trace.note_attention()
+                bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+                self.trace.count(flops / 2 if bound.get("is_causal") else flops, "attention")
+                # the op's model FLOPs stay torch's full count in fwd_flops / bwd_flops
+                owner, backward = self.trace.owner()
+                if owner is not None and bound.get("is_causal"):
+                    rec = self.trace.records[owner]
+                    if backward:
+                        rec.bwd_flops += flops / 2
+                    else:
+                        rec.fwd_flops += flops / 2
+            else:  # a GEMM: its FLOPs and the bytes it reads and writes (its shape, for the roofline)
+                nbytes = sum(_nbytes(x) for x in (*tree_flatten((args, kwargs))[0], *tree_flatten(out)[0])
+                             if isinstance(x, torch.Tensor))
+                self.trace.count(flops, nbytes=nbytes)
+        else:
+            if packet in _SOFTMAX:
+                self.trace.note_attention()
+            self.trace.count_bytes(func, args, kwargs, out)
         return out
+
+
+# ops that move no data (allocation, metadata); views are recognised by OpOverload.is_view
+_NO_TRAFFIC = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.detach, _aten.lift_fresh, _aten.alias,
+               _aten._local_scalar_dense, _aten._unsafe_view, _aten.arange, _aten.scalar_tensor, _aten.zeros, _aten.ones, _aten.full}
+_SOFTMAX = {_aten._softmax, _aten._safe_softmax} if hasattr(_aten, "_safe_softmax") else {_aten._softmax}
+
+
+def _holds_linear(module: nn.Module) -> bool:
+    """A tensor-parallel region (an attention, an MLP): a module with nn.Linear children."""
+    return any(isinstance(c, nn.Linear) for c in module.children())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -269,12 +400,67 @@ def _install_hooks(trace: _Trace) -> list:
             rec.reduces_batch = bool(leaves) and all(x.dim() == 0 for x in leaves)
             for i, leaf in enumerate(leaves):
                 rec.output_bytes += _nbytes(leaf)
+                trace.materialise(leaf)
                 trace.provenance.pop(id(leaf), None)
                 trace.tag(leaf, frozenset({(rec.name, i, _nbytes(leaf))}))
 
         handles.append(rec.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(rec.module.register_forward_hook(post, with_kwargs=True))
+        rec.param_shapes = frozenset(tuple(p.shape) for p in rec.module.parameters())
+        for sub in rec.module.modules():
+            if sub is not rec.module:
+                handles.append(sub.register_forward_pre_hook(functools.partial(_enter, trace)))
+                handles.append(sub.register_forward_hook(functools.partial(_leave, trace)))
     return handles
+
+
+def _enter(trace: _Trace, module: nn.Module, args) -> None:
+    """A submodule of a block starts: push it; a Linear becomes its region's last Linear so far."""
+    trace.calls += 1
+    if isinstance(module, nn.Linear):
+        region = next((c for m, c in reversed(trace.stack) if _holds_linear(m)), None)
+        if region is not None:
+            trace.last_linear[region] = trace.calls
+    trace.stack.append((module, trace.calls))
+
+
+def _leave(trace: _Trace, module: nn.Module, args, output) -> None:
+    trace.stack.pop()
+    if isinstance(module, nn.Linear) and isinstance(output, torch.Tensor):
+        trace.linear_outputs.add(output.untyped_storage()._cdata)
+        trace.alive.append(output)
+
+
+def _saved_kind(trace: _Trace, key: int) -> tuple:
+    """Where a tensor is saved, for _classify_saved: in a Linear (its input), inside a region, or outside."""
+    if not trace.stack:
+        return ("outside",)
+    module, call = trace.stack[-1]
+    if isinstance(module, nn.Linear):
+        region = next((c for m, c in reversed(trace.stack[:-1]) if _holds_linear(m)), None)
+        return ("linear", call, region)
+    region = next((c for m, c in reversed(trace.stack) if _holds_linear(m)), None)
+    if region is None:
+        return ("outside",)
+    return ("region", region, key in trace.linear_outputs)
+
+
+def _classify_saved(trace: _Trace, rec: "_BlockRecord") -> tuple[int, int]:
+    """(replicated, attention core) bytes of a block's saved activations, as Megatron's tensor parallelism stores
+    them (Korthikanti et al. 2022, section 4.1; the runtime's plan in runtime/tensor_parallel.py):
+    - the region (an attention or MLP module: one holding nn.Linear children) runs sharded: what it saves is
+      sharded, except the input its column-parallel Linears save -- a region's last Linear is the row-parallel
+      one, whose input is sharded; the others read the region's whole input;
+    - what is saved outside every region (norms, residual path, dropout there) is replicated;
+    - inside an attention region (one that ran softmax or fused attention), what is saved and was not made by
+      a Linear (q, k, v are) is the attention core: scores, softmax, attention dropout, rotary."""
+    replicated = core = 0
+    for nbytes, kind in rec.saved:
+        if kind[0] == "outside" or (kind[0] == "linear" and (kind[2] is None or trace.last_linear.get(kind[2]) != kind[1])):
+            replicated += nbytes
+        elif kind[0] == "region" and not kind[2] and kind[1] in trace.attends:
+            core += nbytes
+    return replicated, core
 
 
 def _pack_hook(trace: _Trace):
@@ -285,6 +471,9 @@ def _pack_hook(trace: _Trace):
         if key not in trace.param_storages and key not in trace.seen_storages and owner is not None:
             trace.seen_storages.add(key)
             trace.records[owner].activation_bytes += storage.nbytes()
+            kind = _saved_kind(trace, key) if trace.current == owner else ("outside",)
+            trace.records[owner].saved.append((storage.nbytes(), kind))
+        trace.materialise(t)
         return t
 
     return pack
@@ -357,6 +546,7 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
                     loss = _scalar_loss(out)
                 if loss.requires_grad:
                     loss.backward()
+            trace.fuse()
         finally:
             for h in handles:
                 h.remove()
@@ -528,6 +718,7 @@ def profile_model(
 
 def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options) -> Profile:
     blocks = []
+    vocab = token_vocab(records)
     counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
         group = default_group(rec.name)
@@ -538,6 +729,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
         counted.update(id(p) for p in own)
         params = sum(p.numel() for p in own)
         pbytes = sum(p.numel() * p.element_size() for p in own)
+        replicated, core = _classify_saved(trace, rec)
         fwd_ms, bwd_ms, fwd_slope, bwd_slope = timings.get(rec.signature, (None, None, None, None))
         blocks.append(Block(
             name=rec.name, group=group, kind=type(rec.module).__name__, params=params, param_bytes=pbytes,
@@ -547,6 +739,14 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             structure=module_structure(rec.module),
             reduces_batch=rec.reduces_batch, frozen=is_frozen(rec.module),
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,
+            fwd_matmul_flops=_per_sample(rec.matmul_flops[0], mb), bwd_matmul_flops=_per_sample(rec.matmul_flops[1], mb),
+            fwd_attention_flops=_per_sample(rec.attention_flops[0], mb),
+            bwd_attention_flops=_per_sample(rec.attention_flops[1], mb),
+            fwd_memory_bytes=_per_sample(rec.memory_bytes[0], mb), bwd_memory_bytes=_per_sample(rec.memory_bytes[1], mb),
+            replicated_memory_fraction=round(rec.replicated_memory_bytes / rec.memory_bytes[0], 4) if rec.memory_bytes[0] else 0.0,
+            matmuls=rec.matmuls, fwd_gemms=_gemm_list(rec.gemms[0], mb), bwd_gemms=_gemm_list(rec.gemms[1], mb),
+            activation_replicated_bytes=_per_sample(replicated, mb),
+            attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss),
         ))
     order = {r.name: r.order for r in records}
     edges = tuple(
@@ -568,6 +768,36 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
         attention=", ".join(attention) or "none", loss=trace.loss, options=options,
     )
     return replace(profile, fingerprint=profile_fingerprint(profile))
+
+
+def token_vocab(records: list[_BlockRecord]) -> int | None:
+    """The vocabulary: rows of the largest nn.Embedding in a block fed integer inputs (token ids), if any."""
+    sizes = [m.num_embeddings for r in records if _reads_ids(r) for m in r.module.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes, default=None)
+
+
+def _reads_ids(rec: _BlockRecord) -> bool:
+    leaves = tree_flatten(rec.in_spec)[0] if rec.in_spec is not None else []
+    return any(isinstance(x, _TensorSpec) and not x.dtype.is_floating_point and x.dtype != torch.bool for x in leaves)
+
+
+def vocab_role(rec: _BlockRecord, vocab: int | None, loss: tuple[str, ...]) -> str:
+    """"embedding" for the block embedding token ids into the vocabulary-sized table, "head" for a block the loss
+    reads that projects onto the vocabulary (an nn.Linear with vocab outputs), "" otherwise: the blocks Megatron
+    shards along the vocabulary under tensor parallelism (Shoeybi et al. 2019, section 3)."""
+    if vocab is None:
+        return ""
+    modules = list(rec.module.modules())
+    if _reads_ids(rec) and any(isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in modules):
+        return "embedding"
+    if rec.name in loss and any(isinstance(m, nn.Linear) and m.out_features == vocab for m in modules):
+        return "head"
+    return ""
+
+
+def _gemm_list(kernels: dict, mb: int) -> tuple[tuple[float, float, int], ...]:
+    """(FLOPs, bytes, count) per sample of a block's distinct GEMM kernels, largest first."""
+    return tuple(sorted(((_per_sample(f, mb), _per_sample(b, mb), n) for (f, b), n in kernels.items()), reverse=True))
 
 
 def _per_sample(value: float, mb: int) -> float | int:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cost_models.comm import dp_link, zero_collectives
-from cost_models.compute import block_time
-from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, state_residency
+from cost_models.compute import block_time, tp_shard
+from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
 from cost_models.offload import state_streaming, transfer_time
-from cost_models.tail import tail_over
+from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.cluster import Link
 
 if TYPE_CHECKING:
@@ -88,13 +88,13 @@ class Segments:
         self.samples = st.global_batch / self.micro_batches / self.dp  # per replica and micro-batch
         blocks = self.unit.blocks
         ops = (self.times or BlockTimes(st)).of(self.unit, self.tp, self.samples)
-        shard = np.array([self.tp if b.supports_tp else 1 for b in blocks], dtype=float)
+        shard = np.array([tp_shard(b, self.tp) for b in blocks], dtype=float)
         self.n = len(blocks)
         self.fwd, self.fwd_comm = _span(np.array([o.fwd for o in ops])), _span(np.array([o.fwd_comm for o in ops]))
         self.bwd, self.bwd_comm = _span(np.array([o.bwd for o in ops])), _span(np.array([o.bwd_comm for o in ops]))
         params = np.array([b.params for b in blocks], dtype=float) / shard
-        act = np.array([b.activation_bytes for b in blocks], dtype=float) * self.samples / shard
-        inp = np.array(self.unit.input_bytes, dtype=float) * self.samples / shard
+        act = np.array([kept_activation_bytes(b, self.tp) for b in blocks], dtype=float) * self.samples
+        inp = np.array(self.unit.input_bytes, dtype=float) * self.samples  # checkpoints: whole without sequence parallelism
         self.width = DTYPE_BYTES[st.dtype]
         self.params = _span(params)
         self.trained = _span(params * np.array([not b.frozen for b in blocks], dtype=float))  # frozen: no grads / optimizer / sync
@@ -139,7 +139,11 @@ class Segments:
         def tail(x: float):
             return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
 
-        sync = _affine(lambda x: tail(x).grad_sync, self.trained)
+        # the gradient sync hides behind the last backward but for its last bucket (tail.tail_over's overlap_s);
+        # frozen parameters are neither synced nor updated
+        full = _affine(lambda x: tail(x).grad_sync, self.trained)
+        bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.trained, BUCKET_BYTES / self.width))
+        sync = np.maximum(bucket, full - bwd)
         opt = _affine(lambda x: tail(x).optimizer, self.trained)
         gathered = _affine(lambda x: tail(x).param_gather, self.trained)
         out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)

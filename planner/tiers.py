@@ -8,12 +8,13 @@ from dataclasses import dataclass, replace
 import pulp
 
 from cost_models.comm import dp_link, zero_collectives
-from cost_models.compute import block_time, measured_on
+from cost_models.compute import block_time, measured_on, tp_shard
 from cost_models.evaluate import evaluate
 from cost_models.memory import (
     DTYPE_BYTES,
     TierBytes,
     activation_residency,
+    kept_activation_bytes,
     activation_transient,
     block_input_bytes,
     state_residency,
@@ -123,12 +124,12 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
             params = largest = trained = 0.0
             for name in s.blocks:
                 blk = blocks[name]
-                t = g.tp if blk.supports_tp else 1
+                t = tp_shard(blk, g.tp)
                 op = block_time(blk, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured)
                 f, fc, b, bc = f + op.fwd, fc + op.fwd_comm, b + op.bwd, bc + op.bwd_comm
                 rf[name], rc[name] = op.fwd, op.fwd_comm
-                act[name] = blk.activation_bytes * samples / t
-                ckpt[name] = inputs.get(name, 0.0) * samples / t
+                act[name] = kept_activation_bytes(blk, g.tp, sequence_parallel=g.sequence_parallel) * samples
+                ckpt[name] = inputs.get(name, 0.0) * samples / (t if g.sequence_parallel else 1)
                 params += blk.params / t
                 trained += 0.0 if blk.frozen else blk.params / t  # frozen: no grads, optimizer state or update
                 largest = max(largest, blk.params / t)

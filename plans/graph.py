@@ -42,6 +42,27 @@ class Block:
     # time(b samples) = fwd_ms + fwd_ms_per_sample * (b - micro_batch); small blocks are overhead-bound
     fwd_ms_per_sample: float | None = None
     bwd_ms_per_sample: float | None = None
+    # The work by op class, per sample, for timing (cost_models/compute.py); all 0 in profiles made before these
+    # fields existed, which are then timed as if every FLOP were a GEMM.
+    fwd_matmul_flops: float = 0.0  # of fwd_flops: GEMMs (mm, addmm, bmm, baddbmm, convolution)
+    bwd_matmul_flops: float = 0.0
+    fwd_attention_flops: float = 0.0  # fused attention kernels (SDPA / flash): FLOPs they execute (causal: half)
+    bwd_attention_flops: float = 0.0
+    fwd_memory_bytes: float = 0.0  # bytes read + written by every other op (norms, softmax, elementwise, copies)
+    bwd_memory_bytes: float = 0.0
+    replicated_memory_fraction: float = 0.0  # of the memory-bound work: the share outside the tensor-parallel region
+    # (norms, residual adds), which every tp rank repeats unless sequence parallelism shards it (forward's share)
+    # the GEMM kernels by shape: (FLOPs, bytes read + written, count) per sample, for the roofline of each kernel
+    fwd_gemms: tuple[tuple[float, float, int], ...] = ()
+    bwd_gemms: tuple[tuple[float, float, int], ...] = ()
+    matmuls: int = 0  # GEMM kernels in one forward (launches; their FLOPs set each GEMM's size)
+    # The saved activations by how tensor parallelism stores them (parts of activation_bytes, per sample):
+    activation_replicated_bytes: float = 0.0  # saved outside the column->row parallel region (norms, linear inputs,
+    # residual-side dropout): every tp rank holds them whole unless sequence parallelism shards them
+    attention_core_bytes: float = 0.0  # saved by the attention core (scores, softmax, its dropout, rotary):
+    # what selective recompute drops (Korthikanti et al. 2022, section 5)
+    vocab_parallel: str = ""  # "embedding" | "head": a vocabulary-sized embedding / output projection that tensor
+    # parallelism shards along the vocabulary (Shoeybi et al. 2019, section 3); "" otherwise
     # not trained: `mmplan profile --freeze` matched it, or it has parameters and none requires grad (no gradients,
     # optimizer state or gradient sync; profiled with its parameters frozen)
     frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})

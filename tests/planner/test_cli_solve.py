@@ -53,8 +53,10 @@ def test_summary_table(profiles, tmp_path):
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     for phrase in ("GPUs per modality", "predicted step", "peak memory per rank", "best homogeneous plan", "speed-up",
-                   "candidate layouts", f"wrote {out}"):
+                   f"wrote {out}"):
         assert phrase in text, phrase
+    # the search's own summary, or, when the homogeneous baseline predicts faster and is emitted, the grid's
+    assert "candidate layouts" in text or "fit in memory" in text
     plan = load_plan(out)
     assert {g.name for g in plan.groups} in ({"vision", "llm"}, {"model"})
 

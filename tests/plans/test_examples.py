@@ -52,6 +52,11 @@ def test_tiny_examples_validate_and_the_runtime_can_run_them(stem, profiles):
     assert plan.training.schedule in ("gpipe", "1f1b") and plan.training.virtual_stages == 1
     assert all(g.tp == 1 and g.zero == 0 for g in plan.groups)  # what the runtime executes on CPU ranks
     assert plan.predicted is not None and plan.predicted.fits
+    if stem == "tiny-vlm-heavy-non-colocated-4xlocal-cpu" and plan.solver.method == "baseline:homogeneous":
+        # issue 11 (costmodel branch): with memory-bound work priced, the best homogeneous plan (11.2 ms) beats the
+        # best non-colocated one (11.65 ms) on this example, so solve emits the baseline; the lead re-chooses the
+        # example's batch after merging the solver's baselines (item 6)
+        pytest.xfail("solve emits the homogeneous baseline for this example under the op-class cost model")
     assert plan.solver.method.startswith("ilp+dp:")
 
 

@@ -1,0 +1,155 @@
+"""Torch modules shaped like the published runs the fidelity and memory benches compare with, and their profiles.
+
+The published GPT runs (Narayanan et al. 2021; Korthikanti et al. 2022) used Megatron-LM's layer: LayerNorm,
+one attention with an explicit softmax (QK^T and AV as batched GEMMs, a fused scale-mask-softmax, dropout on the
+probabilities), dropout on both residual branches, a GELU MLP, and no flash attention (it predates them).
+`MegatronLayer(attention="math")` is that layer; `attention="flash"` replaces the core by SDPA, as runs since
+2023 (Llama 3, NeMo) do. The profiles are made by the real profiler (planner/profile.py: FLOPs by op class,
+saved tensors by hooks) on FakeTensors, for two layers; the layer blocks are then repeated to the published depth
+(every layer is the same module, so the same block).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.profile import profile_model
+from plans.graph import Edge, Profile
+from runtime.models.layers import RMSNorm
+from runtime.source import ModelSource
+
+
+class MathAttention(nn.Module):
+    """Megatron's core attention (no flash): softmax(QK^T / sqrt(d)) with dropout, then AV; or SDPA ("flash")."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, dropout: float, flash: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.dropout, self.flash = dropout, flash
+        self.wq = nn.Linear(dim, dim)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim)
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, hd)
+        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
+        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        if self.flash:
+            rep = self.heads // self.kv_heads
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, hd)
+        else:
+            # 1/sqrt(d) is folded into wq (see __init__): Megatron fuses the scale into its softmax kernel, and an
+            # eager multiply would add traffic over the S x S scores that the real kernel does not have
+            scores = torch.matmul(q, k.transpose(-1, -2))  # (B, H, S, S)
+            probs = dropout(torch.softmax(scores, dim=-1), self.dropout)
+            out = torch.matmul(probs, v)  # (B, H, S, hd)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout as the fused CUDA kernel stores it: one pass writing the output and a 1-byte mask (aten.native_dropout;
+    F.dropout on CPU keeps a mask in the input's dtype instead, Korthikanti et al. count 1 byte)."""
+    return torch.ops.aten.native_dropout(x, p, True)[0]
+
+
+class MegatronMLP(nn.Module):
+    """fc2(gelu(fc1 x)), or LLaMA's gated w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int, gated: bool) -> None:
+        super().__init__()
+        self.gated = gated
+        self.fc1 = nn.Linear(dim, hidden, bias=not gated)
+        self.fc3 = nn.Linear(dim, hidden, bias=False) if gated else None
+        self.fc2 = nn.Linear(hidden, dim, bias=not gated)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.fc2(F.silu(self.fc1(x)) * self.fc3(x))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MegatronLayer(nn.Module):
+    """x + drop(attn(ln(x))), then + drop(mlp(ln(x))): Megatron-LM's ParallelTransformerLayer (pre-norm)."""
+
+    supports_tensor_parallel = True
+
+    def __init__(self, dim: int, heads: int, mlp: int, *, kv_heads: int | None = None, dropout: float = 0.1,
+                 attention: Literal["math", "flash"] = "math", norm: str = "layernorm", gated: bool = False) -> None:
+        super().__init__()
+        make = (lambda: nn.LayerNorm(dim)) if norm == "layernorm" else (lambda: RMSNorm(dim))
+        self.ln1, self.ln2 = make(), make()
+        self.attn = MathAttention(dim, heads, kv_heads or heads, dropout, attention == "flash")
+        self.mlp = MegatronMLP(dim, mlp, gated)
+        self.p = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + dropout(self.attn(self.ln1(x)), self.p)
+        return x + dropout(self.mlp(self.ln2(x)), self.p)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, seq: int, dim: int, positions: bool) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(seq, dim) if positions else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        return x + self.positions(torch.arange(ids.shape[1], device=ids.device)) if self.positions is not None else x
+
+
+class Decoder(nn.Module):
+    """Embedding, layers, final norm, vocabulary head and the cross-entropy loss."""
+
+    def __init__(self, *, vocab: int, seq: int, dim: int, heads: int, mlp: int, layers: int, **layer) -> None:
+        super().__init__()
+        llama = layer.get("gated", False)
+        self.embed = Embedding(vocab, seq, dim, positions=not llama)
+        self.layers = nn.ModuleList(MegatronLayer(dim, heads, mlp, **layer) for _ in range(layers))
+        self.norm = RMSNorm(dim) if llama else nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))  # (B, S, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def gpt_profile(name: str, *, layers: int, dim: int, heads: int, seq: int = 2048, vocab: int = 51200,
+                mlp: int | None = None, kv_heads: int | None = None, attention: str = "math", dropout: float = 0.1,
+                gated: bool = False, dtype: str = "bf16") -> Profile:
+    """The profile of a `layers`-deep decoder: two layers profiled, the second repeated (same module, same block)."""
+    kw = dict(vocab=vocab, seq=seq, dim=dim, heads=heads, mlp=mlp or 4 * dim, kv_heads=kv_heads, dropout=dropout,
+              attention=attention, norm="rmsnorm" if gated else "layernorm", gated=gated)
+
+    def factory(micro_batch: int):
+        model = Decoder(layers=2, **kw)
+        ids = torch.zeros(micro_batch, seq, dtype=torch.long)
+        return model, {"ids": ids, "labels": ids}
+
+    small = profile_model(ModelSource(name, factory, dtype), micro_batch=1)
+    return repeat_layers(small, layers)
+
+
+def repeat_layers(profile: Profile, layers: int) -> Profile:
+    """`profile` (embed, layers.0, layers.1, norm, head) with layers.1 repeated to `layers` layers in all."""
+    blocks = {b.name: b for b in profile.blocks}
+    proto = blocks["layers.1"]
+    layer_blocks = [blocks["layers.0"]] + [replace(proto, name=f"layers.{i}") for i in range(1, layers)]
+    order = [blocks["embed"], *layer_blocks, blocks["norm"], blocks["head"]]
+    hidden = proto.output_bytes
+    names = [b.name for b in order]
+    edges = tuple(Edge(a, b, hidden if b != "head" else blocks["norm"].output_bytes) for a, b in zip(names, names[1:]))
+    return Profile.build(profile.model, profile.dtype, profile.micro_batch, tuple(order), edges,
+                         inputs=profile.inputs, loss=("head",), attention=profile.attention)

@@ -1,0 +1,124 @@
+"""Compute by op class, vocabulary-parallel blocks, activations as TP stores them, the bucketed gradient sync."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from cost_models.comm import all_reduce_time
+from cost_models.compute import block_time, gemm_time, memory_time
+from cost_models.hardware import catalog_cluster, stream_bandwidth
+from cost_models.memory import kept_activation_bytes
+from cost_models.tail import BUCKET_BYTES, tail_over
+from plans.graph import Block
+from plans.plan import Memory
+
+S, H, A = 2048, 4096, 32
+SBH = S * H
+
+
+def layer(**kw) -> Block:
+    """A GPT layer per sample with Korthikanti's activations: 10 sbh replicated, 24 sbh sharded, 5as^2 core."""
+    fields = dict(name="l", group="g", kind="Layer", params=12 * H * H, param_bytes=24 * H * H,
+                  fwd_flops=24 * S * H * H, bwd_flops=48 * S * H * H, activation_bytes=(34 + 5 * A * S / H) * SBH,
+                  output_bytes=2 * SBH, supports_tp=True, fwd_matmul_flops=24 * S * H * H,
+                  bwd_matmul_flops=48 * S * H * H, fwd_memory_bytes=200 * SBH, bwd_memory_bytes=400 * SBH,
+                  replicated_memory_fraction=0.25, matmuls=6, activation_replicated_bytes=10 * SBH,
+                  attention_core_bytes=5 * A * S * S)
+    fields.update(kw)
+    return Block(**fields)
+
+
+def test_korthikanti_table_2_per_option():
+    b, t = layer(), 8
+    assert kept_activation_bytes(b, 1) == pytest.approx(SBH * (34 + 5 * A * S / H))
+    assert kept_activation_bytes(b, t) == pytest.approx(SBH * (10 + 24 / t + 5 * A * S / (H * t)))
+    assert kept_activation_bytes(b, t, sequence_parallel=True) == pytest.approx(SBH * (34 / t + 5 * A * S / (H * t)))
+    assert kept_activation_bytes(b, t, tier="selective") == pytest.approx(SBH * (10 + 24 / t))
+    assert kept_activation_bytes(b, t, sequence_parallel=True, tier="selective") == pytest.approx(SBH * 34 / t)
+
+
+def test_compute_is_gemms_plus_memory_bound_bytes():
+    cluster = catalog_cluster("a100-80g")
+    b = layer()
+    op = block_time(b, 1, 1, cluster)
+    expected = gemm_time(b.fwd_matmul_flops, 6, cluster, "bf16") + memory_time(b.fwd_memory_bytes, cluster)
+    assert op.fwd == pytest.approx(expected)
+    assert memory_time(1e9, cluster) == pytest.approx(1e9 / (0.9 * cluster.device.memory_bandwidth))
+    assert stream_bandwidth(cluster.device) < cluster.device.memory_bandwidth
+    # memory-bound work outside the TP regions is repeated on every tp rank unless sequence parallelism splits it
+    tp8, sp8 = block_time(b, 1, 8, cluster), block_time(b, 1, 8, cluster, sequence_parallel=True)
+    assert tp8.fwd > sp8.fwd
+    assert op.fwd / 8 <= sp8.fwd <= 1.1 * op.fwd / 8  # smaller GEMMs: a little less efficient
+
+
+def test_selective_recompute_costs_less_than_full():
+    cluster = catalog_cluster("h100-sxm")
+    b = layer(fwd_attention_flops=2 * S * S * H, bwd_attention_flops=5 * S * S * H)
+    keep, sel, full = (block_time(b, 1, 8, cluster, recompute=r) for r in (False, "selective", "recompute"))
+    assert keep.bwd < sel.bwd < full.bwd
+    assert sel.bwd_comm == keep.bwd_comm < full.bwd_comm
+
+
+def test_vocabulary_parallel_head_and_embedding_shard_over_tp():
+    cluster = catalog_cluster("a100-80g")
+    V = 51200
+    head = Block("head", "g", "Linear", V * H, 2 * V * H, 2.0 * S * V * H, 4.0 * S * V * H, 2 * SBH, 2.0 * S * V,
+                 fwd_matmul_flops=2.0 * S * V * H, bwd_matmul_flops=4.0 * S * V * H, matmuls=1, vocab_parallel="head")
+    one, eight = block_time(head, 1, 1, cluster), block_time(head, 1, 8, cluster, input_bytes=2 * SBH)
+    assert eight.fwd < one.fwd / 6
+    assert eight.bwd_comm == pytest.approx(all_reduce_time(2 * SBH, 8, cluster.intra_node))
+    emb = Block("embed", "g", "Embedding", V * H, 2 * V * H, 0.0, 0.0, 0.0, 2 * SBH, fwd_memory_bytes=4 * SBH,
+                vocab_parallel="embedding")
+    op = block_time(emb, 1, 8, cluster)
+    assert op.fwd_comm == pytest.approx(all_reduce_time(2 * SBH, 8, cluster.intra_node)) and op.bwd_comm == 0
+
+
+def test_gradient_sync_hides_all_but_the_last_bucket():
+    cluster = catalog_cluster("a100-80g")
+    params = 1e9
+    full = all_reduce_time(2 * params, 8, cluster.inter_node)
+    exposed = tail_over(params, dp=8, zero=0, memory=Memory(), link=cluster.inter_node, cluster=cluster)
+    assert exposed.grad_sync == pytest.approx(full)
+    hidden = tail_over(params, dp=8, zero=0, memory=Memory(), link=cluster.inter_node, cluster=cluster, overlap_s=10.0)
+    assert hidden.grad_sync == pytest.approx(all_reduce_time(BUCKET_BYTES, 8, cluster.inter_node))
+    assert hidden.bytes_sent == exposed.bytes_sent
+
+
+def test_pipeline_route_between_tp_stages_is_scatter_then_all_gather():
+    from cost_models.comm import all_gather_time, p2p_time
+    from cost_models.pipeline import route_time
+    from plans.stage_graph import stage_graph
+    from tests.cost_models.test_pipeline import make_cluster, make_group, make_plan, make_profile
+    from plans import plan as P
+
+    nbytes = 8e7  # per sample, between the two stages
+    profile = make_profile([("llm", 2, 1e9)], edge_bytes=nbytes)
+    for b in profile.blocks:
+        assert b.output_bytes == nbytes
+    profile = type(profile).build(profile.model, profile.dtype, 1,
+                                  tuple(replace(b, supports_tp=True) for b in profile.blocks), profile.edges)
+    cluster = make_cluster(nodes=2, gpus_per_node=8)
+    plan = make_plan(profile, [make_group("llm", [["llm.0"], ["llm.1"]], tp=8)], P.Training(1, 1), cluster)
+    graph = stage_graph(plan)
+    lag, sent = route_time(graph, graph.routes[0], cluster)
+    # each of 8 tp ranks sends 1/8 across the nodes, then the receivers all-gather inside theirs (Narayanan et al.
+    # 2021, section 4.1): not 8 whole copies from one rank
+    assert lag == pytest.approx(p2p_time(nbytes / 8, cluster.inter_node) + all_gather_time(nbytes, 8, cluster.intra_node))
+    assert lag < 8 * p2p_time(nbytes, cluster.inter_node) / 4
+    assert sent == pytest.approx(nbytes)
+
+
+def test_stage_memory_selective_keeps_all_but_the_core_and_rebuilds_one():
+    from cost_models.memory import stage_memory
+
+    b = layer(params=0, param_bytes=0)
+    keep = stage_memory([b], samples=1, tp=8, dp=1, zero=0, memory=Memory(), in_flight_micro_batches=2,
+                        input_bytes={"l": 2 * SBH})
+    sel = stage_memory([b], samples=1, tp=8, dp=1, zero=0, memory=Memory(activations={"l": "selective"}),
+                       in_flight_micro_batches=2, input_bytes={"l": 2 * SBH})
+    full = stage_memory([b], samples=1, tp=8, dp=1, zero=0, memory=Memory(activations={"l": "recompute"}),
+                        in_flight_micro_batches=2, input_bytes={"l": 2 * SBH})
+    core = 5 * A * S * S / 8
+    assert keep.gpu - sel.gpu == pytest.approx(2 * core - core)  # two micro-batches in flight, one core rebuilt
+    assert full.gpu == pytest.approx(2 * 2 * SBH + kept_activation_bytes(b, 8))  # checkpoints + one rebuilt block

@@ -1,0 +1,62 @@
+"""The profile's work by op class, saved activations by TP region / attention core, and vocabulary roles."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from planner.profile import profile_model
+from runtime.models.layers import TransformerLayer
+from runtime.source import ModelSource
+
+S, H, A, V = 16, 32, 4, 96
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.layers = nn.ModuleList([TransformerLayer(H, A, 4 * H, causal=True)])
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).float().logsumexp(-1).mean()
+
+
+@pytest.fixture(scope="module")
+def profile():
+    def factory(micro_batch: int):
+        return TinyGPT(), {"ids": torch.zeros(micro_batch, S, dtype=torch.long)}
+
+    return profile_model(ModelSource("tiny-gpt", factory, "fp32"), micro_batch=2)
+
+
+def test_flops_split_into_gemms_and_fused_attention(profile):
+    layer = profile.block("layers.0")
+    assert layer.fwd_matmul_flops == 2 * S * (4 * H * H + 8 * H * H)  # q, k, v, o and the two MLP projections
+    assert layer.matmuls == 6 and sum(n for _, _, n in layer.fwd_gemms) == 6
+    assert sum(f * n for f, _, n in layer.fwd_gemms) == layer.fwd_matmul_flops
+    # causal SDPA executes half the score matrix; fwd_flops keeps torch's full count
+    assert layer.fwd_attention_flops == 2 * S * S * H
+    assert layer.fwd_flops == layer.fwd_matmul_flops + 2 * layer.fwd_attention_flops
+    assert layer.fwd_memory_bytes > 0 and layer.bwd_memory_bytes > 0
+    assert 0 < layer.replicated_memory_fraction < 1
+
+
+def test_saved_activations_by_how_tensor_parallelism_stores_them(profile):
+    layer, f32 = profile.block("layers.0"), 4
+    # replicated: both norms' inputs and outputs (the column-parallel linears' input), plus LayerNorm's mean and rstd
+    norms = 4 * S * H * f32 + 2 * 2 * S * f32
+    assert layer.activation_replicated_bytes == norms
+    # attention core: SDPA's output and its logsumexp (q, k, v come from the linears and stay)
+    assert layer.attention_core_bytes == S * H * f32 + A * S * f32
+    assert layer.activation_bytes > layer.activation_replicated_bytes + layer.attention_core_bytes
+
+
+def test_vocabulary_roles(profile):
+    assert profile.block("embed").vocab_parallel == "embedding"
+    assert profile.block("head").vocab_parallel == "head"
+    assert profile.block("layers.0").vocab_parallel == ""
