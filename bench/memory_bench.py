@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from published_models import gpt_profile  # noqa: E402
+import torch  # noqa: E402
 
 from cost_models.memory import activation_residency, block_input_bytes, kept_activation_bytes  # noqa: E402
 
@@ -62,6 +63,49 @@ def cost_model(option: str, shape: dict) -> float:
     return kept_activation_bytes(layer, tp, sequence_parallel="sp" in option, tier=tier)
 
 
+class _RuntimeDecoder(torch.nn.Module):
+    """Embedding, two of the runtime's own TransformerLayers (runtime/activation_bytes.LayerShape.build), head, loss."""
+
+    def __init__(self, shape, vocab: int = 512) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, shape.hidden)
+        self.layers = torch.nn.ModuleList(shape.build() for _ in range(2))
+        self.head = torch.nn.Linear(shape.hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1).float(), labels.flatten())
+
+
+def runtime_layer_rows(shape, tp: int) -> list[tuple[str, float, float]]:
+    """The runtime's own layer (flash attention, no dropout): the cost model's bytes, from the profiler's record
+    of that layer, against the runtime's measured saved bytes (runtime/activation_bytes.py), per option:
+    (option, cost model bytes, runtime bytes)."""
+    from planner.profile import profile_model
+    from runtime.activation_bytes import measure_option
+    from runtime.source import ModelSource
+
+    def factory(micro_batch: int):
+        ids = torch.zeros(micro_batch, shape.seq, dtype=torch.long)
+        return _RuntimeDecoder(shape), {"ids": ids, "labels": ids}
+
+    profile = profile_model(ModelSource("runtime-layer", factory, "bf16"), micro_batch=1)
+    layer = profile.block("layers.1")
+    checkpoint = block_input_bytes(profile)[layer.name]
+    rows = []
+    for option, runtime_option in zip(OPTIONS, ("none", "tp", "tp+sp", "tp+selective", "tp+sp+selective", "full")):
+        if option == "full recompute":
+            predicted = activation_residency("recompute", kept_activation_bytes(layer, tp), checkpoint).gpu
+        else:
+            t = 1 if option == "none" else tp
+            predicted = kept_activation_bytes(layer, t, sequence_parallel="sp" in option,
+                                              tier="selective" if "selective" in option else "keep")
+        rows.append((option, predicted, float(measure_option(shape, runtime_option, tp).bytes)))
+    return rows
+
+
 def main() -> int:
     columns = [("cost model", cost_model), *_COLUMNS]
     print(f"{'layer':12} {'option':18} {'Table 2':>12} " + " ".join(f"{n:>12} {'err':>8}" for n, _ in columns))
@@ -80,7 +124,20 @@ def main() -> int:
                 cells.append(f"{got / 2**20:10.1f}Mi {err:+8.3%}")
             print(f"{shape['name']:12} {option:18} {target / 2**20:10.1f}Mi " + " ".join(cells))
     print(f"{misses} cost-model rows outside +-{TOLERANCE:.0%}")
-    return 1 if misses else 0
+    # the runtime's own layer: what the cost model predicts it stores, and what the runtime measures it saves
+    from runtime.activation_bytes import LayerShape
+
+    shape = LayerShape(hidden=12288, heads=96, seq=2048)
+    print("\nthe runtime's GPT-3 175B layer (flash attention, no dropout), t = 8: cost model vs runtime measured "
+          "(target: equal)")
+    print(f"{'option':18} {'cost model':>12} {'runtime':>12} {'diff':>8}")
+    unequal = 0
+    for option, predicted, measured in runtime_layer_rows(shape, 8):
+        diff = predicted / measured - 1
+        unequal += abs(diff) > 0.01
+        print(f"{option:18} {predicted / 2**20:10.1f}Mi {measured / 2**20:10.1f}Mi {diff:+8.3%}")
+    print(f"{unequal} runtime rows differ from the cost model by more than 1 %")
+    return 1 if misses or unequal else 0
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ class _Trace:
     provenance: dict[int, frozenset] = field(default_factory=dict)  # id(tensor) -> {(src, leaf, nbytes)}
     alive: list = field(default_factory=list)  # keeps traced tensors alive so their ids stay unique
     seen_storages: set[int] = field(default_factory=set)
+    saved_at: dict[int, tuple[str, int]] = field(default_factory=dict)  # storage -> (owner block, index in its saved)
     edges: dict[tuple[str, str], dict[tuple[str, int], int]] = field(default_factory=lambda: defaultdict(dict))
     max_seq: int = -1  # highest autograd-node sequence number created so far
     seq_ranges: list = field(default_factory=list)  # [(first, last, block)] autograd nodes each block call made
@@ -472,7 +473,16 @@ def _pack_hook(trace: _Trace):
             trace.seen_storages.add(key)
             trace.records[owner].activation_bytes += storage.nbytes()
             kind = _saved_kind(trace, key) if trace.current == owner else ("outside",)
+            trace.saved_at[key] = (owner, len(trace.records[owner].saved))
             trace.records[owner].saved.append((storage.nbytes(), kind))
+        elif key in trace.saved_at and trace.current == trace.saved_at[key][0]:
+            # saved again, by a Linear: a tensor the attention core saved (its output, the input of the output
+            # projection) stays saved for that Linear when selective recompute drops the core's tensors
+            kind = _saved_kind(trace, key)
+            owner, i = trace.saved_at[key]
+            nbytes, first = trace.records[owner].saved[i]
+            if kind[0] == "linear" and first[0] == "region":
+                trace.records[owner].saved[i] = (nbytes, kind)
         trace.materialise(t)
         return t
 
