@@ -120,8 +120,6 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     if sharded:
         raise MmplanError(f"group {sharded[0]} uses ZeRO stage {plan.group(sharded[0]).zero}: the cost model plans ZeRO, "
                           "but the runtime trains with zero=0 only; re-solve (the solver emits zero=0) or edit the plan")
-    if plan.training.schedule not in ("gpipe", "1f1b"):
-        raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
     if launched is None:
         _check_host_memory(plan, profile, plan_path, sample_bytes)
     if resume is not None and not resume.is_dir():

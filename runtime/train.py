@@ -111,9 +111,13 @@ class RankTrainer:
 
     def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's data-parallel group (same tp index across replicas) and tensor-parallel group of each
-        of its stages. new_group is collective: every rank creates every group, in the same order."""
+        of its stages (keyed "group/index": a stage's chunks share them). new_group is collective: every rank
+        creates every group, in the same order."""
         dp_groups, tp_groups = {}, {}
-        for key, st in self.layout.stages.items():
+        for st in self.layout.stages.values():
+            if st.index:  # a further chunk of an interleaved stage
+                continue
+            key = st.key
             if st.dp > 1:
                 for k in range(st.tp):
                     ranks = [st.ranks[r * st.tp + k] for r in range(st.dp)]
@@ -127,6 +131,10 @@ class RankTrainer:
                         tp_groups[key] = g
         return dp_groups, tp_groups
 
+    def _stage(self, key: str):
+        """The first chunk of the stage "group/index" (what its chunks share: group, stage, dp, tp, ranks)."""
+        return next(c for c in self.layout.stages.values() if c.key == key)
+
     def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
         """Shard the blocks that support it across their replica's tp ranks; the others stay replicated."""
         if not tp_groups:
@@ -134,8 +142,8 @@ class RankTrainer:
         from runtime.tensor_parallel import apply_tp, check_tp, supports_tp
 
         for key, group in tp_groups.items():
-            st = self.layout.stages[key]
-            for b in st.blocks:
+            st = self._stage(key)
+            for b in self.layout.stage_blocks(key):
                 block = self.rm.local[b]
                 if supports_tp(block):
                     check_tp(block, st.tp)
@@ -144,15 +152,15 @@ class RankTrainer:
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
         out = {}
-        for st in self.layout.stages_on(self.ctx.rank):
-            keys = self.stage_inputs[st.key]
+        for key in self.layout.keys_on(self.ctx.rank):
+            keys = self.stage_inputs[key]
             if not keys:
                 continue
-            r = st.replica_of(self.ctx.rank)
-            s0, s1 = self.layout.slice(st.key, r)
+            r = self.layout.stages[key].replica_of(self.ctx.rank)
+            s0, s1 = self.layout.slice(key, r)
             for j in range(self.layout.micro_batches):
                 batch = self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1))
-                out[(st.key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
+                out[(key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
         return out
 
     def run(self) -> dict[str, Any]:
@@ -382,7 +390,7 @@ class RankTrainer:
         order, as the simulator's tail ops); each is a 'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
             c0 = time.perf_counter()
-            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters()]
+            params = [p for b in self.layout.stage_blocks(key) for p in self.rm.local[b].parameters()]
             params = list({id(p): p for p in params}.values())
             for p in params:
                 if p.grad is None:
@@ -396,7 +404,7 @@ class RankTrainer:
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
-            st = self.layout.stages[key]
+            st = self._stage(key)
             events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
