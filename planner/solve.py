@@ -173,7 +173,7 @@ def _check_request(profile: Profile, cluster: Cluster, global_batch: int, placem
     if placement not in PLACEMENTS:
         raise MmplanError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     if schedule not in SCHEDULES:
-        raise MmplanError(f"--schedule must be one of {', '.join(SCHEDULES)} (the runtime executes these), got {schedule!r}")
+        raise MmplanError(f"--schedule must be one of {', '.join(SCHEDULES)} (with 1f1b, homogeneous interleaved 1F1B layouts are searched too), got {schedule!r}")
     if micro_batch is not None and (micro_batch < 1 or global_batch % micro_batch):
         raise MmplanError(f"--micro-batch {micro_batch} does not divide the global batch {global_batch}; "
                           "choose a divisor of it (samples per micro-batch over a group's replicas)")

@@ -305,3 +305,17 @@ def test_bad_options(zoo_profiles, kwargs, match):
 def test_global_batch_must_be_positive(zoo_profiles):
     with pytest.raises(MmplanError, match="positive integer"):
         solve(zoo_profiles("tiny-vlm"), parse_cluster("2xlocal-cpu"), 0)
+
+
+def test_the_homogeneous_grid_emits_interleaved_1f1b_where_it_is_faster(zoo_profiles):
+    # llava-1.5-13b on 16 H100 at a small global batch: few micro-batches per pipeline, so the bubble decides and
+    # interleaving (v chunks per rank) shrinks it by v (Narayanan et al. 2021, section 2.2)
+    from planner import baselines
+    from planner.search import best_baseline
+
+    prof, cluster = zoo_profiles("llava-1.5-13b"), parse_cluster("16xh100-sxm")
+    best = best_baseline(prof, cluster, 32, "1f1b", None)
+    plain = baselines.search(prof, cluster, 32, baselines.grid_layouts(prof, cluster, 32, zeros=(0,)), method="x")
+    assert best.training.schedule == "interleaved" and best.training.virtual_stages >= 2
+    assert best.predicted.step_time_s < plain.predicted.step_time_s
+    assert best_baseline(prof, cluster, 32, "gpipe", None).training.schedule == "gpipe"
