@@ -52,6 +52,7 @@ class Job:
     resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
     trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
     lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)
+    progress: str | None = None  # rank 0 appends each step's metrics here as a JSON line (the launcher's monitor reads it)
 
 
 @dataclass
@@ -181,6 +182,8 @@ class RankTrainer:
                         self.save_checkpoint(step + 1)
                     if self.ctx.rank == 0:
                         results["metrics"].append(metrics.__dict__)
+                        if self.job.progress:
+                            _append_line(self.job.progress, metrics.__dict__)
                         if self.job.log:
                             if log is None:
                                 flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if self.job.resume else os.O_TRUNC)
@@ -411,6 +414,12 @@ class RankTrainer:
         self.tiers.close()  # removes the nvme tier's files
         self.rm = None
         gc.collect()
+
+
+def _append_line(path: str, row: dict[str, Any]) -> None:
+    """One JSON line appended whole (a reader polling the file never sees half a row followed by more)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def _diverged(job: Job, step: int, loss: float, start_step: int, removes: bool) -> Exception:
