@@ -292,7 +292,7 @@ def _check_host_memory(plan: Plan, profile: Profile | None, plan_path: Path, sam
     model = sum(m.gpu + m.cpu for m in predicted)
     ranks = plan.world_size * (RANK_OVERHEAD_BYTES + model_bytes)
     if data + model + ranks > available:
-        raise MmplanError(f"plan {plan_path} is for cluster {plan.cluster.name} and needs about "
+        raise MmplanError(f"plan {plan_path} is for cluster {plan.cluster.name} ({plan.world_size} ranks) and needs about "
                           f"{human_bytes(data + model + ranks)} of memory to run locally ({human_bytes(model)} for its "
                           f"ranks' state and activations, {human_bytes(ranks)} for {plan.world_size} rank processes that "
                           f"each build the model, {human_bytes(data)} for the input samples of two steps of "
