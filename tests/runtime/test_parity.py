@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plans.plan import Memory
 from runtime.launch import launch
 from runtime.reference import reference_run
 from runtime.train import Job, train_rank
@@ -25,6 +26,13 @@ PLANS = {
     # interleaved 1F1B, v = 2: stage 0 runs chunks 0 and 2 of the model, stage 1 chunks 1 and 3
     "pp2-interleaved-v2": ("tiny-vlm", [
         {"name": "all", "stages": [(["vision", "vision_proj", "llm.embed", "llm.layers.1"], [0]), (["llm"], [1])]},
+    ], {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 4}),
+    # interleaved with memory tiers: stage 0's two chunks share one parameter store on the CPU (offloaded activations)
+    "pp2-interleaved-v2-tiers": ("tiny-vlm", [
+        {"name": "all", "stages": [
+            (["vision", "vision_proj", "llm.embed", "llm.layers.1"], [0],
+             Memory(params="cpu", grads="cpu", optimizer="cpu", activations={"*": "offload-cpu"})),
+            (["llm"], [1], Memory(activations={"*": "recompute"}))]},
     ], {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 4}),
     "encoder-feeding-interleaved-llm": ("tiny-vlm", [
         {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
