@@ -144,7 +144,7 @@ def solve(
     global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the plan.")] = Path("plan.json"),
     placement: Annotated[Literal["auto", "colocated", "non-colocated"], typer.Option(help="Groups on the same ranks ([cyan]colocated[/]), on disjoint ones ([cyan]non-colocated[/]), or the best of both and of one shared layout ([cyan]auto[/]).")] = "auto",
-    schedule: Annotated[Literal["1f1b", "gpipe"], typer.Option(help="Pipeline schedule of every group.")] = "1f1b",
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved"], typer.Option(help="Pipeline schedule of every group; [cyan]interleaved[/] also searches homogeneous interleaved 1F1B layouts (v = 2, 4) and emits one where faster.")] = "1f1b",
     micro_batch: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (over a group's data-parallel replicas); default: searched.")] = None,
     time_limit: Annotated[Optional[float], typer.Option(help="Seconds: return the best plan found so far when they are up.")] = None,
     solver: Annotated[Literal["highs", "cbc"], typer.Option(help="ILP solver (HiGHS in-process; CBC is the fallback).")] = "highs",
@@ -215,7 +215,10 @@ def run(
     data: Annotated[str, typer.Option(help="[cyan]builtin[/] (a learnable synthetic multimodal dataset) or [cyan]package.module:factory[/].")] = "builtin",
     model: Annotated[Optional[str], typer.Option(help="Build the model from this spec instead of the one the plan names.")] = None,
     profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Profile to predict with (e.g. one with measured block times); default: the plan's stored predictions.")] = None,
-    timeout: Annotated[float, typer.Option(help="Wall-clock limit of the whole run, seconds.")] = 600.0,
+    timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit of the whole run, seconds (default: none; a hang is caught by [cyan]--op-timeout[/]).")] = None,
+    op_timeout: Annotated[float, typer.Option(help="Seconds any rank may wait in one collective or receive before the run fails, naming the rank that stopped responding.")] = 300.0,
+    log_every: Annotated[int, typer.Option(help="Print one line (step, loss, samples/s, step time) every N steps on stderr (0: none); on a terminal a progress bar too.")] = 10,
+    tensorboard: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Write loss, step time, samples/s and peak memory per step as TensorBoard scalars here (needs tensorboard).")] = None,
     device_budget: Annotated[Optional[float], typer.Option(help="Bytes each rank's device tier may hold; the run fails loudly beyond (on CPU the device tier is an accounted budget).")] = None,
     nvme_dir: Annotated[Optional[Path], typer.Option(help="Directory for the nvme tier's files (needed when the plan uses it; cleaned up at the end).")] = None,
     prefetch: Annotated[bool, typer.Option(help="Bring offloaded activations and parameters back ahead of use.")] = True,
@@ -241,7 +244,10 @@ def run(
     measured_profile = load_profile(profile_path) if profile_path else None
     if trace:
         check_writable(trace)
+    from planner.monitor import MonitorOptions
+
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
+                      op_timeout_s=op_timeout, monitor=MonitorOptions(show=not quiet, log_every=log_every, tensorboard=tensorboard),
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
                       checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite, profile=measured_profile, trace=trace)
     if result.rank != 0:

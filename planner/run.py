@@ -28,8 +28,13 @@ import torch
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, check_plan, load_plan
+from planner.monitor import Monitor, MonitorOptions, check_monitor
 
 MAX_LOCAL_RANKS = 64  # beyond this a plan is for a real cluster: start it with torchrun
+RANKS_PER_CORE = 4  # local ranks beyond this many per CPU core are refused (each is a process with its own model)
+# A forked local rank's own memory besides the model it builds: 32 MB private dirty measured per rank of the
+# tiny-vlm-pp2 example on CPU (/proc/self/smaps_rollup after 2 steps), doubled for margin.
+RANK_OVERHEAD_BYTES = 64e6
 
 
 @dataclass(frozen=True)
@@ -85,12 +90,15 @@ def _backend(plan: Plan) -> str:
 
 
 def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int = 0, lr: float = 1e-3,
-             data: str | None = None, log: Path | None = None, timeout_s: float = 600.0,
-             op_timeout_s: float = 60.0, device_budget: float | None = None, nvme_dir: Path | None = None,
+             data: str | None = None, log: Path | None = None, timeout_s: float | None = None,
+             op_timeout_s: float = 300.0, device_budget: float | None = None, nvme_dir: Path | None = None,
              prefetch: bool = True, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
              resume: Path | None = None, overwrite: bool = False, profile: Profile | None = None,
-             trace: Path | None = None) -> RunResult:
+             trace: Path | None = None, monitor: MonitorOptions | None = None) -> RunResult:
     """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics.
+
+    `timeout_s`: wall-clock limit of the whole run (None: none — a hang is caught by `op_timeout_s`, the bound on
+    every collective and receive). `monitor`: the progress bar, log lines and TensorBoard of planner/monitor.py.
 
     `overwrite`: let this run replace the checkpoints in `checkpoint_dir` and the log in `log` (see the module
     docstring for what is refused without it)."""
@@ -106,6 +114,12 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     if device_budget is not None and not device_budget > 0:
         raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
     launched = _launched_world_size()
+    if timeout_s is not None and not timeout_s > 0:
+        raise MmplanError(f"--timeout must be a number of seconds > 0, got {timeout_s:g}")
+    if not op_timeout_s > 0:
+        raise MmplanError(f"--op-timeout must be a number of seconds > 0, got {op_timeout_s:g}")
+    monitor = monitor or MonitorOptions(show=False)
+    check_monitor(monitor)
     plan, profile, spec, sample_bytes = checked_plan(plan_path, model, profile)
     _check_rank_numbering(plan, plan_path)
     _check_tensor_parallel(plan, spec, plan_path)
@@ -113,14 +127,11 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     if launched is not None:
         if launched != world:
             raise MmplanError(f"the plan needs {world} ranks but this job was launched with {launched}")
-    elif world > MAX_LOCAL_RANKS:
-        raise MmplanError(f"the plan needs {world} ranks; start it with torchrun on a cluster of that size "
-                          f"(at most {MAX_LOCAL_RANKS} local processes)")
+    else:
+        _check_host_ranks(plan, plan_path)
     _check_zero(plan, plan_path)
-    if plan.training.schedule not in ("gpipe", "1f1b"):
-        raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; this plan uses {plan.training.schedule}")
     if launched is None:
-        _check_host_memory(plan, profile, plan_path, sample_bytes)
+        _check_host_memory(plan, profile, plan_path, sample_bytes, _model_bytes(spec))
     if resume is not None and not resume.is_dir():
         raise MmplanError(f"--resume {resume}: no such checkpoint directory")
     if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
@@ -150,7 +161,10 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
                   prefetch=prefetch, checkpoint_every=checkpoint_every,
                   checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None,
                   trace=trace is not None, lineage=lineage or uuid.uuid4().hex[:16])
-        results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
+        with Monitor(monitor if lead else MonitorOptions(show=False), steps=steps,
+                     global_batch=plan.training.global_batch) as watching:
+            job = replace(job, progress=watching.path)
+            results = launch(train_rank, world, job, backend=_backend(plan), timeout_s=timeout_s, op_timeout_s=op_timeout_s)
         ok = True
     finally:
         if nvme_run is not None:
@@ -265,10 +279,51 @@ def _check_sequence_parallel(plan: Plan, model: Any, example: dict, plan_path: P
                               f"reads a sequence of {lengths[b]}; set sequence_parallel false or use a tp dividing it")
 
 
-def _check_host_memory(plan: Plan, profile: Profile | None, plan_path: Path, sample_bytes: float) -> None:
-    """A local run must fit this machine: the ranks' training state and activations (the cost model's prediction)
-    plus the input samples of two steps (the data loader builds the next step ahead), refused before any rank
-    allocates them (a plan's global batch may be 16 M samples)."""
+def _host() -> str:
+    """This machine in a few words, for refusals: name, CPU cores, CUDA devices, available memory."""
+    import socket
+
+    from plans.units import format_bytes as human_bytes
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = _available_memory()
+    memory = f", {human_bytes(available)} memory available" if available is not None else ""
+    return f"this host ({socket.gethostname()}: {os.cpu_count() or 1} CPU cores, {gpus} CUDA devices{memory})"
+
+
+def _torchrun_hint(plan: Plan) -> str:
+    c = plan.cluster
+    return (f"start it on its cluster with torchrun, one process per GPU: torchrun --nnodes {c.nodes} --nproc-per-node "
+            f"{c.gpus_per_node} -m planner.cli run PLAN")
+
+
+def _check_host_ranks(plan: Plan, plan_path: Path) -> None:
+    """A local run starts one process per rank here: refused when this host cannot hold that many (more ranks than
+    CUDA devices for an nccl plan on a GPU host; more than RANKS_PER_CORE per CPU core or MAX_LOCAL_RANKS on CPU)."""
+    world, cluster = plan.world_size, plan.cluster
+    if _backend(plan) == "nccl":
+        limit, what = torch.cuda.device_count(), "one per CUDA device"
+    else:
+        limit, what = min(MAX_LOCAL_RANKS, RANKS_PER_CORE * (os.cpu_count() or 1)), f"{RANKS_PER_CORE} per CPU core"
+    if world > limit:
+        raise MmplanError(f"plan {plan_path} is for cluster {cluster.name} ({world} ranks), but {_host()} runs at most "
+                          f"{limit} local ranks ({what}); {_torchrun_hint(plan)}")
+
+
+def _model_bytes(spec: str) -> float:
+    """Bytes of the whole model's parameters and buffers: every local rank builds it before keeping its blocks."""
+    from runtime.source import call_factory, resolve
+
+    with torch.device("meta"):
+        module, _ = call_factory(resolve(spec), 1)
+    return float(sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
+
+
+def _check_host_memory(plan: Plan, profile: Profile | None, plan_path: Path, sample_bytes: float,
+                       model_bytes: float = 0.0) -> None:
+    """A local run must fit this machine: the ranks' training state and activations (the cost model's prediction),
+    each rank's own process and the whole model it builds first, plus the input samples of two steps (the data
+    loader builds the next step ahead), refused before any rank allocates them (a global batch may be 16 M samples)."""
     from cost_models.evaluate import evaluate
     from plans.units import format_bytes as human_bytes
 
@@ -278,11 +333,14 @@ def _check_host_memory(plan: Plan, profile: Profile | None, plan_path: Path, sam
     data = 2 * plan.training.global_batch * sample_bytes
     predicted = evaluate(plan, profile).memory if profile is not None else (plan.predicted.memory if plan.predicted else ())
     model = sum(m.gpu + m.cpu for m in predicted)
-    if data + model > available:
-        raise MmplanError(f"plan {plan_path} needs about {human_bytes(data + model)} of memory here ({human_bytes(model)} "
-                          f"for its ranks' state and activations, {human_bytes(data)} for the input samples of two steps of "
-                          f"{plan.training.global_batch:,}) but this machine has {human_bytes(available)} available; "
-                          "lower the global batch or run the plan on its cluster")
+    ranks = plan.world_size * (RANK_OVERHEAD_BYTES + model_bytes)
+    if data + model + ranks > available:
+        raise MmplanError(f"plan {plan_path} is for cluster {plan.cluster.name} ({plan.world_size} ranks) and needs about "
+                          f"{human_bytes(data + model + ranks)} of memory to run locally ({human_bytes(model)} for its "
+                          f"ranks' state and activations, {human_bytes(ranks)} for {plan.world_size} rank processes that "
+                          f"each build the model, {human_bytes(data)} for the input samples of two steps of "
+                          f"{plan.training.global_batch:,}), but {_host()}; lower the global batch, or "
+                          f"{_torchrun_hint(plan)}")
 
 
 def _available_memory() -> float | None:

@@ -267,11 +267,16 @@ def refine_tiers(search: Search) -> None:
         search.offer(refined, structure)
 
 
-def best_baseline(profile: Profile, cluster: Cluster, global_batch: int, schedule: Schedule, micro_batch: int | None) -> Plan | None:
-    """The best homogeneous plan of planner/baselines.py for the same request (None when there is none)."""
+INTERLEAVED = ("interleaved:2", "interleaved:4")  # the homogeneous grid's interleaved schedules (--schedule interleaved)
+
+
+def best_baseline(profile: Profile, cluster: Cluster, global_batch: int, schedule: str, micro_batch: int | None) -> Plan | None:
+    """The best homogeneous plan of planner/baselines.py for the same request (None when there is none); for the
+    interleaved schedule the grid holds 1f1b and interleaved 1F1B layouts (v = 2, 4 model chunks per rank)."""
+    schedules = ("1f1b", *INTERLEAVED) if schedule == "interleaved" else (schedule,)
     try:
         zeros = RUNTIME_ZERO_STAGES  # the same runnable space as the solver's (candidates.zero_stages)
-        specs = baselines.grid_layouts(profile, cluster, global_batch, schedules=(schedule,), zeros=zeros)
+        specs = baselines.grid_layouts(profile, cluster, global_batch, schedules=schedules, zeros=zeros)
         if micro_batch is not None:
             specs = [s for s in specs if s.dp * s.micro_batch == micro_batch]
         if not specs:

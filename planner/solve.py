@@ -43,7 +43,7 @@ from plans.plan import Plan, SolverInfo
 
 Placement = Literal["auto", "colocated", "non-colocated"]
 PLACEMENTS: tuple[str, ...] = ("auto", "colocated", "non-colocated")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f1b layouts and homogeneous interleaved ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +97,16 @@ def solve(
     note = progress or (lambda step, fraction: None)
     _check_request(profile, cluster, global_batch, placement, schedule, micro_batch, time_limit)
     solver = pick_solver(solver)
-    search = Search(profile, cluster, global_batch, schedule,
+    # --schedule interleaved: the heterogeneous search lays out 1f1b pipelines (its cut-point DP is per contiguous
+    # stage); the homogeneous grid adds interleaved 1F1B layouts, and the faster plan is emitted
+    searched = "1f1b" if schedule == "interleaved" else schedule
+    search = Search(profile, cluster, global_batch, searched,
                      started + (time_limit if time_limit is not None else math.inf), note, solver=solver)
     structures = _structures(profile, cluster, placement)
     ms = micro_batch_counts(global_batch, micro_batch)
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     measured = profile.micro_batch if measured_on(profile, cluster) else None
-    setting = Setting(cluster, global_batch, schedule, dtype, "adam", measured, GPU_ONLY)
+    setting = Setting(cluster, global_batch, searched, dtype, "adam", measured, GPU_ONLY)
     proved, gap = branch_and_bound(search, structures, setting, ms, solver)
     if search.best is None and memory_tiers and not search.stopped_early:
         note("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)

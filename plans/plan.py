@@ -222,6 +222,9 @@ def _check_training(t: Training, what: str) -> None:
             f"{what}: virtual_stages {t.virtual_stages} needs the 'interleaved' schedule, not {t.schedule!r}; "
             "set virtual_stages to 1 or change the schedule"
         )
+    if t.schedule == "interleaved" and t.virtual_stages < 2:
+        raise FormatError(f"{what}: the 'interleaved' schedule needs virtual_stages >= 2 (model chunks per rank), got "
+                          f"{t.virtual_stages}; set it, or use the '1f1b' schedule")
 
 
 def _check_group(g: Group, plan: Plan, what: str) -> None:

@@ -71,7 +71,7 @@ def launch(
     payload: Any = None,
     *,
     backend: str = "gloo",
-    timeout_s: float = 120.0,
+    timeout_s: float | None = 120.0,
     op_timeout_s: float = 60.0,
     start_method: Literal["fork", "spawn"] = "fork",
 ) -> list[Any]:
@@ -79,7 +79,9 @@ def launch(
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) this process is one rank: it joins the job and returns
     [its own result]. Otherwise `world_size` local processes run with a file:// rendezvous, one thread each;
-    the first failure (or the `timeout_s` wall-clock deadline) kills them all and raises RankFailure.
+    the first failure (or the `timeout_s` wall-clock deadline; None: none) kills them all and raises RankFailure.
+    Without a deadline a hang is still caught: every collective and receive is bounded by `op_timeout_s` (the
+    process group's timeout), so a rank's peers fail waiting for it and it is blamed.
     With start_method="spawn" the worker, payload and results must be picklable (with fork only the results).
     """
     _check_args(world_size, timeout_s, op_timeout_s, start_method)
@@ -88,10 +90,10 @@ def launch(
     return _run_local(worker, world_size, payload, backend, timeout_s, op_timeout_s, start_method)
 
 
-def _check_args(world_size: int, timeout_s: float, op_timeout_s: float, start_method: str) -> None:
+def _check_args(world_size: int, timeout_s: float | None, op_timeout_s: float, start_method: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise MmplanError(f"world_size must be a positive integer, got {world_size!r}")
-    if timeout_s <= 0 or op_timeout_s <= 0:
+    if (timeout_s is not None and not timeout_s > 0) or not op_timeout_s > 0:
         raise MmplanError(f"timeouts must be positive, got timeout_s={timeout_s}, op_timeout_s={op_timeout_s}")
     if start_method not in ("fork", "spawn"):
         raise MmplanError(f"start_method must be fork or spawn, got {start_method!r}")
@@ -236,7 +238,7 @@ def _run_local(
     world_size: int,
     payload: Any,
     backend: str,
-    timeout_s: float,
+    timeout_s: float | None,
     op_timeout_s: float,
     start_method: str,
 ) -> list[Any]:
@@ -294,9 +296,9 @@ def _settled(proc: mp.Process, run_dir: Path, rank: int) -> bool:
     return proc.exitcode is not None or _has_error(run_dir, rank)
 
 
-def _watch(procs: list[mp.Process], run_dir: Path, timeout_s: float) -> Literal["ok", "failed", "timeout"]:
-    """Wait until all ranks exit 0, or a rank fails (+ grace for the others), or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
+def _watch(procs: list[mp.Process], run_dir: Path, timeout_s: float | None) -> Literal["ok", "failed", "timeout"]:
+    """Wait until all ranks exit 0, or a rank fails (+ grace for the others), or the deadline (if any) passes."""
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     grace_end = None
     while True:
         if all(p.exitcode == 0 for p in procs):

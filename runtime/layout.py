@@ -1,7 +1,8 @@
 """The plan's stage graph (plans/stage_graph.py) as the runtime addresses it, checked against the traced model.
 
 The runtime derives nothing about stages or routes itself: it takes them from plans.stage_graph, names a
-stage "group/index", and checks that the model it actually runs reads exactly what the plan routes
+chunk by its stage, "group/index" (a stage of v chunks under the interleaved schedule: "group/index.k", its
+k-th chunk in execution order), and checks that the model it actually runs reads exactly what the plan routes
 (the fx-traced data flow of runtime/program.py). A mismatch is one clear error before any training.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from plans.plan import Plan
 from plans.stage_graph import Chunk, Piece, StageGraph, slice_of, stage_graph
 from runtime.program import Program
 
-__all__ = ["Layout", "Piece", "Route", "build_layout"]
+__all__ = ["Layout", "Piece", "Route", "build_layout", "chunk_key"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Route:
 @dataclass(frozen=True)
 class Layout:
     graph: StageGraph
-    stages: dict[str, Chunk]  # by Chunk.key ("group/stage"), in the stage graph's order
+    stages: dict[str, Chunk]  # every chunk by its key (chunk_key), in the stage graph's order
     routes: tuple[Route, ...]  # aligned with graph.routes
     loss_stage: str
     micro_batch: int  # samples per micro-batch (all replicas together)
@@ -36,6 +37,14 @@ class Layout:
 
     def stages_on(self, rank: int) -> list[Chunk]:
         return [s for s in self.stages.values() if rank in s.ranks]
+
+    def keys_on(self, rank: int) -> list[str]:
+        """The keys of this rank's chunks, in the stage graph's order."""
+        return [k for k, s in self.stages.items() if rank in s.ranks]
+
+    def stage_blocks(self, stage: str) -> tuple[str, ...]:
+        """Every block of the stage "group/index" (all its chunks), in execution order."""
+        return tuple(b for c in self.stages.values() if c.key == stage for b in c.blocks)
 
     def slice(self, stage: str, replica: int) -> tuple[int, int]:
         return slice_of(replica, self.stages[stage].dp, self.micro_batch)
@@ -54,17 +63,19 @@ def build_layout(plan: Plan, program: Program) -> Layout:
         graph = stage_graph(plan)
     except FormatError as e:
         raise MmplanError(str(e)) from None
-    keys = [c.key for c in graph.chunks]
-    if len(set(keys)) != len(keys):
-        c = next(c for c in graph.chunks if c.index > 0)
-        raise MmplanError(f"stage {c.group}/{c.stage} holds several model chunks (the interleaved schedule, or blocks that "
-                          "are not consecutive in its group); the runtime runs one chunk per stage")
+    several = {c.key for c in graph.chunks if c.index > 0}
+    keys = [chunk_key(c, c.key in several) for c in graph.chunks]
     stages = dict(zip(keys, graph.chunks))
     routes = tuple(Route(r.block, keys[r.src], keys[r.dst], r.pieces) for r in graph.routes)
     layout = Layout(graph, stages, routes, keys[graph.loss], plan.training.micro_batch, plan.training.micro_batches,
                     {k: graph.distance[i] if graph.has_backward(i) else -1 for i, k in enumerate(keys)})
     _check_against(layout, program)
     return layout
+
+
+def chunk_key(chunk: Chunk, several: bool) -> str:
+    """The runtime's name of a chunk: its stage's key "group/index", plus ".k" when the stage has several chunks."""
+    return f"{chunk.key}.{chunk.index}" if several else chunk.key
 
 
 def _check_against(layout: Layout, program: Program) -> None:

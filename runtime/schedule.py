@@ -1,4 +1,4 @@
-"""A rank's tasks, in the order of the plan's schedule (plans/schedule.py), addressed as the runtime runs them.
+"""A rank's tasks (forward / backward of a model chunk on a micro-batch), in the order of the plan's schedule (plans/schedule.py), addressed as the runtime runs them.
 
 The order is computed once, in plans/, from the stage graph; the simulator times the same order. Each
 rank runs its tasks in that order with blocking receives and non-blocking sends, which cannot deadlock
@@ -19,7 +19,7 @@ Kind = Literal["F", "B"]
 @dataclass(frozen=True, order=True)
 class Task:
     kind: Kind
-    stage: str
+    stage: str  # the chunk's key (runtime/layout.chunk_key)
     replica: int
     mb: int
     name: str = ""  # plans.schedule.task_name: the event name in predicted and measured traces
@@ -31,14 +31,13 @@ def has_backward(layout: Layout, stage: str) -> bool:
 
 def rank_tasks(layout: Layout, policy: str, rank: int) -> list[Task]:
     """This rank's tasks in execution order."""
-    if policy not in ("gpipe", "1f1b"):
-        raise MmplanError(f"the runtime executes the gpipe and 1f1b schedules; the plan asks for {policy!r}")
     try:
         sched = schedule(layout.graph, policy)
     except FormatError as e:
         raise MmplanError(str(e)) from None
+    keys = list(layout.stages)  # aligned with graph.chunks
     out = []
     for t in sched.rank_order(layout.graph, rank):
         st = layout.graph.chunks[t.chunk]
-        out.append(Task("B" if t.backward else "F", st.key, st.replica_of(rank), t.mb, task_name(layout.graph, t)))
+        out.append(Task("B" if t.backward else "F", keys[t.chunk], st.replica_of(rank), t.mb, task_name(layout.graph, t)))
     return out

@@ -53,6 +53,7 @@ class Job:
     trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
     lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)
     bucket_bytes: int = 25 * 2**20  # dp gradient all-reduce in buckets during the backward (grad_buckets.py); 0: after it
+    progress: str | None = None  # rank 0 appends each step's metrics here as a JSON line (the launcher's monitor reads it)
 
 
 @dataclass
@@ -124,9 +125,13 @@ class RankTrainer:
 
     def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's data-parallel group (same tp index across replicas) and tensor-parallel group of each
-        of its stages. new_group is collective: every rank creates every group, in the same order."""
+        of its stages (keyed "group/index": a stage's chunks share them). new_group is collective: every rank
+        creates every group, in the same order."""
         dp_groups, tp_groups = {}, {}
-        for key, st in self.layout.stages.items():
+        for st in self.layout.stages.values():
+            if st.index:  # a further chunk of an interleaved stage
+                continue
+            key = st.key
             if st.dp > 1 or self.plan.group(st.group).zero:  # ZeRO shards over the group even at dp 1 (FSDP2 path)
                 for k in range(st.tp):
                     ranks = [st.ranks[r * st.tp + k] for r in range(st.dp)]
@@ -140,6 +145,10 @@ class RankTrainer:
                         tp_groups[key] = g
         return dp_groups, tp_groups
 
+    def _stage(self, key: str):
+        """The first chunk of the stage "group/index" (what its chunks share: group, stage, dp, tp, ranks)."""
+        return next(c for c in self.layout.stages.values() if c.key == key)
+
     def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
         """Shard the blocks that support it (transformer layers; the token embedding, LM head and loss over the
         vocabulary; sequence parallelism where the plan asks) across their replica's tp ranks; the others stay
@@ -150,38 +159,47 @@ class RankTrainer:
         from runtime.tp_stage import parallelize_stage
 
         for key, group in tp_groups.items():
-            st = self.layout.stages[key]
-            leaving = {r.block for r in self.layout.routes_out_of(key)}
+            st = self._stage(key)
+            leaving = {r.block for ck in self._chunks_of(key, everywhere=True) for r in self.layout.routes_out_of(ck)}
             self.stage_tp[key] = parallelize_stage(
-                self.rm.program, st.blocks, self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
+                self.rm.program, self.layout.stage_blocks(key), self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
                 vocab=vocab_of(self.rm.model), leaving=leaving,
                 sequence_parallel=self.plan.group(st.group).sequence_parallel)
 
+    def _chunks_of(self, key: str, everywhere: bool = False) -> list[str]:
+        """The chunk keys of stage "group/index" (one, or v under the interleaved schedule) on this rank, in
+        order; with everywhere=True on every rank of the stage (the same chunks)."""
+        keys = self.layout.stages if everywhere else self.layout.keys_on(self.ctx.rank)
+        return [ck for ck in keys if self.layout.stages[ck].key == key]
+
     def _apply_zero(self) -> dict[str, list]:
-        """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py)."""
+        """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py); keyed
+        by chunk, since each chunk's last backward of the step is when its gradients are final."""
         from runtime.zero import apply_zero
 
         out = {}
         for key, group in self.dp_groups.items():
-            st = self.layout.stages[key]
+            st = self._stage(key)
             zero = self.plan.group(st.group).zero
             if zero:
                 offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
-                out[key] = apply_zero({b: self.rm.local[b] for b in st.blocks}, group, zero, self.ctx.device, offload)
+                for ck in self._chunks_of(key):
+                    out[ck] = apply_zero({b: self.rm.local[b] for b in self.layout.stages[ck].blocks}, group, zero,
+                                         self.ctx.device, offload)
         return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
         out = {}
-        for st in self.layout.stages_on(self.ctx.rank):
-            keys = self.stage_inputs[st.key]
+        for key in self.layout.keys_on(self.ctx.rank):
+            keys = self.stage_inputs[key]
             if not keys:
                 continue
-            r = st.replica_of(self.ctx.rank)
-            s0, s1 = self.layout.slice(st.key, r)
+            r = self.layout.stages[key].replica_of(self.ctx.rank)
+            s0, s1 = self.layout.slice(key, r)
             for j in range(self.layout.micro_batches):
                 batch = self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1))
-                out[(st.key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
+                out[(key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
         return out
 
     def run(self) -> dict[str, Any]:
@@ -202,6 +220,8 @@ class RankTrainer:
                         self.save_checkpoint(step + 1)
                     if self.ctx.rank == 0:
                         results["metrics"].append(metrics.__dict__)
+                        if self.job.progress:
+                            _append_line(self.job.progress, metrics.__dict__)
                         if self.job.log:
                             if log is None:
                                 flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if self.job.resume else os.O_TRUNC)
@@ -439,13 +459,13 @@ class RankTrainer:
 
         out = {}
         for key, group in self.dp_groups.items():
-            st = self.layout.stages[key]
+            st = self._stage(key)
             memory = self.plan.group(st.group).stages[st.stage].memory
             if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu" and not self.plan.group(st.group).zero:
-                params = [p for b in st.blocks for p in self.rm.local[b].parameters() if p.requires_grad]
-                if not params:
-                    continue
-                out[key] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
+                for ck in self._chunks_of(key):  # per chunk: armed at the chunk's last backward of the step
+                    params = [p for b in self.layout.stages[ck].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
+                    if params:
+                        out[ck] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
         return out
 
     def reduce_gradients(self, events: list, t0: float) -> None:
@@ -453,15 +473,18 @@ class RankTrainer:
         order, as the simulator's tail ops, or the wait for its buckets launched during the backward); each is a
         'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
-            if key in self.zero_blocks or self.layout.stages[key].dp == 1:  # FSDP2 reduce-scattered them in the backward
+            st = self._stage(key)
+            if self.plan.group(st.group).zero or st.dp == 1:  # FSDP2 reduce-scattered them in the backward
                 continue
             c0 = time.perf_counter()
-            if key in self.buckets:
-                self.buckets[key].finish()
-                st = self.layout.stages[key]
+            chunks = [ck for ck in self._chunks_of(key) if ck in self.buckets]
+            if chunks:
+                for ck in chunks:
+                    self.buckets[ck].finish()
+                st = self._stage(key)
                 events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
                 continue
-            params = [p for b in self.layout.stages[key].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
+            params = [p for b in self.layout.stage_blocks(key) for p in self.rm.local[b].parameters() if p.requires_grad]
             params = list({id(p): p for p in params}.values())
             for p in params:
                 if p.grad is None:
@@ -475,7 +498,7 @@ class RankTrainer:
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
-            st = self.layout.stages[key]
+            st = self._stage(key)
             events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
@@ -484,6 +507,12 @@ class RankTrainer:
         self.tiers.close()  # removes the nvme tier's files
         self.rm = None
         gc.collect()
+
+
+def _append_line(path: str, row: dict[str, Any]) -> None:
+    """One JSON line appended whole (a reader polling the file never sees half a row followed by more)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def _diverged(job: Job, step: int, loss: float, start_step: int, removes: bool) -> Exception:

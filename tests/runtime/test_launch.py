@@ -217,3 +217,13 @@ def user_error_worker(ctx: RankContext, payload):
 def test_a_ranks_user_error_is_reported_as_its_own_sentence():
     with pytest.raises(RankFailure, match=r"^training diverged at step 3: the loss is nan$"):
         launch(user_error_worker, 2, timeout_s=30)
+
+
+def test_without_a_deadline_a_stopped_rank_is_still_caught_by_the_bounded_waits(tmp_path):
+    """timeout_s=None (mmplan run's default): no wall-clock limit, yet a hang ends the run within op_timeout_s."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        launch(stopping_worker, 2, str(tmp_path), timeout_s=None, op_timeout_s=2)
+    assert err.value.rank == 1 and str(err.value).startswith("rank 1 was stopped by a signal")
+    assert time.monotonic() - start < 30
+    _assert_no_survivors(tmp_path, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plans.plan import Memory
 from runtime.launch import launch
 from runtime.reference import reference_run
 from runtime.train import Job, train_rank
@@ -22,6 +23,21 @@ PLANS = {
     "pp2-1f1b": ("tiny-vlm", [
         {"name": "all", "stages": [(["vision", "vision_proj", "llm.embed", "llm.layers.0"], [0]), (["llm"], [1])]},
     ], {"schedule": "1f1b", "micro_batches": 4}),
+    # interleaved 1F1B, v = 2: stage 0 runs chunks 0 and 2 of the model, stage 1 chunks 1 and 3
+    "pp2-interleaved-v2": ("tiny-vlm", [
+        {"name": "all", "stages": [(["vision", "vision_proj", "llm.embed", "llm.layers.1"], [0]), (["llm"], [1])]},
+    ], {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 4}),
+    # interleaved with memory tiers: stage 0's two chunks share one parameter store on the CPU (offloaded activations)
+    "pp2-interleaved-v2-tiers": ("tiny-vlm", [
+        {"name": "all", "stages": [
+            (["vision", "vision_proj", "llm.embed", "llm.layers.1"], [0],
+             Memory(params="cpu", grads="cpu", optimizer="cpu", activations={"*": "offload-cpu"})),
+            (["llm"], [1], Memory(activations={"*": "recompute"}))]},
+    ], {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 4}),
+    "encoder-feeding-interleaved-llm": ("tiny-vlm", [
+        {"name": "vision", "stages": [(["vision", "vision_proj"], [0])]},
+        {"name": "llm", "dp": 2, "stages": [(["llm.embed", "llm.layers.1"], [1, 2]), (["llm"], [3, 4])]},
+    ], {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 4}),
     "pp2xdp2": ("tiny-vlm", [
         {"name": "all", "dp": 2, "stages": [(["vision", "vision_proj", "llm.embed"], [0, 1]), (["llm"], [2, 3])]},
     ], {"micro_batches": 2}),

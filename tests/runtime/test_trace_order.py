@@ -70,3 +70,27 @@ def test_measured_trace_has_the_predicted_names_and_processes(tmp_path: Path) ->
     assert got == want
     pids = {e["pid"] for e in measured["traceEvents"]}
     assert pids == {e["pid"] for e in predicted["traceEvents"]} == set(range(plan.world_size))
+
+
+def test_an_interleaved_plan_from_solve_runs_in_the_predicted_order(tmp_path: Path) -> None:
+    """`mmplan solve --baseline homogeneous --layout ...,schedule=interleaved:2` emits a plan `run` trains (PP2,
+    v = 2): every rank runs its chunks' tasks in the schedule the simulator times, with the same names."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    prof, path, out = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "measured.json"
+    runner = CliRunner()
+    assert runner.invoke(app, ["profile", "tiny-vlm", "-o", str(prof)]).exit_code == 0
+    res = runner.invoke(app, ["solve", str(prof), "--cluster", "2xlocal-cpu", "--global-batch", "8", "--baseline", "homogeneous",
+                              "--layout", "tp=1,pp=2,dp=1,micro-batch=2,schedule=interleaved:2", "-o", str(path)])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(path)
+    assert plan.training.schedule == "interleaved" and plan.training.virtual_stages == 2
+    result = runner.invoke(app, ["run", str(path), "--steps", "2", "--trace", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    predicted = chrome_trace(evaluate(plan, _profile(plan.profile.model)), ranks=range(plan.world_size))
+    want = {r: [n for n in names if n[:4] in ("fwd ", "bwd ")] for r, names in task_events(predicted).items()}
+    got = {r: [n for n in names if n[:4] in ("fwd ", "bwd ")] for r, names in task_events(json.loads(out.read_text())).items()}
+    assert got == want
+    assert any(" s0.1 " in n for n in got[0])  # the second chunk of stage 0 ran, named as predicted
