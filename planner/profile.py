@@ -40,7 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from runtime.program import block_modules, module_structure
-from runtime.source import ModelSource, call_factory
+from runtime.fake_exec import fake_batch, fakify_module, static_fake
+from runtime.source import ModelSource, call_factory, model_loss
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
 
@@ -269,40 +270,14 @@ def _pack_hook(trace: _Trace):
 
 
 def _scalar_loss(out: Any) -> torch.Tensor:
+    loss = model_loss(out)  # a tensor, or an output object's `.loss` (transformers)
+    if loss is not None and loss.is_floating_point():
+        return loss if loss.dim() == 0 else loss.float().sum()
     leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not leaves:
         raise MmplanError("the model's forward returned no floating-point tensor to take a loss from")
     loss = leaves[0]
     return loss if loss.dim() == 0 else loss.float().sum()
-
-
-def _fakify(model: nn.Module, batch: dict[str, Any], mode: FakeTensorMode):
-    """Swap parameters, buffers and batch tensors for FakeTensors on CPU; returns (batch, restore)."""
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "meta":
-            with mode:
-                return torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        return mode.from_tensor(t)
-
-    saved: list[tuple[dict, str, Any]] = []
-    memo: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
-    for m in model.modules():
-        for store in (m._parameters, m._buffers):
-            for name, t in list(store.items()):
-                if t is None:
-                    continue
-                saved.append((store, name, t))
-                if id(t) not in memo:
-                    ft = fake(t.detach())
-                    memo[id(t)] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
-                store[name] = memo[id(t)]
-
-    def restore() -> None:
-        for store, name, t in saved:
-            store[name] = t
-
-    return {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, restore
 
 
 def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -313,10 +288,11 @@ def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[s
 def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[list[_BlockRecord], _Trace]:
     """One forward + backward of the model with every probe installed."""
     records = {name: _BlockRecord(name, module) for name, module in discover_blocks(model)}
-    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     restore = lambda: None  # noqa: E731
-    if fake:
-        batch, restore = _fakify(model, batch, mode)
+    if fake:  # integer inputs stay real: data-dependent glue (token masks, grids) gets static shapes
+        restore = fakify_module(model, mode)
+        batch = fake_batch(batch, mode)
     try:
         storages = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
         trace = _Trace(records, storages)
@@ -326,12 +302,14 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
         handles = _install_hooks(trace)
         try:
             with ExitStack() as stack:
-                stack.enter_context(mode if fake else nullcontext())
+                stack.enter_context(static_fake(mode) if fake else nullcontext())
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_FlopCount(trace))
                 with torch.autograd.graph.saved_tensors_hooks(_pack_hook(trace), lambda t: t), _Provenance(trace):
                     out = model(**batch)
-                    trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(out) if not src.startswith("input:")}))
+                    found = model_loss(out)
+                    read = out if found is None else found
+                    trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(read) if not src.startswith("input:")}))
                     loss = _scalar_loss(out)
                 if loss.requires_grad:
                     loss.backward()
@@ -498,17 +476,37 @@ def profile_model(
             timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
     note("done", 1.0)
     options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure)
+    auto = _auto_groups(records, trace, batch)
+    _check_overrides(groups, [r.name for r in records], auto)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
-                     _device_name(torch.device(device)) if measure else None, options)
+                     _device_name(torch.device(device)) if measure else None, options, auto)
 
 
-def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options) -> Profile:
+def _auto_groups(records, trace, batch) -> dict[str, str]:
+    """Block -> group by modality (planner/groups.py), or {} where the top-level children are the groups."""
+    from planner.groups import modality_groups
+
+    integer = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+    edges = [(s, d) for s, d in trace.edges if not s.startswith("input:")]
+    inputs = [(s.removeprefix("input:"), d) for s, d in trace.edges if s.startswith("input:")]
+    return modality_groups([r.name for r in records], {r.name: r.module for r in records}, edges, inputs, integer) or {}
+
+
+def _check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:
+    """A --group pattern must match a block (by name) or a group (by its automatic name)."""
+    for pattern, _ in overrides:
+        if not any(fnmatchcase(n, pattern) for n in names) and not any(fnmatchcase(g, pattern) for g in set(auto.values())):
+            raise MmplanError(f"--group {pattern}=...: the pattern matches no block (nor group); blocks are named like "
+                              f"{names[0]!r} ... {names[-1]!r}")
+
+
+def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None) -> Profile:
     blocks = []
     counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
-        group = default_group(rec.name)
-        for pattern, g in overrides:
-            if fnmatchcase(rec.name, pattern):
+        group = (auto or {}).get(rec.name) or default_group(rec.name)
+        for pattern, g in overrides:  # a pattern names blocks, or a whole automatic group
+            if fnmatchcase(rec.name, pattern) or fnmatchcase(group, pattern):
                 group = g
         own = [p for p in rec.module.parameters() if id(p) not in counted]
         counted.update(id(p) for p in own)
