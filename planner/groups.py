@@ -118,3 +118,30 @@ def _projector_under(block: str, root: str) -> str | None:
         if hint_name(parts[i - 1]) == "projector":
             return ".".join(parts[:i])
     return None
+
+
+def contiguous_order(blocks: list[str], group: Mapping[str, str], edges: Iterable[tuple[str, str]]) -> list[str]:
+    """The blocks in an order that respects the data flow and keeps each group's blocks together, when one
+    exists (else the execution order as it is). Hugging Face LLaVA embeds its tokens before it runs the vision
+    tower, so its LLM group is not contiguous in execution order; nothing flows between the two, so the token
+    embedding can as well run after the projector, and the LLM group gets one layout of its own."""
+    edges = [(s, d) for s, d in edges if s in group and d in group]
+    first = {}
+    for i, b in enumerate(blocks):
+        first.setdefault(group[b], i)
+    needs: dict[str, set[str]] = {g: set() for g in first}
+    for s, d in edges:
+        if group[s] != group[d]:
+            needs[group[d]].add(group[s])
+    order: list[str] = []
+    while len(order) < len(first):
+        ready = [g for g in first if g not in order and needs[g] <= set(order)]
+        if not ready:
+            return list(blocks)  # groups feed each other both ways: no such order
+        order.append(min(ready, key=first.__getitem__))
+    rank = {g: k for k, g in enumerate(order)}
+    out = sorted(blocks, key=lambda b: (rank[group[b]], blocks.index(b)))
+    position = {b: i for i, b in enumerate(out)}
+    if any(position[s] >= position[d] for s, d in edges):
+        return list(blocks)
+    return out

@@ -501,13 +501,22 @@ def _check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:
 
 
 def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None) -> Profile:
-    blocks = []
-    counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
+    from planner.groups import contiguous_order
+
+    groups = {}
     for rec in records:
         group = (auto or {}).get(rec.name) or default_group(rec.name)
         for pattern, g in overrides:  # a pattern names blocks, or a whole automatic group
             if fnmatchcase(rec.name, pattern) or fnmatchcase(group, pattern):
                 group = g
+        groups[rec.name] = group
+    by_name = {r.name: r for r in records}
+    flow = [(s, d) for s, d in trace.edges if not s.startswith("input:")]
+    records = [by_name[n] for n in contiguous_order([r.name for r in records], groups, flow)]
+    blocks = []
+    counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
+    for rec in records:
+        group = groups[rec.name]
         own = [p for p in rec.module.parameters() if id(p) not in counted]
         counted.update(id(p) for p in own)
         params = sum(p.numel() for p in own)
