@@ -175,6 +175,10 @@ def load_user_dataset(spec: str, example_batch: Mapping[str, torch.Tensor], voca
 def open_dataset(spec: str | None, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int) -> BatchSource:
     """SyntheticDataset for None or "synthetic", else load_user_dataset(spec, ...)."""
     if spec in (None, "", "synthetic"):
+        if not set(example_batch) <= set(KNOWN_KEYS):  # any other model: derived from its example batch
+            from runtime.synthetic import DerivedDataset
+
+            return DerivedDataset(example_batch, vocab=vocab, seed=seed)
         return SyntheticDataset(example_batch, vocab=vocab, seed=seed)
     return load_user_dataset(spec, example_batch, vocab, seed)
 
