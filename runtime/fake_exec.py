@@ -39,10 +39,8 @@ class RealIntegers(TorchDispatchMode):
         if not flat and not _floating_factory(func, kwargs):
             with _disable_current_modes():
                 return func(*args, **kwargs)
-        if func is _aten.index.Tensor and len(args) >= 2:
-            args = (args[0], [_int_index(i) for i in args[1]], *args[2:])
-        elif func is _aten.index_put_.default or func is _aten.index_put.default:
-            args = (args[0], [_int_index(i) for i in args[1]], *args[2:])
+        if func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default) and len(args) >= 2:
+            args = (args[0], _int_indices(args[1]), *args[2:])
         elif func is _aten.masked_select.default and _is_real(args[1]):
             with _disable_current_modes():
                 idx = list(torch.broadcast_to(args[1], args[0].shape).nonzero().unbind(1))
@@ -50,12 +48,16 @@ class RealIntegers(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _int_index(i: Any) -> Any:
-    """A real boolean index as real integer indices (one per dim it covers); other indices unchanged."""
-    if _is_real(i) and i.dtype in (torch.bool, torch.uint8):
-        with _disable_current_modes():
-            return list(i.nonzero().unbind(1)) if i.dim() > 1 else i.nonzero().squeeze(1)
-    return i
+def _int_indices(indices: list) -> list:
+    """Real boolean indices as real integer indices (one per dim each covers); other indices unchanged."""
+    out: list = []
+    for i in indices:
+        if _is_real(i) and i.dtype in (torch.bool, torch.uint8):
+            with _disable_current_modes():
+                out.extend(i.nonzero().unbind(1))
+        else:
+            out.append(i)
+    return out
 
 
 def _floating_factory(func, kwargs: dict) -> bool:

@@ -183,6 +183,7 @@ def _example_inputs(config, micro_batch: int) -> dict[str, Any]:
         in_chans = getattr(v, "in_channels", getattr(v, "in_chans", 3))
         batch["pixel_values"] = torch.randn(micro_batch * grid * grid, in_chans * temporal * patch * patch, generator=gen)
         batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * micro_batch)
+        batch["mm_token_type_ids"] = (batch["input_ids"] == config.image_token_id).int()  # 1: image (for M-RoPE)
         return batch
     if kind == "qwen2_audio":
         a = config.audio_config
