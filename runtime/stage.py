@@ -59,8 +59,9 @@ def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: se
     for name, m in blocks.items():
         if name in local_blocks:
             m.to(device)
-        elif own_forward:  # the forward's glue may read any module's device or dtype: keep them, not the memory
-            _hollow(m, device)
+        elif own_forward:  # glue may read any module's device or dtype: keep them, not the memory
+            if name in program.blocks:  # a module never called as a block (Qwen2-Audio's embed_positions, whose
+                _hollow(m, device)  # weight the glue reads directly) stays whole: every stage's glue uses it
         else:
             m.to(torch.device("meta"))
     if own_forward:
