@@ -42,6 +42,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 from runtime.program import block_modules, module_structure
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.source import ModelSource, call_factory, model_loss
+from runtime.tensor_parallel import supports_tp
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
 
@@ -526,7 +527,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             name=rec.name, group=group, kind=type(rec.module).__name__, params=params, param_bytes=pbytes,
             fwd_flops=_per_sample(rec.fwd_flops, mb), bwd_flops=_per_sample(rec.bwd_flops, mb),
             activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
-            supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
+            supports_tp=supports_tp(rec.module), signature=rec.signature,
             structure=module_structure(rec.module),
             reduces_batch=rec.reduces_batch,
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,

@@ -11,6 +11,7 @@ transformers is an optional dependency (`pip install -e ".[hf]"`); it is importe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,50 @@ def model_class(config) -> type:
 
 
 def for_training(model: nn.Module) -> nn.Module:
-    """HF's inference defaults off: no KV cache (it keeps the graph alive across calls), train mode."""
+    """HF's inference defaults off: no KV cache (it keeps the graph alive across calls), train mode; and each
+    block's tensor-parallel plan from the model's own (see tp_plans)."""
     for config in _configs(getattr(model, "config", None)):
         if hasattr(config, "use_cache"):
             config.use_cache = False
+    from runtime.program import block_modules
+    from runtime.tensor_parallel import PLAN_ATTR
+
+    blocks = block_modules(model)
+    for name, plan in tp_plans(model, blocks).items():
+        setattr(blocks[name], PLAN_ATTR, plan)
     return model.train()
+
+
+def tp_plans(model: nn.Module, blocks: dict[str, nn.Module]) -> dict[str, dict[str, dict[str, str]]]:
+    """Per block: {region path: {linear attribute: "colwise" | "rowwise"}} from the `base_model_tp_plan` of every
+    HF sub-model (patterns like "layers.*.self_attn.q_proj" relative to it; transformers' own TP plan). A region
+    (the linears' parent module) with any other style (e.g. "colwise_gather_output", "rowwise_rep") is left whole."""
+    linears: dict[str, str] = {}
+    for path, module in model.named_modules():
+        plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None) or {}
+        if not isinstance(plan, dict) or getattr(module, "base_model_prefix", None) is None:
+            continue
+        prefix = f"{path}." if path else ""
+        for pattern, style in plan.items():
+            regex = re.compile(re.escape(prefix + pattern).replace(r"\*", r"\d+") + "$")
+            for name, m in module.named_modules(prefix=path):
+                if isinstance(m, nn.Linear) and regex.match(name):
+                    linears[name] = style
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    bad: set[tuple[str, str]] = set()
+    for name, style in linears.items():
+        block = next((b for b in blocks if name.startswith(b + ".")), None)
+        if block is None:
+            continue
+        region, _, attr = name[len(block) + 1:].rpartition(".")
+        if not region:
+            continue
+        if style not in ("colwise", "rowwise"):
+            bad.add((block, region))
+        out.setdefault(block, {}).setdefault(region, {})[attr] = style
+    for block, region in bad:
+        out[block].pop(region, None)
+    return {b: regions for b, regions in out.items() if regions}
 
 
 def _configs(config) -> list:

@@ -25,6 +25,9 @@ PLANS = {
                                       {"name": "llm", "stages": [(LLM, [1])]}], {}),
     "llava-colocated": ("llava", [{"name": "vision", "dp": 2, "stages": [(VISION + PROJ, [0, 1])]},
                                   {"name": "llm", "colocated_with": "vision", "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}], {}),
+    # tensor parallelism from the model's own base_model_tp_plan (q/k/v/gate/up colwise, o/down rowwise)
+    "llava-llm-tp2": ("llava", [{"name": "vision", "stages": [(VISION + PROJ, [0])]},
+                                {"name": "llm", "tp": 2, "stages": [(LLM, [1, 2])]}], {}),
     "qwen2-audio-non-colocated": ("qwen2_audio", [{"name": "audio", "stages": [(AUDIO + PROJ, [0])]},
                                                   {"name": "llm", "dp": 2, "stages": [(LLM, [1, 2])]}], {}),
 }
@@ -79,6 +82,14 @@ def test_profile_solve_run_from_the_cli(placement, models, tmp_path):
     assert res.exit_code == 0, res.output
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.3
+
+
+def test_hf_blocks_take_their_tp_plan_from_the_model(models):
+    from planner.profile import profile_model
+    from runtime.source import resolve
+
+    prof = profile_model(resolve(models["llava"]))
+    assert {b.name for b in prof.blocks if b.supports_tp} == {"model.language_model.layers.0", "model.language_model.layers.1"}
 
 
 def test_a_plan_from_a_group_override_profile_runs(models, tmp_path):
