@@ -33,7 +33,8 @@ from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                          UnsupportedOperatorException)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -104,6 +105,7 @@ class _TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    value: Any = field(default=None, compare=False)  # a small integer input's real values (lengths, cu_seqlens)
 
 
 @dataclass
@@ -206,8 +208,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _spec(tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
-    mapped = [_TensorSpec(tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+    mapped = [_TensorSpec(tuple(x.shape), x.dtype, x.requires_grad, _small_integers(x)) if isinstance(x, torch.Tensor) else x
+              for x in leaves]
     return mapped, spec
+
+
+def _small_integers(x: torch.Tensor) -> torch.Tensor | None:
+    """A copy of an integer tensor's values when they are real and small: a block measured alone gets them back
+    (Qwen2-VL's vision blocks split by cu_seqlens; zeros there would not even run)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if x.is_floating_point() or isinstance(x, FakeTensor) or x.device.type == "meta" or x.numel() > 1 << 16:
+        return None
+    return x.detach().cpu().clone()
 
 
 def _signature(module: nn.Module, in_spec: Any) -> str:
@@ -307,7 +320,13 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_FlopCount(trace))
                 with torch.autograd.graph.saved_tensors_hooks(_pack_hook(trace), lambda t: t), _Provenance(trace):
-                    out = model(**batch)
+                    try:
+                        out = model(**batch)
+                    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
+                        where = (f"block {trace.current}" if trace.current else
+                                 f"the glue after block {trace.last_finished}" if trace.last_finished else "the glue before any block")
+                        raise MmplanError(f"cannot profile on the meta device: {where} runs {e.func if hasattr(e, 'func') else e}, "
+                                          "whose output depends on floating-point tensor values; profile with --device cpu") from None
                     found = model_loss(out)
                     read = out if found is None else found
                     trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(read) if not src.startswith("input:")}))
@@ -348,7 +367,9 @@ def _make_inputs(in_spec: Any, device: torch.device, batch_scale: int = 1) -> tu
         if isinstance(x, _TensorSpec):
             if batch_scale != 1 and x.shape:
                 x = _TensorSpec((x.shape[0] * batch_scale, *x.shape[1:]), x.dtype, x.requires_grad)
-            if x.dtype.is_floating_point:
+            if x.value is not None and tuple(x.value.shape) == x.shape:
+                t = x.value.to(device)
+            elif x.dtype.is_floating_point:
                 t = torch.randn(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
             elif x.dtype == torch.bool:
                 t = torch.ones(x.shape, dtype=x.dtype, device=device)
@@ -470,8 +491,15 @@ def profile_model(
         distinct = list({r.signature: r for r in records}.values())
         for i, rec in enumerate(distinct):
             note(f"measuring {rec.name}", 0.3 + 0.7 * i / len(distinct))
-            f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
-            f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
+            try:
+                f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
+            except Exception as e:  # one line naming the block, never a traceback
+                raise MmplanError(f"--measure: block {rec.name} ({type(rec.module).__name__}) fails alone on random inputs of "
+                                  f"its profiled shapes: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+            try:
+                f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
+            except Exception:  # integer inputs that describe the batch (cu_seqlens) do not double: proportional
+                f2, b2 = 2 * f1, 2 * b1
             timings[rec.signature] = (f1, b1, (f2 - f1) / micro_batch, (b2 - b1) / micro_batch)
         if not fake:  # the whole model is on the device: fit the block times to the in-context times
             timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
