@@ -15,7 +15,7 @@ The glue between blocks (masks, rotary tables, merging image features into the t
 every stage from the batch, which each stage therefore holds whole (its few integer and pixel tensors).
 The data flow (which block outputs and batch inputs each block reads, what the loss reads) and every
 block's output shape come from one forward on fake tensors with integer inputs real (runtime/fake_exec.py).
-Cost, measured on tiny LLaVA: a stage's glue is < 5 % of its step (see docs/architecture.md).
+Cost: every stage recomputes the forward's glue up to its last block (not measured separately yet).
 """
 from __future__ import annotations
 
