@@ -26,27 +26,20 @@ def group_totals(profile: Profile) -> dict[str, dict[str, float]]:
 
 
 def group_modules(profile: Profile) -> dict[str, str]:
-    """Per group: the module subtrees holding its blocks (their longest common paths, at most three shown)."""
+    """Per group: the module subtrees holding its blocks — for each block its highest ancestor under which every
+    block is of the same group (at most three shown)."""
+    group = {b.name: b.group for b in profile.blocks}
     roots: dict[str, list[str]] = defaultdict(list)
     for b in profile.blocks:
-        parts = b.name.split(".")
-        for i, root in enumerate(roots[b.group]):
-            common = _common(root.split("."), parts)
-            if common and (common != parts[:1] or root.count(".") == 0):
-                roots[b.group][i] = ".".join(common)
+        parts, best = b.name.split("."), b.name
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:i])
+            if any(g != b.group for n, g in group.items() if n.startswith(prefix + ".")):
                 break
-        else:
-            roots[b.group].append(b.name)
-    return {g: ", ".join(sorted(set(r))[:3]) + (", ..." if len(set(r)) > 3 else "") for g, r in roots.items()}
-
-
-def _common(a: list[str], b: list[str]) -> list[str]:
-    out = []
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        out.append(x)
-    return out
+            best = prefix
+        if best not in roots[b.group]:
+            roots[b.group].append(best)
+    return {g: ", ".join(r[:3]) + (", ..." if len(r) > 3 else "") for g, r in roots.items()}
 
 
 def cross_group_edges(profile: Profile) -> list[tuple[str, str, str, str, float]]:

@@ -266,10 +266,16 @@ def _example_inputs(config, micro_batch: int) -> dict[str, Any]:
         batch["input_features"] = torch.randn(micro_batch, a.num_mel_bins, frames, generator=gen)
         batch["feature_attention_mask"] = torch.ones(micro_batch, frames, dtype=torch.long)
         return batch
+    if kind in ("clip", "siglip"):  # two towers and a contrastive loss over the batch
+        v, text = config.vision_config, config.text_config
+        side = sizes.get("image_size", v.image_size)
+        ids = torch.randint(text.vocab_size, (micro_batch, min(t, text.max_position_embeddings)), generator=gen)
+        pixels = torch.randn(micro_batch, v.num_channels, side, side, generator=gen)
+        return {"input_ids": ids, "pixel_values": pixels, "return_loss": True}
     if hasattr(config, "vocab_size") and not hasattr(config, "vision_config"):  # a text-only causal LM
         text = _text(config, micro_batch, t + 1, set(), gen)
         return {"input_ids": text, "labels": text.clone()}
-    raise MmplanError(f"mmplan builds example inputs for HF LLaVA, Qwen2-VL, Qwen2-Audio and text-only LMs, not model_type "
+    raise MmplanError(f"mmplan builds example inputs for HF LLaVA, Qwen2-VL, Qwen2-Audio, CLIP/SigLIP and text-only LMs, not model_type "
                       f"{kind!r}: write a factory `package.module:factory` returning (model, batch)")
 
 

@@ -88,3 +88,9 @@ def test_cli_profile_and_show(llava, tmp_path):
     assert list(load_profile(out).groups) == ["vision", "projector", "llm"]
     res = CliRunner().invoke(app, ["show", str(out)])
     assert res.exit_code == 0 and "model.vision_tower" in res.output and "model.multi_modal_projector" in res.output
+
+
+def test_clip_profiles_on_meta_with_its_towers_as_groups(tmp_path):
+    prof = profile_model(resolve(f"hf:{tiny_configs.clip(tmp_path / 'c')}"))
+    assert list(_groups(prof)) == ["vision_model", "visual_projection", "text_model", "text_projection"]
+    assert set(prof.loss) == {"visual_projection", "text_projection"}  # the contrastive loss reads both towers

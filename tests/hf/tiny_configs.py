@@ -54,3 +54,18 @@ def qwen2_vl(directory: Path) -> Path:
     config.mmplan_inputs = {"text_tokens": 8, "image_size": 16}
     config.save_pretrained(directory)
     return directory
+
+
+def clip(directory: Path) -> Path:
+    """CLIP: a 2-layer vision tower and a 2-layer text tower, projections and a contrastive loss."""
+    from transformers import CLIPConfig
+
+    config = CLIPConfig(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "vocab_size": 64, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 16, "patch_size": 4},
+        projection_dim=16, architectures=["CLIPModel"])
+    config.mmplan_inputs = {"text_tokens": 8}
+    config.save_pretrained(directory)
+    return directory
