@@ -74,6 +74,7 @@ class ForwardProgram:
 
         self.modules = blocks
         self.inputs = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+        self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True
         order, reads, loss, specs = _record(model, batch, blocks)
         self.blocks: dict[str, str] = {b: b for b in order}  # block name -> its node (the name itself)
         self._reads = reads
@@ -120,7 +121,7 @@ class ForwardProgram:
 
         with _patched(self.modules, proxy):
             try:
-                out = model(**batch)
+                out = model(**{**self.constants, **batch})
             except _Stop:
                 return outputs, None
         if todo:

@@ -11,7 +11,9 @@ without dim 0):
   convention, `labels` = `input_ids` with -100 on image / audio placeholders): the placeholders stay as in
   the example, the text positions are class c's fixed sequence (ids in [0, vocab), never a placeholder id);
   the labels repeat them (-100 where the example has -100), so the next token depends on the inputs;
-- any other integer tensor (attention masks, grids, lengths) is the example's, unchanged.
+- integer token ids without labels (CLIP's captions: a key named *ids*) are class c's fixed sequence;
+- any other integer tensor (attention masks, grids, lengths) is the example's, unchanged; non-tensor entries
+  (`return_loss=True`) are passed along as they are.
 Deterministic in the global sample index, like runtime/data.py's SyntheticDataset.
 """
 from __future__ import annotations
@@ -42,11 +44,15 @@ class DerivedDataset:
     def __init__(self, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int, classes: int = 8,
                  noise: float = 0.5) -> None:
         tensors = {k: v for k, v in example_batch.items() if isinstance(v, torch.Tensor)}
+        self.constants = {k: v for k, v in example_batch.items() if not isinstance(v, torch.Tensor)}  # return_loss=True
         if not tensors or any(v.dim() == 0 for v in tensors.values()):
             raise MmplanError("a synthetic dataset needs an example batch of tensors with a batch dimension (dim 0)")
         self.example = {k: v[:1].clone() for k, v in tensors.items()}
         self.vocab, self.seed, self.classes, self.noise = vocab, seed, classes, noise
         self.labels_of = self._pair_labels()  # token key -> its labels key
+        labelled = set(self.labels_of) | set(self.labels_of.values())
+        self.free_tokens = [k for k, v in self.example.items()  # token ids with no labels (CLIP's captions)
+                            if not v.is_floating_point() and "ids" in k.lower() and k not in labelled and v.dim() == 2]
         gen = _generator("prototypes", seed)
         self.prototypes: dict[str, torch.Tensor] = {}
         for k, v in self.example.items():
@@ -59,6 +65,8 @@ class DerivedDataset:
         for k in self.labels_of:
             n = int((~self._fixed(k)).sum())
             self.prototypes[k] = allowed[torch.randint(len(allowed), (classes, n), generator=gen)]
+        for k in self.free_tokens:
+            self.prototypes[k] = allowed[torch.randint(len(allowed), (classes, self.example[k].shape[1]), generator=gen)]
 
     def _pair_labels(self) -> dict[str, str]:
         out = {}
@@ -90,6 +98,8 @@ class DerivedDataset:
                 if not _is_target(k, shape):
                     value = value + self.noise * torch.randn(shape, generator=gen)
                 out[k] = value.to(v.dtype)
+            elif k in self.free_tokens:
+                out[k] = self.prototypes[k][c].to(v.dtype)
             elif k in self.labels_of:
                 tokens = v[0].clone()
                 tokens[~self._fixed(k)] = self.prototypes[k][c].to(v.dtype)
@@ -104,4 +114,4 @@ class DerivedDataset:
         samples = [self.sample(i) for i in indices]
         if not samples:
             raise MmplanError("sample_batch needs at least one index")
-        return {k: torch.stack([s[k] for s in samples]) for k in self.example}
+        return {**{k: torch.stack([s[k] for s in samples]) for k in self.example}, **self.constants}
