@@ -35,14 +35,17 @@ from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                          UnsupportedOperatorException)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from runtime.program import block_modules, is_frozen, module_structure
-from runtime.source import ModelSource, call_factory
+from runtime.fake_exec import fake_batch, fakify_module, static_fake
+from runtime.source import ModelSource, call_factory, model_loss
+from runtime.tensor_parallel import supports_tp
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
 
@@ -135,6 +138,7 @@ class _TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    value: Any = field(default=None, compare=False)  # a small integer input's real values (lengths, cu_seqlens)
 
 
 @dataclass
@@ -358,8 +362,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _spec(tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
-    mapped = [_TensorSpec(tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+    mapped = [_TensorSpec(tuple(x.shape), x.dtype, x.requires_grad, _small_integers(x)) if isinstance(x, torch.Tensor) else x
+              for x in leaves]
     return mapped, spec
+
+
+def _small_integers(x: torch.Tensor) -> torch.Tensor | None:
+    """A copy of an integer tensor's values when they are real and small: a block measured alone gets them back
+    (Qwen2-VL's vision blocks split by cu_seqlens; zeros there would not even run)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if x.is_floating_point() or isinstance(x, FakeTensor) or x.device.type == "meta" or x.numel() > 1 << 16:
+        return None
+    return x.detach().cpu().clone()
 
 
 def _signature(module: nn.Module, in_spec: Any) -> str:
@@ -490,40 +505,14 @@ def _pack_hook(trace: _Trace):
 
 
 def _scalar_loss(out: Any) -> torch.Tensor:
+    loss = model_loss(out)  # a tensor, or an output object's `.loss` (transformers)
+    if loss is not None and loss.is_floating_point():
+        return loss if loss.dim() == 0 else loss.float().sum()
     leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not leaves:
         raise MmplanError("the model's forward returned no floating-point tensor to take a loss from")
     loss = leaves[0]
     return loss if loss.dim() == 0 else loss.float().sum()
-
-
-def _fakify(model: nn.Module, batch: dict[str, Any], mode: FakeTensorMode):
-    """Swap parameters, buffers and batch tensors for FakeTensors on CPU; returns (batch, restore)."""
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "meta":
-            with mode:
-                return torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        return mode.from_tensor(t)
-
-    saved: list[tuple[dict, str, Any]] = []
-    memo: dict[int, torch.Tensor] = {}  # shared (tied) tensors stay shared
-    for m in model.modules():
-        for store in (m._parameters, m._buffers):
-            for name, t in list(store.items()):
-                if t is None:
-                    continue
-                saved.append((store, name, t))
-                if id(t) not in memo:
-                    ft = fake(t.detach())
-                    memo[id(t)] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
-                store[name] = memo[id(t)]
-
-    def restore() -> None:
-        for store, name, t in saved:
-            store[name] = t
-
-    return {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, restore
 
 
 def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -534,10 +523,11 @@ def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[s
 def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[list[_BlockRecord], _Trace]:
     """One forward + backward of the model with every probe installed."""
     records = {name: _BlockRecord(name, module) for name, module in discover_blocks(model)}
-    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     restore = lambda: None  # noqa: E731
-    if fake:
-        batch, restore = _fakify(model, batch, mode)
+    if fake:  # integer inputs stay real: data-dependent glue (token masks, grids) gets static shapes
+        restore = fakify_module(model, mode)
+        batch = fake_batch(batch, mode)
     try:
         storages = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
         trace = _Trace(records, storages)
@@ -547,12 +537,20 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
         handles = _install_hooks(trace)
         try:
             with ExitStack() as stack:
-                stack.enter_context(mode if fake else nullcontext())
+                stack.enter_context(static_fake(mode) if fake else nullcontext())
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_FlopCount(trace))
                 with torch.autograd.graph.saved_tensors_hooks(_pack_hook(trace), lambda t: t), _Provenance(trace):
-                    out = model(**batch)
-                    trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(out) if not src.startswith("input:")}))
+                    try:
+                        out = model(**batch)
+                    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as e:
+                        where = (f"block {trace.current}" if trace.current else
+                                 f"the glue after block {trace.last_finished}" if trace.last_finished else "the glue before any block")
+                        raise MmplanError(f"cannot profile on the meta device: {where} runs {e.func if hasattr(e, 'func') else e}, "
+                                          "whose output depends on floating-point tensor values; profile with --device cpu") from None
+                    found = model_loss(out)
+                    read = out if found is None else found
+                    trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(read) if not src.startswith("input:")}))
                     loss = _scalar_loss(out)
                 if loss.requires_grad:
                     loss.backward()
@@ -591,7 +589,9 @@ def _make_inputs(in_spec: Any, device: torch.device, batch_scale: int = 1) -> tu
         if isinstance(x, _TensorSpec):
             if batch_scale != 1 and x.shape:
                 x = _TensorSpec((x.shape[0] * batch_scale, *x.shape[1:]), x.dtype, x.requires_grad)
-            if x.dtype.is_floating_point:
+            if x.value is not None and tuple(x.value.shape) == x.shape:
+                t = x.value.to(device)
+            elif x.dtype.is_floating_point:
                 t = torch.randn(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
             elif x.dtype == torch.bool:
                 t = torch.ones(x.shape, dtype=x.dtype, device=device)
@@ -715,26 +715,62 @@ def profile_model(
         distinct = list({r.signature: r for r in records}.values())
         for i, rec in enumerate(distinct):
             note(f"measuring {rec.name}", 0.3 + 0.7 * i / len(distinct))
-            f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
-            f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
+            try:
+                f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
+            except Exception as e:  # one line naming the block, never a traceback
+                raise MmplanError(f"--measure: block {rec.name} ({type(rec.module).__name__}) fails alone on random inputs of "
+                                  f"its profiled shapes: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+            try:
+                f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
+            except Exception:  # integer inputs that describe the batch (cu_seqlens) do not double: proportional
+                f2, b2 = 2 * f1, 2 * b1
             timings[rec.signature] = (f1, b1, (f2 - f1) / micro_batch, (b2 - b1) / micro_batch)
         if not fake:  # the whole model is on the device: fit the block times to the in-context times
             timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
     note("done", 1.0)
     options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure, freeze=tuple(freeze))
+    auto = _auto_groups(records, trace, batch)
+    _check_overrides(groups, [r.name for r in records], auto)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
-                     _device_name(torch.device(device)) if measure else None, options)
+                     _device_name(torch.device(device)) if measure else None, options, auto)
 
 
-def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options) -> Profile:
+def _auto_groups(records, trace, batch) -> dict[str, str]:
+    """Block -> group by modality (planner/groups.py), or {} where the top-level children are the groups."""
+    from planner.groups import modality_groups
+
+    integer = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+    edges = [(s, d) for s, d in trace.edges if not s.startswith("input:")]
+    inputs = [(s.removeprefix("input:"), d) for s, d in trace.edges if s.startswith("input:")]
+    return modality_groups([r.name for r in records], {r.name: r.module for r in records}, edges, inputs, integer) or {}
+
+
+def _check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:
+    """A --group pattern must match a block (by name) or a group (by its automatic name)."""
+    for pattern, _ in overrides:
+        if not any(fnmatchcase(n, pattern) for n in names) and not any(fnmatchcase(g, pattern) for g in set(auto.values())):
+            raise MmplanError(f"--group {pattern}=...: the pattern matches no block (nor group); blocks are named like "
+                              f"{names[0]!r} ... {names[-1]!r}")
+
+
+def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None) -> Profile:
+    from planner.groups import contiguous_order
+
+    groups = {}
+    for rec in records:
+        group = (auto or {}).get(rec.name) or default_group(rec.name)
+        for pattern, g in overrides:  # a pattern names blocks, or a whole automatic group
+            if fnmatchcase(rec.name, pattern) or fnmatchcase(group, pattern):
+                group = g
+        groups[rec.name] = group
+    by_name = {r.name: r for r in records}
+    flow = [(s, d) for s, d in trace.edges if not s.startswith("input:")]
+    records = [by_name[n] for n in contiguous_order([r.name for r in records], groups, flow)]
     blocks = []
     vocab = token_vocab(records)
     counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
-        group = default_group(rec.name)
-        for pattern, g in overrides:
-            if fnmatchcase(rec.name, pattern):
-                group = g
+        group = groups[rec.name]
         own = [p for p in rec.module.parameters() if id(p) not in counted]
         counted.update(id(p) for p in own)
         params = sum(p.numel() for p in own)
@@ -745,7 +781,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             name=rec.name, group=group, kind=type(rec.module).__name__, params=params, param_bytes=pbytes,
             fwd_flops=_per_sample(rec.fwd_flops, mb), bwd_flops=_per_sample(rec.bwd_flops, mb),
             activation_bytes=_per_sample(rec.activation_bytes, mb), output_bytes=_per_sample(rec.output_bytes, mb),
-            supports_tp=bool(getattr(rec.module, "supports_tensor_parallel", False)), signature=rec.signature,
+            supports_tp=supports_tp(rec.module), signature=rec.signature,
             structure=module_structure(rec.module),
             reduces_batch=rec.reduces_batch, frozen=is_frozen(rec.module),
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,

@@ -25,6 +25,23 @@ def group_totals(profile: Profile) -> dict[str, dict[str, float]]:
     return totals
 
 
+def group_modules(profile: Profile) -> dict[str, str]:
+    """Per group: the module subtrees holding its blocks — for each block its highest ancestor under which every
+    block is of the same group (at most three shown)."""
+    group = {b.name: b.group for b in profile.blocks}
+    roots: dict[str, list[str]] = defaultdict(list)
+    for b in profile.blocks:
+        parts, best = b.name.split("."), b.name
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:i])
+            if any(g != b.group for n, g in group.items() if n.startswith(prefix + ".")):
+                break
+            best = prefix
+        if best not in roots[b.group]:
+            roots[b.group].append(best)
+    return {g: ", ".join(r[:3]) + (", ..." if len(r) > 3 else "") for g, r in roots.items()}
+
+
 def cross_group_edges(profile: Profile) -> list[tuple[str, str, str, str, float]]:
     group = {b.name: b.group for b in profile.blocks}
     return [(group[e.src], group[e.dst], e.src, e.dst, e.bytes) for e in profile.edges if group[e.src] != group[e.dst]]
@@ -36,14 +53,15 @@ def render_profile(profile: Profile, console: Console, top: int = 5) -> None:
                   f"dtype {safe(profile.dtype)}, profiled at micro-batch {profile.micro_batch}{safe(measured)}  "
                   f"[dim]fingerprint {safe(profile.fingerprint)}[/]", markup=True)
     table = Table(title="Module groups (per sample)", title_justify="left")
-    for col in ("group", "blocks", "params", "fwd FLOPs", "bwd FLOPs", "activations"):
-        table.add_column(col, justify="left" if col == "group" else "right")
+    for col in ("group", "modules", "blocks", "params", "fwd FLOPs", "bwd FLOPs", "activations"):
+        table.add_column(col, justify="left" if col in ("group", "modules") else "right")
     totals = group_totals(profile)
+    where = group_modules(profile)
     for g, t in totals.items():
-        table.add_row(g, f"{t['blocks']:.0f}", human_count(t["params"]), human_count(t["fwd_flops"], "FLOP"),
+        table.add_row(g, where[g], f"{t['blocks']:.0f}", human_count(t["params"]), human_count(t["fwd_flops"], "FLOP"),
                       human_count(t["bwd_flops"], "FLOP"), format_bytes(t["activation_bytes"]))
     all_t = {k: sum(t[k] for t in totals.values()) for k in ("blocks", "params", "fwd_flops", "bwd_flops", "activation_bytes")}
-    table.add_row(Text("total", style="bold"), f"{all_t['blocks']:.0f}", human_count(all_t["params"]),
+    table.add_row(Text("total", style="bold"), "", f"{all_t['blocks']:.0f}", human_count(all_t["params"]),
                   human_count(all_t["fwd_flops"], "FLOP"), human_count(all_t["bwd_flops"], "FLOP"),
                   format_bytes(all_t["activation_bytes"]))
     console.print(table)

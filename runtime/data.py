@@ -166,15 +166,40 @@ def load_user_dataset(spec: str, example_batch: Mapping[str, torch.Tensor], voca
         dataset = factory(seed=seed)
     except Exception as exc:
         raise MmplanError(f"dataset factory {spec!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+    if not callable(getattr(dataset, "sample_batch", None)) and callable(getattr(dataset, "__getitem__", None)):
+        dataset = MapDataset(dataset)  # a torch Dataset of dicts (one sample each)
     if not callable(getattr(dataset, "sample_batch", None)):
-        raise MmplanError(f"dataset factory {spec!r} returned {type(dataset).__name__}, which has no sample_batch()")
+        raise MmplanError(f"dataset factory {spec!r} returned {type(dataset).__name__}, which has no sample_batch() "
+                          "and is not a torch Dataset of dicts")
     _check_batch(spec, dataset, example_batch, vocab)
     return dataset
+
+
+class MapDataset:
+    """A torch-style Dataset (`__getitem__(i)` -> dict of per-sample tensors, `__len__`) as a BatchSource:
+    global sample i is item i modulo its length, samples stacked along a new dim 0."""
+
+    def __init__(self, items: Any) -> None:
+        self.items = items
+        try:
+            self.size = len(items)
+        except TypeError:
+            self.size = None
+        if self.size == 0:
+            raise MmplanError("the dataset is empty")
+
+    def sample_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        samples = [self.items[int(i) % self.size if self.size else int(i)] for i in indices]
+        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
 
 
 def open_dataset(spec: str | None, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int) -> BatchSource:
     """SyntheticDataset for None or "synthetic", else load_user_dataset(spec, ...)."""
     if spec in (None, "", "synthetic"):
+        if not set(example_batch) <= set(KNOWN_KEYS):  # any other model: derived from its example batch
+            from runtime.synthetic import DerivedDataset
+
+            return DerivedDataset(example_batch, vocab=vocab, seed=seed)
         return SyntheticDataset(example_batch, vocab=vocab, seed=seed)
     return load_user_dataset(spec, example_batch, vocab, seed)
 

@@ -43,7 +43,15 @@ def block_modules(model: nn.Module) -> dict[str, nn.Module]:
     if isinstance(model, CONTAINERS) or not has_container(model):
         raise MmplanError(f"{type(model).__name__} has no nn.ModuleList/Sequential of layers to cut into blocks")
     walk("", model)
+    if _is_hf(model):  # parameter-free helpers (rotary tables) are glue: every stage computes them itself
+        found = {n: m for n, m in found.items() if any(True for _ in m.parameters())}
     return found
+
+
+def _is_hf(model: nn.Module) -> bool:
+    from runtime.hf import is_hf_model
+
+    return is_hf_model(model)
 
 
 @dataclass(frozen=True)
@@ -127,9 +135,27 @@ class _BlockTracer(fx.Tracer):
         return id(m) in self.leaves or super().is_leaf_module(m, qualname)
 
 
-def trace_program(model: nn.Module, batch: dict[str, Any]) -> Program:
-    """Trace model(**batch) with blocks as leaves; inputs absent from the batch are specialised to None."""
+def trace_program(model: nn.Module, batch: dict[str, Any]):
+    """Trace model(**batch) with blocks as leaves; inputs absent from the batch are specialised to None.
+    Hugging Face models, and models fx cannot trace, run their own forward per stage instead
+    (runtime/forward_program.py): a ForwardProgram, with the same interface."""
     blocks = block_modules(model)
+    if _is_hf(model):
+        from runtime.forward_program import ForwardProgram
+
+        return ForwardProgram(model, batch, blocks)
+    try:
+        return _fx_program(model, batch, blocks)
+    except MmplanError as fx_error:
+        from runtime.forward_program import ForwardProgram
+
+        try:
+            return ForwardProgram(model, batch, blocks)
+        except MmplanError:
+            raise fx_error from None
+
+
+def _fx_program(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module]) -> Program:
     params = inspect.signature(model.forward).parameters
     concrete = {k: None for k, p in params.items() if k not in batch and p.default is None}
     try:

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from runtime.data import open_dataset
+from runtime.source import model_loss
 from runtime.train import Job, build_model, step_samples, vocab_of
 
 
@@ -21,7 +22,7 @@ def reference_run(job: Job) -> dict[str, Any]:
         total = 0.0
         for j in range(m):
             batch = dataset.sample_batch(step_samples(step, job.plan, j, 0, training.micro_batch))
-            loss = model(**batch) / m
+            loss = model_loss(model(**batch)) / m
             loss.backward()
             total += float(loss.detach())
         if step == 0:

@@ -5,6 +5,7 @@ import importlib
 import inspect
 import os
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from torch import nn
 
 from plans.errors import MmplanError
 
+_MICRO_BATCH: ContextVar[int] = ContextVar("micro_batch", default=1)  # for inputs built after the factory returns
 Factory = Callable[[int], tuple[nn.Module, dict[str, Any]]]
 
 
@@ -27,12 +29,17 @@ class ModelSource:
 
 
 def is_factory(spec: str) -> bool:
-    """True when `spec` names Python code to import (`package.module:factory`), not a zoo name or a TOML file."""
-    return ":" in spec and not spec.endswith(".toml")
+    """True when `spec` names Python code to import (`package.module:factory`), not a zoo name, a TOML file or an
+    `hf:` config (data: a transformers config builds a stock class, it runs no code of its own)."""
+    return ":" in spec and not spec.endswith(".toml") and not spec.startswith("hf:")
 
 
 def resolve(spec: str) -> ModelSource:
-    """Zoo name | path to an architecture .toml | `package.module:factory`."""
+    """Zoo name | path to an architecture .toml | `hf:CONFIG` (runtime/hf.py) | `package.module:factory`."""
+    if spec.startswith("hf:"):
+        from runtime.hf import hf_source
+
+        return hf_source(spec)
     if is_factory(spec):
         return ModelSource(spec, _import_factory(spec), "fp32")
     from runtime.models import zoo
@@ -75,6 +82,7 @@ def _import_factory(spec: str) -> Factory:
     takes_batch = bool(inspect.signature(factory).parameters)
 
     def call(micro_batch: int):
+        _MICRO_BATCH.set(micro_batch)
         try:
             out = factory(micro_batch) if takes_batch else factory()
         except Exception as e:
@@ -85,8 +93,12 @@ def _import_factory(spec: str) -> Factory:
 
 
 def _check_factory_output(spec: str, out: Any) -> tuple[nn.Module, dict[str, Any]]:
+    if isinstance(out, nn.Module) and hasattr(out, "config"):  # a transformers model: inputs from its config
+        from runtime.hf import example_inputs, for_training
+
+        return for_training(out), example_inputs(out.config, micro_batch=_MICRO_BATCH.get())
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module) and isinstance(out[1], dict)):
-        raise MmplanError(f"factory {spec} must return (nn.Module, dict of example inputs), got {type(out).__name__}")
+        raise MmplanError(f"factory {spec} must return (nn.Module, dict of example inputs) or a transformers model, got {type(out).__name__}")
     return out
 
 
@@ -101,6 +113,14 @@ def call_factory(source: ModelSource, micro_batch: int) -> tuple[nn.Module, dict
     if not any(isinstance(v, torch.Tensor) for v in batch.values()):
         raise MmplanError(f"model {source.name}: the example batch holds no tensors")
     return model, batch
+
+
+def model_loss(out: Any) -> torch.Tensor | None:
+    """The loss in a forward's result: the tensor itself, or its `.loss` (the transformers convention)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _one_line(e: BaseException) -> str:

@@ -50,14 +50,34 @@ def output_specs(model: nn.Module, example: dict[str, Any]) -> dict[str, OutputS
 def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: set[str], device: torch.device) -> RankModel:
     """Trace the model, record output shapes, keep only `local_blocks` in memory (on `device`)."""
     program = trace_program(model, example)
-    specs = output_specs(model, example)
+    own_forward = hasattr(program, "run_stage")  # runtime/forward_program.py: the model's own forward runs
+    specs = program.specs if own_forward else output_specs(model, example)
     blocks = block_modules(model)
     shared = _shared_across(blocks, local_blocks)
     if shared:
         raise ValueError(f"parameter shared between a local and a remote block ({shared}); tied weights across stages are not supported")
     for name, m in blocks.items():
-        m.to(device if name in local_blocks else torch.device("meta"))
+        if name in local_blocks:
+            m.to(device)
+        elif own_forward:  # glue may read any module's device or dtype: keep them, not the memory
+            if name in program.blocks:  # a module never called as a block (Qwen2-Audio's embed_positions, whose
+                _hollow(m, device)  # weight the glue reads directly) stays whole: every stage's glue uses it
+        else:
+            m.to(torch.device("meta"))
+    if own_forward:
+        model.to(device)  # the glue's own modules (rotary tables); hollow tensors are on `device` already
     return RankModel(model, program, {n: blocks[n] for n in local_blocks}, specs)
+
+
+def _hollow(module: nn.Module, device: torch.device) -> None:
+    """Parameters and buffers as one broadcast zero each: right shape, dtype and device, no memory, no gradient."""
+    with torch.no_grad():
+        for m in module.modules():
+            for store in (m._parameters, m._buffers):
+                for name, t in list(store.items()):
+                    if t is not None:
+                        empty = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+                        store[name] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
 
 
 def _shared_across(blocks: dict[str, nn.Module], local: set[str]) -> str:

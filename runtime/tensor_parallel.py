@@ -201,14 +201,41 @@ def full_parameter_names(block: nn.Module) -> dict[str, ShardInfo]:
 
 
 # ----------------------------------------------------------------------------------------------- checks
+# A block may carry its own plan (Hugging Face blocks, from the model's `base_model_tp_plan`; runtime/hf.py):
+# {region path inside the block: {linear attribute: style}}.
+PLAN_ATTR = "_mmplan_tp_plan"
+
+
 def supports_tp(block: nn.Module) -> bool:
-    """True for blocks whose class says supports_tensor_parallel = True (the zoo's TransformerLayer, FlamingoLayer)."""
-    return getattr(type(block), "supports_tensor_parallel", False) is True
+    """True for blocks whose class says supports_tensor_parallel = True (the zoo's TransformerLayer, FlamingoLayer)
+    and for blocks carrying their own plan (PLAN_ATTR)."""
+    return getattr(type(block), "supports_tensor_parallel", False) is True or bool(getattr(block, PLAN_ATTR, None))
+
+
+def _region_plans(block: nn.Module) -> dict[str, dict[str, Style]]:
+    own = getattr(block, PLAN_ATTR, None)
+    if own:
+        return own
+    return {name: REGION_PLANS[type(m)] for name, m in block.named_modules() if type(m) in REGION_PLANS}
 
 
 def _regions(block: nn.Module) -> dict[str, nn.Module]:
     """The block's tensor-parallel regions (attentions and MLPs) by module path."""
-    return {name: m for name, m in block.named_modules() if type(m) in REGION_PLANS}
+    return {name: block.get_submodule(name) for name in _region_plans(block)}
+
+
+def _region_sizes(region: nn.Module, plan: dict[str, Style]) -> dict[str, int]:
+    """What tp must divide in a region: heads and kv heads of an attention, else each sharded width."""
+    if isinstance(region, (Attention, CrossAttention)):
+        hd = region.head_dim
+        return {"heads": region.wq.out_features // hd, "kv_heads": region.wk.out_features // hd}
+    head_dim = getattr(region, "head_dim", None)
+    sizes = {}
+    for attr, style in plan.items():
+        linear = getattr(region, attr)
+        width = linear.out_features if style == "colwise" else linear.in_features
+        sizes[f"{attr} {'heads' if head_dim else 'width'}"] = width // head_dim if head_dim else width
+    return sizes
 
 
 def check_tp(block: nn.Module, tp: int) -> None:
@@ -226,17 +253,17 @@ def check_tp(block: nn.Module, tp: int) -> None:
     regions = _regions(block)
     if not regions:
         raise MmplanError(f"{cls}: found no attention or MLP to shard")
+    plans = _region_plans(block)
     for path, region in regions.items():
-        plan = REGION_PLANS[type(region)]
+        plan = plans[path]
         extra = [n for n, _ in region.named_parameters() if n.split(".")[0] not in plan]
         if extra:
             raise MmplanError(f"{cls}.{path}: parameters {extra} would be neither sharded nor replicated correctly")
-        if isinstance(region, (Attention, CrossAttention)):
-            hd = region.head_dim
-            sizes = {"heads": region.wq.out_features // hd, "kv_heads": region.wk.out_features // hd}
-        else:
+        if isinstance(region, SwiGLU) or isinstance(region, GeluMLP):
             first = region.w1 if isinstance(region, SwiGLU) else region.fc1
             sizes = {"mlp width": first.out_features}
+        else:
+            sizes = _region_sizes(region, plan)
         for what, size in sizes.items():
             if size % tp:
                 raise MmplanError(
@@ -297,8 +324,9 @@ def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int,
             f" but apply_tp was told tp={tp}, tp_rank={tp_rank}"
         )
     shards: dict[str, ShardInfo] = {}
+    plans = _region_plans(block)
     for path, region in _regions(block).items():
-        for attr, style in REGION_PLANS[type(region)].items():
+        for attr, style in plans[path].items():
             linear: nn.Linear = getattr(region, attr)
             prefix = f"{path}.{attr}"
             dim = _WEIGHT_DIM[style]

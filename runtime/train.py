@@ -27,7 +27,8 @@ from runtime.memory import RankTiers
 from runtime.layout import Layout, build_layout
 from runtime.program import evaluate, tensor_leaves, trace_program
 from runtime.schedule import Task, has_backward, rank_tasks
-from runtime.source import call_factory, resolve
+from runtime.forward_program import bare
+from runtime.source import call_factory, model_loss, resolve
 from runtime.stage import RankModel, build_rank_model
 
 
@@ -306,14 +307,19 @@ class RankTrainer:
 
         env: dict = {}
         # this stage's blocks (with their memory tiers); blocks of other stages arrive through routes
-        mine = self.tiers.blocks(st.blocks, rm.local)
+        own = hasattr(rm.program, "run_stage")  # the model's own forward with proxies (runtime/forward_program.py)
+        mine = self.tiers.blocks(st.blocks, bare(rm.local) if own else rm.local)
         grad = has_backward(lay, task.stage)
         with torch.set_grad_enabled(grad), self.tiers.glue():
-            for b in st.blocks:
-                evaluate(rm.program.blocks[b], env, fetch, mine)
-            loss = None
-            if task.stage == lay.loss_stage:
-                loss = evaluate(rm.program.output, env, fetch, mine) / (st.dp * lay.micro_batches)
+            if own:
+                values, loss = rm.program.run_stage(rm.model, st.blocks, batch, received, mine, task.stage == lay.loss_stage)
+                env = {rm.program.blocks[b]: v for b, v in values.items()}
+            else:
+                for b in st.blocks:
+                    evaluate(rm.program.blocks[b], env, fetch, mine)
+                loss = evaluate(rm.program.output, env, fetch, mine) if task.stage == lay.loss_stage else None
+            if loss is not None:
+                loss = model_loss(loss) / (st.dp * lay.micro_batches)
         outputs = {}
         for route in lay.routes_out_of(task.stage):
             value = env[rm.program.blocks[route.block]]

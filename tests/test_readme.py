@@ -26,7 +26,13 @@ def quickstart() -> list[str]:
 
 def guide_commands() -> list[str]:
     guide = README.split("## Guide")[1]
+    guide = guide.split("<!-- hf -->")[0] + guide.split("<!-- /hf -->")[1]  # needs transformers: its own test
     return [line for block in bash_blocks(guide) for line in block]
+
+
+def hf_commands() -> list[str]:
+    section = README.split("<!-- hf -->")[1].split("<!-- /hf -->")[0]
+    return [line for block in bash_blocks(section) for line in block]
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +77,15 @@ def test_every_guide_command_runs_in_order(scratch):
     for command in commands:
         res = run(command, scratch)
         assert res.returncode == 0, f"{command}\n{res.stderr[-2000:]}"
+
+
+def test_every_hugging_face_command_runs_in_order(scratch):
+    """The "Your Hugging Face model" section; needs transformers (pip install -e ".[hf]")."""
+    pytest.importorskip("transformers")
+    commands = hf_commands()
+    assert len(commands) >= 8
+    for command in commands:
+        res = run(command, scratch)
+        assert res.returncode == 0, f"{command}\n{res.stderr[-2000:]}"
+    log = (scratch / "hf-run.jsonl").read_text().splitlines()
+    assert len(log) == 20

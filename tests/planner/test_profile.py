@@ -4,9 +4,11 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
+from torch import nn
 
 from runtime.source import resolve
 from planner.profile import discover_blocks, profile_model
+from plans.errors import MmplanError
 from plans.graph import from_digraph, profile_from_data, to_digraph
 from plans.serial import dumps, to_data
 from runtime.models import zoo
@@ -179,3 +181,24 @@ def test_fingerprint_describes_the_model_not_the_profiling_run():
     b = profile_model(resolve("tiny-vlm"), micro_batch=3, device="cpu", dtype="bf16")
     assert a.fingerprint == b.fingerprint
     assert a.fingerprint != profile_model(resolve("tiny-avlm")).fingerprint
+
+
+class _FloatDependent(nn.Module):
+    """Selects activations by their values: no static shape exists for it on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        return self.layers[1](h[(h > -1e9).all(-1)]).sum()  # rows chosen by value (all of them)
+
+
+def test_a_value_dependent_op_on_meta_is_one_line_naming_where():
+    from runtime.source import ModelSource
+
+    source = ModelSource("float-dependent", lambda mb: (_FloatDependent(), {"x": torch.randn(mb, 8, 4)}))
+    with pytest.raises(MmplanError, match=r"the glue after block layers\.0 runs aten\.nonzero.*--device cpu"):
+        profile_model(source)
+    assert profile_model(source, device="cpu").blocks  # on real tensors it profiles

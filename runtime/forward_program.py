@@ -1,0 +1,214 @@
+"""The model's own forward as a stage's program: other stages' blocks stand in as proxies (no fx tracing).
+
+Why: torch.fx cannot trace stock Hugging Face models with blocks as leaves (HF v5 gathers `hidden_states`
+with forward hooks that never fire on fx leaves; its glue branches on tensor values), and rewriting their
+forward by hand is what a user should not have to do. torch.export was the other candidate; it needs the
+whole model exportable (data-dependent glue, hooks) and re-exports per shape, so it fails on the same
+models. Here every stage simply runs the model's forward: each block's `forward` is replaced, on this
+instance only, by a dispatcher —
+- a block of this stage runs for real (through the stage's memory tiers; the module's hooks fire once),
+- a block whose output this stage receives returns the received value (a leaf that takes gradients),
+- any other block returns zeros of its output's shape (nothing this stage computes reads them: the data flow
+  was recorded, and the plan's routes are checked against it),
+and once this stage's blocks have all run, a stage that does not compute the loss stops the forward there.
+The glue between blocks (masks, rotary tables, merging image features into the text) is recomputed on
+every stage from the batch, which each stage therefore holds whole (its few integer and pixel tensors).
+The data flow (which block outputs and batch inputs each block reads, what the loss reads) and every
+block's output shape come from one forward on fake tensors with integer inputs real (runtime/fake_exec.py).
+Cost: every stage recomputes the forward's glue up to its last block (not measured separately yet).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from plans.errors import MmplanError
+from runtime.fake_exec import fake_batch, fakify_module, static_fake
+from runtime.source import model_loss
+
+LOSS = "(loss)"  # the node name of the forward's loss
+
+
+class _Stop(Exception):
+    """Raised by a proxy once the stage has computed everything it needs."""
+
+
+class _Flow(TorchFunctionMode):
+    """Outside blocks, every op's tensor outputs derive from the union of its tensor inputs' sources."""
+
+    def __init__(self, prov: dict[int, frozenset], alive: list, inside: list):
+        super().__init__()
+        self.prov, self.alive, self.inside = prov, alive, inside
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside:
+            src = _sources(self.prov, (args, kwargs))
+            if src:
+                for leaf in tree_flatten(out)[0]:
+                    if isinstance(leaf, torch.Tensor):
+                        self.prov[id(leaf)] = self.prov.get(id(leaf), frozenset()) | src
+                        self.alive.append(leaf)
+        return out
+
+
+def _sources(prov: dict[int, frozenset], tree: Any) -> frozenset:
+    out: frozenset = frozenset()
+    for x in tree_flatten(tree)[0]:
+        if isinstance(x, torch.Tensor):
+            out |= prov.get(id(x), frozenset())
+    return out
+
+
+class ForwardProgram:
+    """The Program interface of runtime/program.py for a model run by its own forward (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module]):
+        from runtime.boundary import OutputSpec
+
+        self.modules = blocks
+        self.inputs = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+        self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True
+        order, reads, loss, specs = _record(model, batch, blocks)
+        self.blocks: dict[str, str] = {b: b for b in order}  # block name -> its node (the name itself)
+        self._reads = reads
+        self._loss = loss
+        self.output = LOSS
+        self.specs = {b: OutputSpec(tree, leaves) for b, (tree, leaves) in specs.items()}
+
+    def deps(self, node: str) -> tuple[set[str], set[str]]:
+        """Blocks whose outputs `node` reads; batch inputs: all of them (every stage runs the forward's glue)."""
+        blocks = self._loss if node == LOSS else self._reads[node]
+        return set(blocks), set(self.inputs)
+
+    def loss_deps(self) -> set[str]:
+        return set(self._loss)
+
+    def edges(self) -> list[tuple[str, str]]:
+        return [(src, b) for b in self.blocks for src in sorted(self._reads[b])]
+
+    def input_edges(self) -> list[tuple[str, str]]:
+        return [(k, b) for b in self.blocks for k in self.inputs]
+
+    def run_stage(self, model: nn.Module, names: tuple[str, ...], batch: dict[str, Any], received: dict[str, Any],
+                  mine, want_loss: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """One forward of a stage: (outputs of its blocks, the loss when `want_loss`)."""
+        samples = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+        device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
+        outputs: dict[str, Any] = {}
+        todo = set(names)
+
+        def proxy(name: str, module: nn.Module):
+            def forward(*args, **kwargs):
+                if name in todo:
+                    out = mine[name](*args, **kwargs)
+                    outputs[name] = out
+                    todo.discard(name)
+                    return out
+                if not todo and not want_loss:
+                    raise _Stop
+                if name in received:
+                    return received[name]
+                return self.zeros(name, samples, device)
+
+            return forward
+
+        with _patched(self.modules, proxy):
+            try:
+                out = model(**{**self.constants, **batch})
+            except _Stop:
+                return outputs, None
+        if todo:
+            raise MmplanError(f"block(s) {', '.join(sorted(todo)[:3])} did not run in the model's forward on this batch")
+        return outputs, (model_loss(out) if want_loss else None)
+
+    def zeros(self, name: str, samples: int, device: torch.device) -> Any:
+        spec = self.specs[name]
+        leaves = [torch.zeros((samples, *shape), dtype=dtype, device=device) for shape, dtype in spec.leaves]
+        return tree_unflatten(leaves, spec.tree)
+
+
+class _Bare:
+    """A block's original forward without its module's __call__ (whose hooks already fire around the proxy)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def bare(modules: dict[str, nn.Module]) -> dict[str, _Bare]:
+    return {name: _Bare(m) for name, m in modules.items()}
+
+
+@contextmanager
+def _patched(blocks: dict[str, nn.Module], make) -> Iterator[None]:
+    for name, m in blocks.items():
+        m.forward = make(name, m)
+    try:
+        yield
+    finally:
+        for m in blocks.values():
+            m.__dict__.pop("forward", None)
+
+
+def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module]):
+    """One forward on fake tensors: execution order, what each block and the loss read, output specs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    restore = fakify_module(model, mode)
+    prov: dict[int, frozenset] = {}
+    alive: list = []
+    inside: list[str] = []
+    order: list[str] = []
+    reads: dict[str, set[str]] = defaultdict(set)
+    specs: dict[str, tuple] = {}
+    handles = []
+    try:
+        fb = fake_batch(batch, mode)
+        for name, m in blocks.items():
+            def pre(module, args, kwargs, name=name):
+                if not inside:
+                    if name not in order:
+                        order.append(name)
+                    reads[name] |= {s for s in _sources(prov, (args, kwargs))}
+                inside.append(name)
+
+            def post(module, args, kwargs, output, name=name):
+                inside.pop()
+                if inside:
+                    return
+                flat, tree = tree_flatten(output)
+                specs.setdefault(name, (tree, tuple((tuple(t.shape[1:]), t.dtype) for t in flat if isinstance(t, torch.Tensor))))
+                for leaf in flat:
+                    if isinstance(leaf, torch.Tensor):
+                        prov[id(leaf)] = frozenset({name})
+                        alive.append(leaf)
+
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        try:
+            with static_fake(mode), _Flow(prov, alive, inside), torch.no_grad():
+                out = model(**fb)
+        except MmplanError:
+            raise
+        except Exception as e:
+            raise MmplanError(f"running {type(model).__name__}'s forward on fake tensors failed: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]}") from None
+        loss = model_loss(out)
+        if loss is None:
+            raise MmplanError(f"{type(model).__name__}'s forward returns neither a loss tensor nor an object with .loss")
+        loss_reads = _sources(prov, loss)
+    finally:
+        for h in handles:
+            h.remove()
+        restore()
+    return order, {b: reads[b] for b in order}, set(loss_reads), specs
