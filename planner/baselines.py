@@ -25,7 +25,8 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
-Baseline = Literal["homogeneous", "zero3", "gpipe-even"]
+Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
+Split = Literal["layers", "megatron"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 BASELINES: tuple[str, ...] = get_args(Baseline)
@@ -48,6 +49,7 @@ class LayoutSpec:
     virtual_stages: int = 1  # model chunks per rank; > 1 only with the interleaved schedule
     recompute: Recompute = "none"
     zero: int = 0
+    split: Split = "layers"  # layers: every transformer layer counts; megatron: encoders on stage 0, LLM layers even
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
@@ -137,21 +139,35 @@ def layer_count(profile: Profile) -> int:
     return sum(1 for b in profile.blocks if b.supports_tp)
 
 
-def split_blocks(profile: Profile, parts: int) -> list[tuple[str, ...]]:
+def llm_start(profile: Profile) -> int:
+    """Index of the first block of the LLM: the group holding the model's last block (the sink)."""
+    sink = profile.blocks[-1].group
+    return next(i for i, b in enumerate(profile.blocks) if b.group == sink)
+
+
+def llm_layer_count(profile: Profile) -> int:
+    """Transformer layers of the LLM (what a Megatron-style MIMO split counts)."""
+    return sum(1 for b in profile.blocks[llm_start(profile):] if b.supports_tp)
+
+
+def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[tuple[str, ...]]:
     """The model's blocks in `parts` contiguous chunks of (nearly) equal layer count, Megatron-style.
 
     Each non-layer block goes with the layer before it (the blocks before the first layer with the first
     layer), so embeddings land in the first chunk and the final norm and head in the last. When the layer
     count does not divide evenly, the last chunks get one layer more (the first pipeline stage holds the
     most micro-batches in flight under 1F1B). Fewer layers than parts: every block counts as a layer.
+    split "megatron" (Megatron's MIMO recipe): only the LLM's layers count, so the encoders and projectors all
+    land on the first chunk with the LLM's embedding and first layers.
     """
     blocks = profile.blocks
-    if parts < 1 or parts > len(blocks):
-        raise MmplanError(f"cannot split the {len(blocks)} blocks of {profile.model!r} into {parts} pipeline chunks; "
-                          f"use at most {len(blocks)} (pp x virtual stages)")
-    starts = [i for i, b in enumerate(blocks) if b.supports_tp]
+    first = llm_start(profile) if split == "megatron" else 0
+    if parts < 1 or parts > len(blocks) - first:
+        raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
+                          f"use at most {len(blocks) - first} (pp x virtual stages)")
+    starts = [i for i in range(first, len(blocks)) if blocks[i].supports_tp]
     if len(starts) < parts:
-        starts = list(range(len(blocks)))
+        starts = list(range(first, len(blocks)))
     starts[0] = 0  # the blocks before the first layer join it
     spans = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
     q, r = divmod(len(spans), parts)
@@ -165,7 +181,7 @@ def split_blocks(profile: Profile, parts: int) -> list[tuple[str, ...]]:
 
 def _stage_blocks(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
     """Blocks of each pipeline stage; with v chunks per rank stage i holds chunks i, i+pp, ... (Megatron)."""
-    chunks = split_blocks(profile, spec.pp * spec.virtual_stages)
+    chunks = split_blocks(profile, spec.pp * spec.virtual_stages, spec.split)
     return [tuple(b for k in range(i, len(chunks), spec.pp) for b in chunks[k]) for i in range(spec.pp)]
 
 
@@ -252,14 +268,16 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
-                 recomputes: Sequence[Recompute] = ("none", "full")) -> list[LayoutSpec]:
+                 recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers") -> list[LayoutSpec]:
     """Every valid homogeneous layout: tp a power of two dividing gpus_per_node (1 only when no block supports
     tp), pp dividing the layer count (Megatron's uniform split) with tp*pp dividing the world, dp = world/(tp*pp),
     micro-batch sizes `micro_batches` (default 1, 2, 4, ...) with dp*micro-batch dividing the global batch,
     each ZeRO stage of `zeros` (0 and 1 are the same plan at dp = 1) and recompute option; schedules are
     `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count)."""
     _check_batch(global_batch)
-    world, spans = cluster.world_size, layer_count(profile) or len(profile.blocks)
+    world = cluster.world_size
+    spans = (llm_layer_count(profile) or len(profile.blocks) - llm_start(profile)) if split == "megatron" else \
+        (layer_count(profile) or len(profile.blocks))
     parsed = [_parse_schedule(s) for s in schedules]
     tps = [t for t in _powers_of_two(cluster.gpus_per_node) if cluster.gpus_per_node % t == 0]
     if not any(b.supports_tp for b in profile.blocks):
@@ -277,7 +295,7 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
                         continue
                     for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
                         for rec in recomputes:
-                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero))
+                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split))
     return specs
 
 
@@ -303,6 +321,27 @@ def best_homogeneous(profile: Profile, cluster: Cluster, global_batch: int, *, s
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
     return search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
+
+
+MEGATRON_SCHEDULES = ("1f1b", "gpipe", "interleaved:2")
+ALL_ZEROS = (0, 1, 2, 3)
+
+
+def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = MEGATRON_SCHEDULES,
+                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = ALL_ZEROS,
+                  recomputes: Sequence[Recompute] = ("none", "full"), per_step_micro_batch: int | None = None,
+                  deadline: float = math.inf) -> Plan:
+    """The fastest Megatron-style plan (Megatron-LM's MIMO recipe): encoders and projectors on the first pipeline
+    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage / recompute / micro-batch / schedule
+    for all -- searched over every such layout the runtime runs. per_step_micro_batch: only layouts whose
+    micro-batch over all replicas (dp x micro-batch) is this (solve --micro-batch)."""
+    specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches, zeros=zeros,
+                         recomputes=recomputes, split="megatron")
+    if per_step_micro_batch is not None:
+        specs = [s for s in specs if s.dp * s.micro_batch == per_step_micro_batch]
+    if not specs:
+        raise _no_layout(profile, cluster, global_batch)
+    return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline)
 
 
 def _no_layout(profile: Profile, cluster: Cluster, global_batch: int) -> MmplanError:
@@ -359,6 +398,8 @@ def baseline_plan(kind: Baseline, profile: Profile, cluster: Cluster, global_bat
     if kind == "homogeneous":
         return homogeneous_plan(profile, cluster, global_batch, layout) if layout is not None \
             else best_homogeneous(profile, cluster, global_batch)
+    if kind == "megatron":
+        return best_megatron(profile, cluster, global_batch)
     if kind == "zero3":
         return zero3_plan(profile, cluster, global_batch)
     if kind == "gpipe-even":
@@ -379,7 +420,8 @@ class Screened:
     lower_bound_s: float
 
 
-def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str) -> Plan:
+def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str,
+           deadline: float = math.inf) -> Plan:
     """The fastest fitting plan among `specs`, exactly as evaluating every one would find it, simulating few.
 
     1. Memory first: each layout's per-rank memory is computed with the cost model's own stage_memory and
@@ -400,7 +442,8 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
     best: tuple[Plan, LayoutSpec] | None = None
     simulated = 0
     for s in sorted(keep, key=lambda s: s.lower_bound_s):
-        if best is not None and s.lower_bound_s * (1 - 1e-9) >= best[0].predicted.step_time_s:
+        if best is not None and (s.lower_bound_s * (1 - 1e-9) >= best[0].predicted.step_time_s
+                                 or time.perf_counter() > deadline):
             break
         try:
             plan = _build(profile, cluster, global_batch, s.spec, SolverInfo(method))

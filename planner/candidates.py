@@ -279,13 +279,12 @@ def unit_layouts(
     return out
 
 
-RUNTIME_ZERO_STAGES = (0,)  # what runtime/ trains today; the cost model also prices ZeRO 1-3 (baselines, --layout)
+ZERO_STAGES = (0, 1, 2, 3)  # every ZeRO stage the cost model prices and runtime/ trains (issue 13)
 
 
 def zero_stages(cluster: Cluster, dp: int) -> tuple[int, ...]:
-    """ZeRO stages the solver may emit: only those the runtime trains (it never writes a plan the runtime
-    cannot run). With ZeRO in the runtime, (1, 2, 3) over dp > 1 replicas would be tried here."""
-    return (0,) if dp == 1 else RUNTIME_ZERO_STAGES
+    """ZeRO stages worth trying at dp replicas: 0 alone at dp = 1 (nothing to shard), else all of ZERO_STAGES."""
+    return (0,) if dp == 1 else ZERO_STAGES
 
 
 def unit_runs(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, stage_ranks: int | None = None,

@@ -8,10 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from planner import baselines
 from planner.allocate import Allocator, Choice, Solver, assign_ranks
 from planner.candidates import (
-    RUNTIME_ZERO_STAGES,
     Layout,
     Setting,
     Structure,
@@ -53,6 +51,17 @@ class Search:
     gap_goal: float = TOLERANCE
     solver: Solver = "highs"
     seen: set = field(default_factory=set)  # combinations already simulated
+    started: float = field(default_factory=time.perf_counter)
+    time_limit: float | None = None
+    floor: float = 0.0  # the smallest bound not yet ruled out in the current branch and bound (progress only)
+
+    def report(self, step: str, fraction: float) -> None:
+        """Progress with the incumbent and the bound; the fraction is the share of the time limit used, if any."""
+        if self.time_limit:
+            fraction = max(fraction, min(0.99, (time.perf_counter() - self.started) / self.time_limit))
+        best = f"best {self.best[0]:.4g} s" if self.best is not None else "no plan yet"
+        bound = f", bound {self.floor:.4g} s" if self.floor > 0 else ""
+        self.progress(f"{step}: {best}{bound}", fraction)
 
     def out_of_time(self) -> bool:
         if time.perf_counter() > self.deadline:
@@ -87,7 +96,7 @@ def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[
     for si, (structure, units) in enumerate(structures):
         if search.out_of_time():
             break
-        note(f"candidate layouts: {structure}", 0.05 + 0.45 * si / len(structures))
+        search.report(f"{structure}: candidate layouts", 0.05 + 0.45 * si / len(structures))
         cands = _candidates(search, structure, units, setting, _m_order(units, setting, ms, times, cl), times)
         if any(not c for c in cands):
             continue
@@ -127,6 +136,7 @@ def _run(search: Search, allocators, budget: int) -> tuple[bool, float]:
     while heap:
         floor, _, i, choice = heap[0]
         goal = search.best[0] * (1 - search.gap_goal) if search.best is not None else math.inf
+        search.floor = floor
         if floor >= goal:
             return exact and search.gap_goal <= TOLERANCE, max(0.0, 1 - floor / search.best[0])
         if search.out_of_time() or simulated >= budget:
@@ -135,7 +145,7 @@ def _run(search: Search, allocators, budget: int) -> tuple[bool, float]:
         structure, units, alloc = allocators[i]
         exact &= choice.optimal
         if choice.bound < goal:
-            search.progress(f"simulating {structure} plans ({search.simulated} so far)", min(0.8, 0.5 + 0.3 * simulated / budget))
+            search.report(f"{structure}: {search.simulated} simulated", min(0.8, 0.5 + 0.3 * simulated / budget))
             if search.simulate(structure, units, choice.layouts):
                 simulated += 1
         alloc.exclude(choice)
@@ -265,17 +275,3 @@ def refine_tiers(search: Search) -> None:
         return
     if refined is not None:
         search.offer(refined, structure)
-
-
-def best_baseline(profile: Profile, cluster: Cluster, global_batch: int, schedule: Schedule, micro_batch: int | None) -> Plan | None:
-    """The best homogeneous plan of planner/baselines.py for the same request (None when there is none)."""
-    try:
-        zeros = RUNTIME_ZERO_STAGES  # the same runnable space as the solver's (candidates.zero_stages)
-        specs = baselines.grid_layouts(profile, cluster, global_batch, schedules=(schedule,), zeros=zeros)
-        if micro_batch is not None:
-            specs = [s for s in specs if s.dp * s.micro_batch == micro_batch]
-        if not specs:
-            return None
-        return baselines.search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
-    except MmplanError:
-        return None

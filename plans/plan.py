@@ -137,6 +137,9 @@ class SolverInfo:
     candidates: int = 0
     stopped_early: bool = False
     notes: str = ""
+    optimal: bool = False  # proven optimal under the cost model over the solver's search space
+    memory_reserve: float = 0.0  # fraction of each GPU's memory the plan leaves free (solve --memory-reserve)
+    baselines: dict[str, float] = field(default_factory=dict)  # step seconds of the baselines it was compared with
 
 
 @dataclass(frozen=True, slots=True)

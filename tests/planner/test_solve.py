@@ -101,7 +101,7 @@ def check_optimal(seed: int, schedule: str = "1f1b", placement: str = "auto") ->
     if placement == "non-colocated" and cluster.world_size < units:
         return  # an error naming the missing GPUs: test_too_few_gpus_for_non_colocated_groups
     want = brute_force(profile, cluster, batch, schedule, placement)
-    kwargs = dict(schedule=schedule, placement=placement, memory_tiers=False, baseline=False)
+    kwargs = dict(schedule=schedule, placement=placement, memory_tiers=False, baseline=False, memory_reserve=0.0)
     if want is None:
         with pytest.raises(MmplanError, match="GB"):
             solve(profile, cluster, batch, **kwargs)
