@@ -323,18 +323,23 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
     else:
         variants = [(d, d) for d in depths]
     out = []
+    links = [_stage_link(st.cluster, seg.tp * seg.dp, k) for k in range(max(0, depth - 1))]
     for recorded, assumed in variants:
-        table, table_link, stages = None, None, None
+        table, table_link, stages, send_max = None, None, None, 0.0
         for pp in range(1, depth + 1):
             if not allowed_gpus(seg.tp * seg.dp * pp, st.cluster) or m * work / pp >= limit:
                 continue
             link = _cross_link(st, seg.tp * seg.dp, pp)
             if table is None or link != table_link:
-                stages = _Stages(seg, assumed, _send(seg, link))
+                send = _send(seg, link)
+                stages, send_max = _Stages(seg, assumed, send), float(send.max())
                 table, table_link = cut_table(seg.n, stages.cost, depth), link
             part = table.best(pp)
-            if part is not None:
-                out.append(_layout(seg, stages, part.cuts, part.slowest, recorded))
+            # the DP's slowest stage costs f + b + send + tail / m per micro-batch, and every layout's bound is at
+            # least m (f + b) + tail of each of its stages (bounds.py: body >= m (f + b), Up >= tail): a layout
+            # whose m (slowest - largest send) reaches `limit` cannot beat it and is not built
+            if part is not None and m * (part.slowest - send_max) < limit:
+                out.append(_layout(seg, stages, part.cuts, part.slowest, recorded, links))
     return out
 
 
@@ -346,7 +351,8 @@ def _send(seg: Segments, link: Link) -> np.ndarray:
     return cross
 
 
-def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None) -> Layout:
+def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None,
+            links: Sequence[Link] | None = None) -> Layout:
     st, cl = seg.setting, seg.setting.cluster
     starts = np.array((0, *cuts), dtype=np.int64)
     ends = np.array((*cuts, seg.n), dtype=np.int64)
@@ -363,7 +369,8 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
             figures[row, sel] = x[a, b]
     fwd, bwd, tail, opt, gather, g0, g1, c0, c1, n0, n1 = figures[:11]
     stage_ranks = seg.tp * seg.dp
-    lag = tuple(p2p_time(seg.unit.cross_bytes[c] * seg.samples, _stage_link(cl, stage_ranks, k)) for k, c in enumerate(cuts))
+    links = links if links is not None else [_stage_link(cl, stage_ranks, k) for k in range(len(cuts))]
+    lag = tuple(p2p_time(seg.unit.cross_bytes[c] * seg.samples, links[k]) for k, c in enumerate(cuts))
     entries = tuple(int(np.searchsorted(starts, f.block, side="right")) - 1 for f in seg.unit.feeds)
     return Layout(
         unit=seg.unit.name, schedule=st.schedule, micro_batches=seg.micro_batches, tp=seg.tp, dp=seg.dp, zero=seg.zero,

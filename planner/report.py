@@ -43,6 +43,15 @@ def tiers_text(group: Group) -> str:
     return f"{', '.join(states)}; " + ", ".join(f"{n} {tier}" for tier, n in acts.items())
 
 
+def layout_text(plan: Plan) -> str:
+    """A plan's layout in one line: per group dp x tp x pp, ZeRO stage, stage sizes; micro-batches and schedule."""
+    t = plan.training
+    schedule = f"interleaved:{t.virtual_stages}" if t.schedule == "interleaved" else t.schedule
+    groups = "; ".join(f"{g.name} dp={g.dp},tp={g.tp},pp={g.pp},zero={g.zero},stages={'+'.join(str(len(s.blocks)) for s in g.stages)}"
+                       for g in plan.groups)
+    return f"{groups}; micro-batches={t.micro_batches},schedule={schedule}"
+
+
 def _seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
@@ -58,6 +67,10 @@ def solution_json(solution: Solution, output: str | os.PathLike) -> dict:
         "step_time_s": p.step_time_s,
         "baseline_step_time_s": solution.baseline_step_time_s,
         "speedup_vs_homogeneous": solution.speedup,
+        "speedup_vs_megatron": solution.speedup_over("megatron"),
+        "baselines": {name: {"layout": layout_text(b), "step_time_s": b.predicted.step_time_s}
+                      for name, b in solution.baselines.items()},
+        "memory_reserve": plan.solver.memory_reserve if plan.solver else 0.0,
         "solve_time_s": solution.solve_time_s,
         "fits": p.fits,
         "method": plan.solver.method if plan.solver else None,
@@ -107,8 +120,9 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
         + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
     ]
-    if solution.speedup is not None:
-        lines.append(f"best homogeneous plan {solution.baseline_step_time_s:.4g} s: speed-up [bold]{solution.speedup:.2f}x[/]")
+    for name, b in solution.baselines.items():
+        lines.append(f"{name} baseline ({safe(layout_text(b))}) {b.predicted.step_time_s:.4g} s: "
+                     f"speed-up [bold]{solution.speedup_over(name):.2f}x[/]")
     if solution.structure == "baseline" and solution.plan.solver:
         lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
     else:

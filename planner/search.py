@@ -258,7 +258,7 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     training = Training(global_batch, layouts[0].micro_batches, schedule, dtype=dtype)
     try:
-        return build_plan(profile, cluster, training, groups)
+        return build_plan(profile, cluster, training, groups, schema=False)
     except MmplanError:
         return None  # e.g. a deadlocking order: not a candidate
 

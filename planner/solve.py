@@ -113,13 +113,15 @@ def solve(
     progress: Progress | None = None,
     memory_reserve: float = DEFAULT_RESERVE,
     started: float | None = None,
+    emit: Literal["best", "homogeneous", "megatron"] = "best",
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
     micro_batch: samples per micro-batch (over a group's data-parallel replicas; Training.micro_batch),
     default: searched. time_limit: seconds from `started` (a time.perf_counter() value, default now: the CLI
     passes the process start); the search returns the best plan so far and says it stopped early.
-    memory_reserve: fraction of each GPU's memory every plan leaves free.
+    memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
+    that baseline as the plan (solve --baseline), found exactly as the full solve finds it.
     """
     started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
@@ -143,9 +145,13 @@ def solve(
     proved = True
     gap = 0.0
     offload = False
-    if chain:
+    if chain and emit != "megatron":
         proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
-    homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline else None
+    homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline and emit != "megatron" else None
+    if emit == "homogeneous":
+        if homogeneous is None:
+            raise no_fit(profile, usable, setting, chain, memory_tiers, search.stopped_early)
+        return _baseline_solution(homogeneous, search, started, "homogeneous")
     if not any(s == "chain" for s, _ in structures) and search.best is not None:
         search.best = (search.best[0], search.best[1], "baseline")  # outside the requested placement: a baseline
     # 2. the Megatron-style baseline (its grid of homogeneous layouts, searched by baselines.search)
@@ -153,6 +159,10 @@ def solve(
     if baseline and not search.out_of_time():
         note("Megatron-style baseline", 0.3)
         megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve)
+    if emit == "megatron":
+        if megatron is None or not megatron.predicted.fits:
+            raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
+        return _baseline_solution(megatron, search, started, "megatron")
     # 3. the heterogeneous structures, pruned by the best step so far
     if rest and not search.out_of_time():
         p, g, offload = _search(search, rest, setting, ms, solver, memory_tiers, offload)
@@ -185,6 +195,13 @@ def solve(
     note("done", 1.0)
     return Solution(plan, homogeneous, elapsed, structure, search.candidates, search.simulated, proved, search.stopped_early,
                     0.0 if proved else gap, megatron)
+
+
+def _baseline_solution(plan: Plan, search: Search, started: float, name: str) -> Solution:
+    elapsed = time.perf_counter() - started
+    plan = replace(plan, solver=replace(plan.solver, time_s=elapsed, stopped_early=search.stopped_early))
+    return Solution(plan, plan if name == "homogeneous" else None, elapsed, "baseline", search.candidates, search.simulated,
+                    False, search.stopped_early, 0.0, plan if name == "megatron" else None)
 
 
 def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool,
@@ -289,7 +306,22 @@ def _structures(profile: Profile, cluster: Cluster, placement: Placement) -> lis
 
 # --- the command's core: `mmplan solve` ----------------------------------------------------------------------------
 
-Baseline = Literal["homogeneous", "zero3", "gpipe-even"]
+Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
+
+
+def process_started() -> float:
+    """When this process started, as a time.perf_counter() value (Linux /proc; else now): --time-limit counts
+    from there, so that loading Python and the profile is inside the limit."""
+    now = time.perf_counter()
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - age if 0 <= age < 3600 else now
 
 
 def run_solve(
@@ -308,8 +340,14 @@ def run_solve(
     baseline: Baseline | None = None,
     layout: str | None = None,
     progress: Progress | None = None,
+    memory_reserve: float = DEFAULT_RESERVE,
+    started: float | None = None,
 ) -> tuple[Solution, Profile]:
-    """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan."""
+    """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan.
+
+    --baseline homogeneous / megatron (without --layout) write exactly the baseline plan `solve` compares with.
+    started: a time.perf_counter() value --time-limit counts from (default now)."""
+    started = time.perf_counter() if started is None else started
     from cost_models.hardware import parse_cluster
     from plans.graph import load_profile
     from plans.plan import save_plan
@@ -318,18 +356,21 @@ def run_solve(
         raise MmplanError("--layout describes a homogeneous layout: use it with --baseline homogeneous")
     profile = load_profile(profile_path)
     spec = parse_cluster(cluster, gpus_per_node)
-    if baseline is not None:
-        from planner import baselines
-
-        started = time.perf_counter()
-        plan = baselines.baseline_plan(baseline, profile, spec, global_batch, layout=layout)
+    if baseline in ("homogeneous", "megatron") and layout is None:
+        solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
+                         time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
+                         memory_reserve=memory_reserve, started=started, emit=baseline)
+    elif baseline is not None:
+        plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout)
         elapsed = time.perf_counter() - started
-        plan = replace(plan, solver=replace(plan.solver or SolverInfo(f"baseline:{baseline}"), time_s=elapsed))
+        plan = replace(plan, cluster=spec, solver=replace(plan.solver or SolverInfo(f"baseline:{baseline}"), time_s=elapsed,
+                                                          memory_reserve=memory_reserve))
         solution = Solution(plan, plan if baseline == "homogeneous" else None, elapsed, "baseline", plan.solver.candidates,
-                            0, False, False, 0.0)
+                            0, False, False, 0.0, plan if baseline == "megatron" else None)
     else:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
-                         time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress)
+                         time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
+                         memory_reserve=memory_reserve, started=started)
     save_plan(solution.plan, output)
     return solution, profile
 
