@@ -240,7 +240,7 @@ def homogeneous_plan(profile: Profile, cluster: Cluster, global_batch: int, spec
 
 
 def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, solver: SolverInfo,
-           *, predict: bool = True) -> Plan:
+           *, predict: bool = True, schema: bool = True) -> Plan:
     training = _training(profile, spec, global_batch)
     stages = _stage_blocks(profile, spec)
     memory = tuple(Memory(activations=_recomputed(profile, blocks, spec.recompute)) for blocks in stages)
@@ -249,13 +249,14 @@ def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
         names = tuple(b for s in stages for b in s)
         cuts = tuple(sum(len(s) for s in stages[:i]) for i in range(1, spec.pp))
         layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory)
-        return build_plan(profile, cluster, training, [layout], solver, predict=predict)
+        return build_plan(profile, cluster, training, [layout], solver, predict=predict, schema=schema)
     # GroupLayout describes contiguous stages only; an interleaved stage holds v chunks, so build the Group here
     # and finish as build_plan does (check with the profile, then attach predictions).
     per = spec.dp * spec.tp
     group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, stages=tuple(
         Stage(blocks, ranks[i * per:(i + 1) * per], memory[i]) for i, blocks in enumerate(stages)))
-    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile)
+    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile,
+                      schema=schema)
     return with_predictions(plan, profile)[0] if predict else plan
 
 
@@ -435,7 +436,11 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
     """
     started = time.perf_counter()
     costs = _Costs(profile, cluster)
-    screened = [screen(profile, cluster, global_batch, s, costs=costs) for s in specs]
+    screened = []
+    for s in specs:  # past the deadline, the layouts screened so far (at least one)
+        if screened and time.perf_counter() > deadline:
+            break
+        screened.append(screen(profile, cluster, global_batch, s, costs=costs))
     fitting = {s.spec for s in screened if s.overflow <= 0}
     keep = [s for s in screened if s.overflow <= 0
             and not (s.spec.recompute != "none" and replace(s.spec, recompute="none") in fitting)]
@@ -446,7 +451,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
                                  or time.perf_counter() > deadline):
             break
         try:
-            plan = _build(profile, cluster, global_batch, s.spec, SolverInfo(method))
+            plan = _build(profile, cluster, global_batch, s.spec, SolverInfo(method), schema=False)  # checked when saved
         except MmplanError:  # e.g. an interleaved order that deadlocks: not a candidate
             continue
         simulated += 1

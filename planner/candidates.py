@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -201,12 +202,19 @@ def stage_in_flight(schedule: Schedule, micro_batches: int, downstream: int) -> 
 
 class _Stages:
     """The DP's stage cost of a unit at one (tp, dp, ZeRO, m, downstream) and send link: per stage depth q, the
-    fastest policy that fits (time inf when none does), and which policy that is."""
+    fastest policy that fits (time inf when none does), and which policy that is. Each policy's time and the
+    most micro-batches in flight each segment holds are computed once; a depth only compares with them."""
 
     def __init__(self, seg: Segments, downstream: int, send: np.ndarray):
         self.seg, self.downstream, self.send = seg, downstream, send
         self._by_flight: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._flights: dict[int, float] = {}  # q -> micro-batches in flight (the DP asks for each q many times)
+        self._times: list[np.ndarray] = []
+        self._room: list[np.ndarray] = []
+        for pol in seg.setting.policies:
+            fwd, bwd, tail, _, _ = seg.time(pol)
+            self._times.append(fwd + bwd + send[None, :] + tail / seg.micro_batches)
+            self._room.append(seg.room(pol))
 
     def flight(self, q: int) -> float:
         if q not in self._flights:
@@ -218,13 +226,10 @@ class _Stages:
 
     def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray]:
         if flight not in self._by_flight:
-            seg = self.seg
-            best = np.full_like(seg.params, np.inf)
+            best = np.full_like(self.seg.params, np.inf)
             which = np.zeros(best.shape, dtype=np.int64)
-            for index, pol in enumerate(seg.setting.policies):
-                fwd, bwd, tail, _, _ = seg.time(pol)
-                t = np.where(seg.fits(pol, flight), fwd + bwd + self.send[None, :] + tail / seg.micro_batches, np.inf)
-                better = t < best
+            for index, (t, room) in enumerate(zip(self._times, self._room)):
+                better = (room >= flight) & (t < best)
                 best = np.where(better, t, best)
                 which = np.where(better, index, which)
             self._by_flight[flight] = (best, which)
@@ -255,6 +260,7 @@ def unit_layouts(
     max_pp: int | None = None,
     limit: float = math.inf,
     times: BlockTimes | None = None,
+    deadline: float = math.inf,
 ) -> list[Layout]:
     """Every layout of `unit` at m = micro_batches with at most max_gpus ranks: for each (tp, dp, ZeRO) one DP
     table gives the cut points of every pp at once.
@@ -265,6 +271,7 @@ def unit_layouts(
     one layout (downstream=None) serves them all.
     stage_ranks: only layouts with dp * tp equal to it (colocated encoders); max_pp caps the depth.
     limit: skip every (tp, dp) whose layouts' bounds are all >= limit (run_bound), e.g. the best simulated step.
+    deadline: a time.perf_counter() value after which no more (tp, dp) runs are tried (solve --time-limit).
     """
     cl = setting.cluster
     times = times or BlockTimes(setting)
@@ -273,6 +280,8 @@ def unit_layouts(
         work = times.work(unit, tp, setting.global_batch / micro_batches / dp)
         if run_bound(work, micro_batches, depth) >= limit:
             continue
+        if time.perf_counter() > deadline:
+            break
         for zero in zero_stages(cl, dp):
             seg = Segments(unit, setting, tp, dp, zero, micro_batches, times)
             out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)

@@ -172,7 +172,7 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
             break
         limit = search.best[0] if search.best else math.inf
         if structure == "chain":
-            lays = unit_layouts(units[0], setting, m, max_gpus=n, limit=limit, times=times)
+            lays = unit_layouts(units[0], setting, m, max_gpus=n, limit=limit, times=times, deadline=search.deadline)
             out[0] += [lay for lay in lays if lay.bound.own < limit]
             if search.best is None:
                 for lay in sorted(out[0], key=lambda lay: lay.bound.own)[:3]:
@@ -180,7 +180,7 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
             continue
         sink = next(i for i, u in enumerate(units) if u.feeds)
         reserve = len(units) - 1 if structure == "non-colocated" else 0
-        sink_layouts = [lay for lay in unit_layouts(units[sink], setting, m, max_gpus=n - reserve, limit=limit, times=times)
+        sink_layouts = [lay for lay in unit_layouts(units[sink], setting, m, max_gpus=n - reserve, limit=limit, times=times, deadline=search.deadline)
                         if lay.bound.own < limit]
         if not sink_layouts:
             continue
@@ -191,11 +191,11 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
                 per_unit.append(sink_layouts)
             elif structure == "non-colocated":
                 per_unit.append(unit_layouts(unit, setting, m, max_gpus=n - min(lay.gpus for lay in sink_layouts),
-                                             downstream=depths, limit=limit, times=times))
+                                             downstream=depths, limit=limit, times=times, deadline=search.deadline))
             else:
                 sizes = {lay.gpus for lay in sink_layouts}
                 per_unit.append([lay for lay in unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False,
-                                                             max_pp=1, limit=limit, times=times) if lay.gpus in sizes])
+                                                             max_pp=1, limit=limit, times=times, deadline=search.deadline) if lay.gpus in sizes])
         for u, lays in enumerate(per_unit):
             out[u] += [lay for lay in lays if lay.bound.own < limit]
         if search.best is None and all(out):
@@ -270,7 +270,7 @@ def refine_tiers(search: Search) -> None:
     if all(s.memory == type(s.memory)() for s in stages):
         return  # everything on the GPU, nothing recomputed: no other tiers are faster
     try:
-        refined = place_tiers(plan, search.profile)
+        refined = place_tiers(plan, search.profile, time_limit=max(0.05, min(30.0, search.deadline - time.perf_counter())))
     except MmplanError:
         return
     if refined is not None:

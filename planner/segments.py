@@ -170,6 +170,23 @@ class Segments:
         return (self.valid & (g0 + in_flight * g1 <= st.cluster.device.memory_bytes)
                 & (c0 + in_flight * c1 <= st.host_share) & (n0 + in_flight * n1 <= st.nvme_share))
 
+    def room(self, policy: Policy) -> np.ndarray:
+        """The most micro-batches in flight each segment's stage holds and still fits (fits(policy, f) is
+        room >= f; -inf where it never fits or the segment is empty)."""
+        key = ("room", policy)
+        if key in self._cache:
+            return self._cache[key]
+        g0, g1, c0, c1, n0, n1 = self.memory(policy)
+        st = self.setting
+        room = np.where(self.valid, np.inf, -np.inf)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for base, per, cap in ((g0, g1, st.cluster.device.memory_bytes), (c0, c1, st.host_share), (n0, n1, st.nvme_share)):
+                limit = np.where(per > 0, (cap - base) / np.where(per > 0, per, 1.0), np.where(base <= cap, np.inf, -np.inf))
+                limit = np.where(base > cap, -np.inf, limit)
+                room = np.minimum(room, limit)
+        self._cache[key] = room
+        return room
+
     def binds(self, policy: Policy, low: float, high: float) -> bool:
         """Whether some segment fits at `low` micro-batches in flight but not at `high`."""
         return bool(np.any(self.fits(policy, low) & ~self.fits(policy, high)))
