@@ -425,97 +425,122 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
            deadline: float = math.inf) -> Plan:
     """The fastest fitting plan among `specs`, exactly as evaluating every one would find it, simulating few.
 
-    1. Memory first: each layout's per-rank memory is computed with the cost model's own stage_memory and
-       in-flight counts (cost_models/memory.py), which is exactly what evaluate() reports for these plans.
-    2. Dominance: recomputation only adds compute time, so a layout with recomputation is dropped when the
-       same layout without it fits.
-    3. Branch and bound: fitting layouts are simulated in order of a lower bound of their step time
-       (see screen); the search stops when the next bound is no better than the best simulated step.
+    1. Every layout's step-time lower bound (see screen; cheap: block times and tails, cached) orders them.
+    2. In that order, a layout's per-rank memory is computed with the cost model's own stage_memory and
+       in-flight counts (cost_models/memory.py), exactly what evaluate() reports for these plans; those that
+       do not fit are skipped. Dominance: recomputation only adds compute time, so a layout with
+       recomputation is skipped when the same layout without it fits.
+    3. Branch and bound: fitting layouts are simulated in that order; the search stops when the next bound is
+       no better than the best simulated step (or at the deadline, a time.perf_counter() value).
     None fits: the layout with the least overflow is built; its predictions say fits = false and the solver
     notes say by how much.
     """
     started = time.perf_counter()
     costs = _Costs(profile, cluster)
-    screened = []
-    for s in specs:  # past the deadline, the layouts screened so far (at least one)
-        if screened and time.perf_counter() > deadline:
-            break
-        screened.append(screen(profile, cluster, global_batch, s, costs=costs))
-    fitting = {s.spec for s in screened if s.overflow <= 0}
-    keep = [s for s in screened if s.overflow <= 0
-            and not (s.spec.recompute != "none" and replace(s.spec, recompute="none") in fitting)]
+    order = sorted(((_step_bound(profile, cluster, global_batch, s, costs), i) for i, s in enumerate(specs)))
+    memory: dict[LayoutSpec, float] = {}
+
+    def peak(spec: LayoutSpec) -> float:
+        if spec not in memory:
+            memory[spec] = _peak_gpu_bytes(profile, global_batch, spec, costs)
+        return memory[spec]
+
+    cap = cluster.device.memory_bytes
     best: tuple[Plan, LayoutSpec] | None = None
     simulated = 0
-    for s in sorted(keep, key=lambda s: s.lower_bound_s):
-        if best is not None and (s.lower_bound_s * (1 - 1e-9) >= best[0].predicted.step_time_s
-                                 or time.perf_counter() > deadline):
+    for bound, i in order:
+        spec = specs[i]
+        if best is not None and (bound * (1 - 1e-9) >= best[0].predicted.step_time_s or time.perf_counter() > deadline):
             break
+        if peak(spec) > cap or (spec.recompute != "none" and peak(replace(spec, recompute="none")) <= cap):
+            continue
         try:
-            plan = _build(profile, cluster, global_batch, s.spec, SolverInfo(method), schema=False)  # checked when saved
+            plan = _build(profile, cluster, global_batch, spec, SolverInfo(method), schema=False)  # checked when saved
         except MmplanError:  # e.g. an interleaved order that deadlocks: not a candidate
             continue
         simulated += 1
         if plan.predicted.fits and (best is None or plan.predicted.step_time_s < best[0].predicted.step_time_s):
-            best = plan, s.spec
+            best = plan, spec
     if best is not None:
         plan, spec = best
-        note = (f"layout {spec}; {len(specs)} layouts, {len(fitting)} fit in memory, {simulated} simulated "
+        note = (f"layout {spec}; {len(specs)} layouts, {len(memory)} screened for memory, {simulated} simulated "
                 f"(the rest pruned by memory, dominance or a step-time lower bound)")
     else:
-        least = min(screened, key=lambda s: (s.overflow, s.lower_bound_s))
-        plan, spec = _build(profile, cluster, global_batch, least.spec, SolverInfo(method)), least.spec
+        least = min(specs, key=peak)
+        plan, spec = _build(profile, cluster, global_batch, least, SolverInfo(method)), least
         simulated += 1
         note = (f"layout {spec}; no layout fits: of {len(specs)} layouts this one needs the least memory, "
-                f"{least.gpu_bytes / 1e9:.1f} GB on its fullest GPU of {cluster.device.memory_bytes / 1e9:.1f} GB")
+                f"{peak(least) / 1e9:.1f} GB on its fullest GPU of {cluster.device.memory_bytes / 1e9:.1f} GB")
     return replace(plan, solver=SolverInfo(method, objective=plan.predicted.step_time_s, time_s=time.perf_counter() - started,
                                            candidates=len(specs), notes=note))
 
 
 def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, *, costs: _Costs | None = None) -> Screened:
-    """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan.
-
-    Lower bound (each term is a part of what cost_models/pipeline.py simulates, so the bound never exceeds
-    the simulated step; tests check it on whole grids): stage i runs m forwards of f_i and m backwards of b_i
-    seconds (block_time compute plus blocking TP all-reduces; exposed transfers and p2p sends left out) on
-    one compute lane, after micro-batch 0 went through the forwards of the stages before it; its last
-    backward is micro-batch m-1's, whose gradient then goes back through the stages before it; every stage
-    ends with its gradient sync, optimizer step and ZeRO all-gather in sequence (the simulator's stage tail).
-    With v > 1 chunks per rank only the per-stage sum is used.
-    """
+    """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan."""
     costs = costs or _Costs(profile, cluster)
+    peak = _peak_gpu_bytes(profile, global_batch, spec, costs)
+    return Screened(spec, peak, peak - cluster.device.memory_bytes, _step_bound(profile, cluster, global_batch, spec, costs))
+
+
+def _peak_gpu_bytes(profile: Profile, global_batch: int, spec: LayoutSpec, costs: _Costs) -> float:
+    """GPU bytes of the layout's fullest rank, as cost_models/memory.stage_memory counts them."""
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
-    per = spec.dp * spec.tp
-    samples = float(spec.micro_batch)
-    fwd, bwd, tail, gpu = [], [], [], []
-    for i, names in enumerate(_stage_blocks(profile, spec)):
+    gpu = []
+    for i, names in enumerate(costs.stage_blocks(profile, spec)):
         stage = [costs.blocks[n] for n in names]
         acts = _recomputed(profile, names, spec.recompute)
         warmup = warmup_forwards(spec.schedule, m, spec.pp - i - 1, spec.virtual_stages, spec.pp)
-        mem = stage_memory(stage, samples=samples, tp=spec.tp, dp=spec.dp, zero=spec.zero,
+        mem = stage_memory(stage, samples=float(spec.micro_batch), tp=spec.tp, dp=spec.dp, zero=spec.zero,
                            memory=Memory(activations=acts),
                            in_flight_micro_batches=in_flight(spec.schedule, m, warmup, spec.virtual_stages),
                            input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer)
         gpu.append(mem.gpu)
-        f = b = 0.0
-        for blk in stage:
-            bf, bb = costs.block_time(blk, samples, spec.tp, training.dtype, blk.name in acts)
-            f += bf
-            b += bb
-        fwd.append(f)
-        bwd.append(b)
-        params = sum(blk.params / (spec.tp if blk.supports_tp else 1) for blk in stage)
-        link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
-        tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
-                              dtype=training.dtype, optimizer=training.optimizer).total)
+    return max(gpu)
+
+
+def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, costs: _Costs) -> float:
+    """A lower bound of the layout's simulated step time.
+
+    Each term is a part of what cost_models/pipeline.py simulates, so the bound never exceeds the simulated
+    step (tests check it on whole grids): stage i runs m forwards of f_i and m backwards of b_i seconds
+    (block_time compute plus blocking TP all-reduces; exposed transfers and p2p sends left out) on one compute
+    lane, after micro-batch 0 went through the forwards of the stages before it; its last backward is
+    micro-batch m-1's, whose gradient then goes back through the stages before it; every stage ends with its
+    gradient sync, optimizer step and ZeRO all-gather in sequence (the simulator's stage tail). With v > 1
+    chunks per rank only the per-stage sum is used.
+    """
+    m = global_batch // (spec.dp * spec.micro_batch)
+    training = _training(profile, spec, global_batch)
+    dtype = training.dtype
+    key = ("bound", spec.tp, spec.pp, spec.dp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.zero, spec.split)
+    if key not in costs.memo:
+        per = spec.dp * spec.tp
+        samples = float(spec.micro_batch)
+        fwd, bwd, tail = [], [], []
+        for i, names in enumerate(costs.stage_blocks(profile, spec)):
+            stage = [costs.blocks[n] for n in names]
+            acts = _recomputed(profile, names, spec.recompute)
+            f = b = 0.0
+            for blk in stage:
+                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, blk.name in acts)
+                f += bf
+                b += bb
+            fwd.append(f)
+            bwd.append(b)
+            params = sum(blk.params / (spec.tp if blk.supports_tp else 1) for blk in stage)
+            link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
+            tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
+                                  dtype=dtype, optimizer=training.optimizer).total)
+        costs.memo[key] = (fwd, bwd, tail)
+    fwd, bwd, tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
     if spec.virtual_stages == 1:
         fill = [sum(fwd[:i]) for i in range(spec.pp)]
         drain = [sum(bwd[:i]) for i in range(spec.pp)]
         busy = [fill[i] + m * (fwd[i] + bwd[i]) for i in range(spec.pp)]
         bound = max(bound, max(x + t for x, t in zip(busy, tail)), max(x + d for x, d in zip(busy, drain)) + tail[0])
-    peak = max(gpu)
-    return Screened(spec, peak, peak - cluster.device.memory_bytes, bound)
+    return bound
 
 
 class _Costs:
@@ -527,6 +552,14 @@ class _Costs:
         self.inputs = block_input_bytes(profile)
         self.measured = profile.micro_batch if measured_on(profile, cluster) else None
         self._times: dict[tuple, tuple[float, float]] = {}
+        self.memo: dict[tuple, object] = {}  # per-layout figures shared by layouts that differ in schedule or ZeRO only
+        self._stages: dict[tuple, list[tuple[str, ...]]] = {}
+
+    def stage_blocks(self, profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
+        key = (spec.pp, spec.virtual_stages, spec.split)
+        if key not in self._stages:
+            self._stages[key] = _stage_blocks(profile, spec)
+        return self._stages[key]
 
     def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool) -> tuple[float, float]:
         """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""
