@@ -283,6 +283,8 @@ def unit_layouts(
         if time.perf_counter() > deadline:
             break
         for zero in zero_stages(cl, dp):
+            if time.perf_counter() > deadline:
+                break
             seg = Segments(unit, setting, tp, dp, zero, micro_batches, times)
             out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
     return out

@@ -43,15 +43,6 @@ def tiers_text(group: Group) -> str:
     return f"{', '.join(states)}; " + ", ".join(f"{n} {tier}" for tier, n in acts.items())
 
 
-def layout_text(plan: Plan) -> str:
-    """A plan's layout in one line: per group dp x tp x pp, ZeRO stage, stage sizes; micro-batches and schedule."""
-    t = plan.training
-    schedule = f"interleaved:{t.virtual_stages}" if t.schedule == "interleaved" else t.schedule
-    groups = "; ".join(f"{g.name} dp={g.dp},tp={g.tp},pp={g.pp},zero={g.zero},stages={'+'.join(str(len(s.blocks)) for s in g.stages)}"
-                       for g in plan.groups)
-    return f"{groups}; micro-batches={t.micro_batches},schedule={schedule}"
-
-
 def _seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
@@ -121,7 +112,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
         + ("" if p.fits else "  [bold red]does not fit[/]"),
     ]
     for name, b in solution.baselines.items():
-        lines.append(f"{name} baseline ({safe(layout_text(b))}) {b.predicted.step_time_s:.4g} s: "
+        lines.append(f"{name} baseline ({safe(layout_text(b).replace(chr(10), '; '))}) {b.predicted.step_time_s:.4g} s: "
                      f"speed-up [bold]{solution.speedup_over(name):.2f}x[/]")
     if solution.structure == "baseline" and solution.plan.solver:
         lines.append(f"baseline: {safe(solution.plan.solver.notes)}")

@@ -167,6 +167,11 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
     of the first m are simulated to get one."""
     n = search.cluster.world_size
     out: list[list[Layout]] = [[] for _ in units]
+    if structure == "chain" and search.best is None and ms:
+        # an incumbent within moments: the unpipelined layouts (pp = 1: no DP table) of the most promising m
+        quick = unit_layouts(units[0], setting, ms[0], max_gpus=n, max_pp=1, times=times, deadline=search.deadline)
+        for lay in sorted(quick, key=lambda lay: lay.bound.own)[:2]:
+            search.simulate(structure, units, (lay,))
     for m in ms:
         if search.out_of_time():
             break

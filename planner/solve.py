@@ -87,7 +87,8 @@ class Solution:
 
 
 DEFAULT_RESERVE = 0.10  # of each GPU's memory left free by every solved plan (allocator fragmentation, CUDA context)
-WRITE_MARGIN_S = 0.15  # of a --time-limit kept for building the result and writing the plan
+WRITE_MARGIN_S = 0.2  # seconds of a --time-limit kept for building the result, writing the plan and exiting,
+WRITE_SHARE = 0.1  # and this share of it (a step of the search runs past the deadline by a fraction of a second)
 
 
 def usable_cluster(cluster: Cluster, reserve: float) -> Cluster:
@@ -128,7 +129,7 @@ def solve(
     _check_request(profile, cluster, global_batch, placement, schedule, micro_batch, time_limit)
     usable = usable_cluster(cluster, memory_reserve)
     solver = pick_solver(solver)
-    deadline = started + (time_limit - min(WRITE_MARGIN_S, 0.05 * time_limit) if time_limit is not None else math.inf)
+    deadline = started + (time_limit * (1 - WRITE_SHARE) - min(WRITE_MARGIN_S, 0.05 * time_limit) if time_limit is not None else math.inf)
     search = Search(profile, usable, global_batch, schedule, deadline, note, solver=solver, started=started,
                     time_limit=time_limit)
     structures = _structures(profile, usable, placement)
