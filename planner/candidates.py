@@ -97,7 +97,11 @@ class Setting:
     dtype: str = "bf16"
     optimizer: str = "adam"
     measured_micro_batch: int | None = None  # the profile's micro-batch when its times were measured here
+    # The search's dimensions beyond tp, dp, pp, m and cut points, each a list of entries: per-stage tier
+    # policies (keep / recompute / offload ...; a new activation tier such as selective recompute is one more
+    # Policy once segments.py prices it) and per-layout ZeRO stages.
     policies: tuple[Policy, ...] = GPU_ONLY
+    zeros: tuple[int, ...] = (0, 1, 2, 3)
 
     @property
     def host_share(self) -> float:
@@ -282,7 +286,7 @@ def unit_layouts(
             continue
         if time.perf_counter() > deadline:
             break
-        for zero in zero_stages(cl, dp):
+        for zero in zero_stages(cl, dp, setting.zeros):
             if time.perf_counter() > deadline:
                 break
             seg = Segments(unit, setting, tp, dp, zero, micro_batches, times)
@@ -293,9 +297,9 @@ def unit_layouts(
 ZERO_STAGES = (0, 1, 2, 3)  # every ZeRO stage the cost model prices and runtime/ trains (issue 13)
 
 
-def zero_stages(cluster: Cluster, dp: int) -> tuple[int, ...]:
-    """ZeRO stages worth trying at dp replicas: 0 alone at dp = 1 (nothing to shard), else all of ZERO_STAGES."""
-    return (0,) if dp == 1 else ZERO_STAGES
+def zero_stages(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) -> tuple[int, ...]:
+    """ZeRO stages worth trying at dp replicas: 0 alone at dp = 1 (nothing to shard), else `zeros`."""
+    return (0,) if dp == 1 else tuple(zeros)
 
 
 def unit_runs(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, stage_ranks: int | None = None,
