@@ -14,11 +14,13 @@ from planner.candidates import (
     Setting,
     Structure,
     Unit,
+    _layouts_of,
     unit_layouts,
     unit_runs,
+    zero_stages,
 )
 from planner.construct import GroupLayout, build_plan
-from planner.segments import BlockTimes
+from planner.segments import BlockTimes, Segments
 from planner.tiers import place_tiers
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -168,10 +170,7 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
     n = search.cluster.world_size
     out: list[list[Layout]] = [[] for _ in units]
     if structure == "chain" and search.best is None and ms:
-        # an incumbent within moments: the unpipelined layouts (pp = 1: no DP table) of the most promising m
-        quick = unit_layouts(units[0], setting, ms[0], max_gpus=n, max_pp=1, times=times, deadline=search.deadline)
-        for lay in sorted(quick, key=lambda lay: lay.bound.own)[:2]:
-            search.simulate(structure, units, (lay,))
+        _quick_incumbent(search, units, setting, ms[0], times)
     for m in ms:
         if search.out_of_time():
             break
@@ -206,6 +205,21 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
         if search.best is None and all(out):
             _seed(search, structure, units, out)
     return out
+
+
+def _quick_incumbent(search: Search, units: tuple[Unit, ...], setting: Setting, m: int, times: BlockTimes) -> None:
+    """An incumbent within moments, even past a short time limit: unpipelined layouts (pp = 1, no DP table) of the
+    chain at m micro-batches with the most-sharding ZeRO stage, the (tp, dp) runs of least work per micro-batch
+    first, until one fits."""
+    unit, n = units[0], search.cluster.world_size
+    runs = unit_runs(unit, setting, m, max_gpus=n)
+    runs.sort(key=lambda r: (times.work(unit, r[0], setting.global_batch / m / r[1]), -r[1]))
+    for tp, dp, _ in runs[:4]:
+        seg = Segments(unit, setting, tp, dp, max(zero_stages(search.cluster, dp, setting.zeros)), m, times)
+        for lay in _layouts_of(seg, 1, (), True):
+            search.simulate("chain", units, (lay,))
+        if search.best is not None:
+            return
 
 
 def _seed(search: Search, structure: Structure, units: tuple[Unit, ...], candidates: list[list[Layout]]) -> None:

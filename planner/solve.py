@@ -10,7 +10,7 @@ from typing import Literal
 from cost_models.compute import measured_on
 from cost_models.memory import DTYPE_BYTES
 from planner.allocate import Solver, pick_solver
-from planner.candidates import GPU_ONLY, OFFLOAD, Setting, Structure, Unit, micro_batch_counts, profile_units
+from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
 from planner.diagnosis import check_capacity, no_fit
 from planner import baselines
 from planner.search import Progress, Schedule, Search, branch_and_bound, refine_tiers
@@ -115,6 +115,7 @@ def solve(
     memory_reserve: float = DEFAULT_RESERVE,
     started: float | None = None,
     emit: Literal["best", "homogeneous", "megatron"] = "best",
+    zeros: tuple[int, ...] = ZERO_STAGES,
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
@@ -122,7 +123,8 @@ def solve(
     default: searched. time_limit: seconds from `started` (a time.perf_counter() value, default now: the CLI
     passes the process start); the search returns the best plan so far and says it stopped early.
     memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
-    that baseline as the plan (solve --baseline), found exactly as the full solve finds it.
+    that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
+    stages searched (by the solver and both baselines).
     """
     started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
@@ -136,7 +138,7 @@ def solve(
     ms = micro_batch_counts(global_batch, micro_batch)
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     measured = profile.micro_batch if measured_on(profile, usable) else None
-    setting = Setting(usable, global_batch, schedule, dtype, "adam", measured, GPU_ONLY)
+    setting = Setting(usable, global_batch, schedule, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros))
     # 1. the homogeneous baseline: the chain structure alone (one layout for every block, cut points by the DP),
     #    searched first so that its step prunes the heterogeneous structures
     chain = [(s, u) for s, u in structures if s == "chain"]
@@ -159,7 +161,7 @@ def solve(
     megatron = None
     if baseline and not search.out_of_time():
         note("Megatron-style baseline", 0.3)
-        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve)
+        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros)
     if emit == "megatron":
         if megatron is None or not megatron.predicted.fits:
             raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
@@ -237,10 +239,11 @@ def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan 
 
 
 def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_batch: int, micro_batch: int | None,
-                   search: Search, reserve: float) -> Plan | None:
+                   search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES) -> Plan | None:
     """The best Megatron-style plan (planner/baselines.best_megatron) for the same request, on the real cluster."""
     try:
-        plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline)
+        plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
+                                       zeros=zeros)
     except MmplanError:
         return None
     return replace(plan, cluster=cluster, solver=replace(plan.solver, memory_reserve=reserve))
@@ -311,8 +314,9 @@ Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
 
 
 def process_started() -> float:
-    """When this process started, as a time.perf_counter() value (Linux /proc; else now): --time-limit counts
-    from there, so that loading Python and the profile is inside the limit."""
+    """When this process started, as a time.perf_counter() value (Linux /proc): --time-limit counts from there,
+    so that loading Python and the profile is inside the limit. Now, when the process is older than a minute
+    (a long-lived process calling the CLI app, e.g. tests) or /proc cannot tell."""
     now = time.perf_counter()
     try:
         with open("/proc/self/stat") as f:
@@ -322,7 +326,7 @@ def process_started() -> float:
         age = uptime - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return now
-    return now - age if 0 <= age < 3600 else now
+    return now - age if 0 <= age < 60 else now
 
 
 def run_solve(
