@@ -164,7 +164,9 @@ def solve(
     from planner.report import render_solution, solution_json
     from planner.solve import process_started, run_solve
 
-    started = process_started()  # --time-limit counts from here: loading Python and the profile included
+    # --time-limit counts from the process start (loading Python and the profile included) in a process of its own
+    fresh = Path(sys.argv[0]).name in ("mmplan", "cli.py", "__main__.py")
+    started = process_started() if fresh else None
 
     check_writable(output)
     check_not_input(output, "--output", [profile_path, Path(cluster)])

@@ -169,8 +169,6 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
     of the first m are simulated to get one."""
     n = search.cluster.world_size
     out: list[list[Layout]] = [[] for _ in units]
-    if structure == "chain" and search.best is None and ms:
-        _quick_incumbent(search, units, setting, ms[0], times)
     for m in ms:
         if search.out_of_time():
             break
@@ -207,18 +205,25 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
     return out
 
 
-def _quick_incumbent(search: Search, units: tuple[Unit, ...], setting: Setting, m: int, times: BlockTimes) -> None:
+def quick_incumbent(search: Search, units: tuple[Unit, ...], setting: Setting, ms: Sequence[int]) -> None:
     """An incumbent within moments, even past a short time limit: unpipelined layouts (pp = 1, no DP table) of the
-    chain at m micro-batches with the most-sharding ZeRO stage, the (tp, dp) runs of least work per micro-batch
-    first, until one fits."""
+    chain (`units`) at the most promising m with the most-sharding ZeRO stage: of the six (tp, dp) runs of least
+    work per micro-batch, the two of smallest bound are simulated (then the next six, up to 18 runs, until one fits)."""
+    if search.best is not None or not ms:
+        return
+    times = BlockTimes(setting)
+    m = _m_order(units, setting, ms, times, search.cluster)[0]
     unit, n = units[0], search.cluster.world_size
     runs = unit_runs(unit, setting, m, max_gpus=n)
     runs.sort(key=lambda r: (times.work(unit, r[0], setting.global_batch / m / r[1]), -r[1]))
-    for tp, dp, _ in runs[:4]:
-        seg = Segments(unit, setting, tp, dp, max(zero_stages(search.cluster, dp, setting.zeros)), m, times)
-        for lay in _layouts_of(seg, 1, (), True):
+    for start in range(0, len(runs), 6):
+        lays = []
+        for tp, dp, _ in runs[start:start + 6]:
+            seg = Segments(unit, setting, tp, dp, max(zero_stages(search.cluster, dp, setting.zeros)), m, times)
+            lays += _layouts_of(seg, 1, (), True)
+        for lay in sorted(lays, key=lambda lay: lay.bound.own)[:2]:
             search.simulate("chain", units, (lay,))
-        if search.best is not None:
+        if search.best is not None or start >= 12:
             return
 
 

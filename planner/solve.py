@@ -13,7 +13,7 @@ from planner.allocate import Solver, pick_solver
 from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
 from planner.diagnosis import check_capacity, no_fit
 from planner import baselines
-from planner.search import Progress, Schedule, Search, branch_and_bound, refine_tiers
+from planner.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
@@ -88,7 +88,13 @@ class Solution:
 
 DEFAULT_RESERVE = 0.10  # of each GPU's memory left free by every solved plan (allocator fragmentation, CUDA context)
 WRITE_MARGIN_S = 0.2  # seconds of a --time-limit kept for building the result, writing the plan and exiting,
-WRITE_SHARE = 0.1  # and this share of it (a step of the search runs past the deadline by a fraction of a second)
+WRITE_PER_RANK_S = 5e-4  # and per rank (save_plan validates per-rank lists against the JSON Schema: ~1 s at 4,096
+WRITE_SHARE = 0.1  # ranks on a loaded 2-core machine), and this share of it (a search step overruns the deadline)
+
+
+def _write_reserve(time_limit: float, cluster: Cluster) -> float:
+    """Seconds of a time limit kept for what follows the search (at most half of it)."""
+    return min(0.5 * time_limit, WRITE_SHARE * time_limit + WRITE_MARGIN_S + WRITE_PER_RANK_S * cluster.world_size)
 
 
 def usable_cluster(cluster: Cluster, reserve: float) -> Cluster:
@@ -131,7 +137,7 @@ def solve(
     _check_request(profile, cluster, global_batch, placement, schedule, micro_batch, time_limit)
     usable = usable_cluster(cluster, memory_reserve)
     solver = pick_solver(solver)
-    deadline = started + (time_limit * (1 - WRITE_SHARE) - min(WRITE_MARGIN_S, 0.05 * time_limit) if time_limit is not None else math.inf)
+    deadline = started + (time_limit - _write_reserve(time_limit, cluster) if time_limit is not None else math.inf)
     search = Search(profile, usable, global_batch, schedule, deadline, note, solver=solver, started=started,
                     time_limit=time_limit)
     structures = _structures(profile, usable, placement)
@@ -149,6 +155,7 @@ def solve(
     gap = 0.0
     offload = False
     if chain and emit != "megatron":
+        quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
         proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
     homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline and emit != "megatron" else None
     if emit == "homogeneous":
