@@ -219,6 +219,10 @@ class _Stages:
             fwd, bwd, tail, _, _ = seg.time(pol)
             self._times.append(fwd + bwd + send[None, :] + tail / seg.micro_batches)
             self._room.append(seg.room(pol))
+        # which segments fit under which policy depends on the flight only through the set {room < flight}:
+        # flights with as many room values below them give the same costs (one evaluation when memory never binds)
+        self._rooms = np.sort(np.concatenate([r.ravel() for r in self._room]))
+        self._by_key: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def flight(self, q: int) -> float:
         if q not in self._flights:
@@ -230,13 +234,16 @@ class _Stages:
 
     def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray]:
         if flight not in self._by_flight:
-            best = np.full_like(self.seg.params, np.inf)
-            which = np.zeros(best.shape, dtype=np.int64)
-            for index, (t, room) in enumerate(zip(self._times, self._room)):
-                better = (room >= flight) & (t < best)
-                best = np.where(better, t, best)
-                which = np.where(better, index, which)
-            self._by_flight[flight] = (best, which)
+            key = int(np.searchsorted(self._rooms, flight, side="left"))  # room values < flight
+            if key not in self._by_key:
+                best = np.full_like(self.seg.params, np.inf)
+                which = np.zeros(best.shape, dtype=np.int64)
+                for index, (t, room) in enumerate(zip(self._times, self._room)):
+                    better = (room >= flight) & (t < best)
+                    best = np.where(better, t, best)
+                    which = np.where(better, index, which)
+                self._by_key[key] = (best, which)
+            self._by_flight[flight] = self._by_key[key]
         return self._by_flight[flight]
 
 
