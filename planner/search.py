@@ -62,7 +62,8 @@ class Search:
         if self.time_limit:
             fraction = max(fraction, min(0.99, (time.perf_counter() - self.started) / self.time_limit))
         best = f"best {self.best[0]:.4g} s" if self.best is not None else "no plan yet"
-        bound = f", bound {self.floor:.4g} s" if self.floor > 0 else ""
+        floor = min(self.floor, self.best[0]) if self.best is not None else self.floor
+        bound = f", bound {floor:.4g} s" if floor > 0 else ""
         self.progress(f"{step}: {best}{bound}", fraction)
 
     def out_of_time(self) -> bool:
@@ -91,7 +92,7 @@ class Search:
 def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[int], solver: Solver) -> tuple[bool, float]:
     """Generate candidates and run the ILP-proposes / simulator-disposes loop; returns (proved optimal, gap)."""
     cl = search.cluster
-    note = search.progress
+    search.floor = 0.0  # this search's bound is not known yet
     times = BlockTimes(setting)
     allocators: list[tuple[Structure, tuple[Unit, ...], Allocator]] = []
     exhaustive = True
