@@ -340,6 +340,9 @@ def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, sche
                          recomputes=recomputes, split="megatron")
     if per_step_micro_batch is not None:
         specs = [s for s in specs if s.dp * s.micro_batch == per_step_micro_batch]
+    from plans.limits import MAX_MICRO_BATCHES  # the solver's own limit on micro-batches per step
+
+    specs = [s for s in specs if global_batch // (s.dp * s.micro_batch) <= MAX_MICRO_BATCHES]
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
     return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline)
@@ -450,7 +453,11 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
     simulated = 0
     for bound, i in order:
         spec = specs[i]
-        if best is not None and (bound * (1 - 1e-9) >= best[0].predicted.step_time_s or time.perf_counter() > deadline):
+        if time.perf_counter() > deadline:
+            if best is None:
+                raise MmplanError("the time limit ended the baseline's search before it simulated a layout")
+            break
+        if best is not None and bound * (1 - 1e-9) >= best[0].predicted.step_time_s:
             break
         if peak(spec) > cap or (spec.recompute != "none" and peak(replace(spec, recompute="none")) <= cap):
             continue
