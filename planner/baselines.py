@@ -25,7 +25,8 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
-Baseline = Literal["homogeneous", "zero3", "gpipe-even"]
+Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
+Split = Literal["layers", "megatron"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 BASELINES: tuple[str, ...] = get_args(Baseline)
@@ -48,6 +49,7 @@ class LayoutSpec:
     virtual_stages: int = 1  # model chunks per rank; > 1 only with the interleaved schedule
     recompute: Recompute = "none"
     zero: int = 0
+    split: Split = "layers"  # layers: every transformer layer counts; megatron: encoders on stage 0, LLM layers even
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
@@ -137,21 +139,35 @@ def layer_count(profile: Profile) -> int:
     return sum(1 for b in profile.blocks if b.supports_tp)
 
 
-def split_blocks(profile: Profile, parts: int) -> list[tuple[str, ...]]:
+def llm_start(profile: Profile) -> int:
+    """Index of the first block of the LLM: the group holding the model's last block (the sink)."""
+    sink = profile.blocks[-1].group
+    return next(i for i, b in enumerate(profile.blocks) if b.group == sink)
+
+
+def llm_layer_count(profile: Profile) -> int:
+    """Transformer layers of the LLM (what a Megatron-style MIMO split counts)."""
+    return sum(1 for b in profile.blocks[llm_start(profile):] if b.supports_tp)
+
+
+def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[tuple[str, ...]]:
     """The model's blocks in `parts` contiguous chunks of (nearly) equal layer count, Megatron-style.
 
     Each non-layer block goes with the layer before it (the blocks before the first layer with the first
     layer), so embeddings land in the first chunk and the final norm and head in the last. When the layer
     count does not divide evenly, the last chunks get one layer more (the first pipeline stage holds the
     most micro-batches in flight under 1F1B). Fewer layers than parts: every block counts as a layer.
+    split "megatron" (Megatron's MIMO recipe): only the LLM's layers count, so the encoders and projectors all
+    land on the first chunk with the LLM's embedding and first layers.
     """
     blocks = profile.blocks
-    if parts < 1 or parts > len(blocks):
-        raise MmplanError(f"cannot split the {len(blocks)} blocks of {profile.model!r} into {parts} pipeline chunks; "
-                          f"use at most {len(blocks)} (pp x virtual stages)")
-    starts = [i for i, b in enumerate(blocks) if b.supports_tp]
+    first = llm_start(profile) if split == "megatron" else 0
+    if parts < 1 or parts > len(blocks) - first:
+        raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
+                          f"use at most {len(blocks) - first} (pp x virtual stages)")
+    starts = [i for i in range(first, len(blocks)) if blocks[i].supports_tp]
     if len(starts) < parts:
-        starts = list(range(len(blocks)))
+        starts = list(range(first, len(blocks)))
     starts[0] = 0  # the blocks before the first layer join it
     spans = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
     q, r = divmod(len(spans), parts)
@@ -165,7 +181,7 @@ def split_blocks(profile: Profile, parts: int) -> list[tuple[str, ...]]:
 
 def _stage_blocks(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
     """Blocks of each pipeline stage; with v chunks per rank stage i holds chunks i, i+pp, ... (Megatron)."""
-    chunks = split_blocks(profile, spec.pp * spec.virtual_stages)
+    chunks = split_blocks(profile, spec.pp * spec.virtual_stages, spec.split)
     return [tuple(b for k in range(i, len(chunks), spec.pp) for b in chunks[k]) for i in range(spec.pp)]
 
 
@@ -224,7 +240,7 @@ def homogeneous_plan(profile: Profile, cluster: Cluster, global_batch: int, spec
 
 
 def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, solver: SolverInfo,
-           *, predict: bool = True) -> Plan:
+           *, predict: bool = True, schema: bool = True) -> Plan:
     training = _training(profile, spec, global_batch)
     stages = _stage_blocks(profile, spec)
     memory = tuple(Memory(activations=_recomputed(profile, blocks, spec.recompute)) for blocks in stages)
@@ -233,13 +249,14 @@ def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
         names = tuple(b for s in stages for b in s)
         cuts = tuple(sum(len(s) for s in stages[:i]) for i in range(1, spec.pp))
         layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory)
-        return build_plan(profile, cluster, training, [layout], solver, predict=predict)
+        return build_plan(profile, cluster, training, [layout], solver, predict=predict, schema=schema)
     # GroupLayout describes contiguous stages only; an interleaved stage holds v chunks, so build the Group here
     # and finish as build_plan does (check with the profile, then attach predictions).
     per = spec.dp * spec.tp
     group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, stages=tuple(
         Stage(blocks, ranks[i * per:(i + 1) * per], memory[i]) for i, blocks in enumerate(stages)))
-    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile)
+    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile,
+                      schema=schema)
     return with_predictions(plan, profile)[0] if predict else plan
 
 
@@ -252,14 +269,16 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
-                 recomputes: Sequence[Recompute] = ("none", "full")) -> list[LayoutSpec]:
+                 recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers") -> list[LayoutSpec]:
     """Every valid homogeneous layout: tp a power of two dividing gpus_per_node (1 only when no block supports
     tp), pp dividing the layer count (Megatron's uniform split) with tp*pp dividing the world, dp = world/(tp*pp),
     micro-batch sizes `micro_batches` (default 1, 2, 4, ...) with dp*micro-batch dividing the global batch,
     each ZeRO stage of `zeros` (0 and 1 are the same plan at dp = 1) and recompute option; schedules are
     `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count)."""
     _check_batch(global_batch)
-    world, spans = cluster.world_size, layer_count(profile) or len(profile.blocks)
+    world = cluster.world_size
+    spans = (llm_layer_count(profile) or len(profile.blocks) - llm_start(profile)) if split == "megatron" else \
+        (layer_count(profile) or len(profile.blocks))
     parsed = [_parse_schedule(s) for s in schedules]
     tps = [t for t in _powers_of_two(cluster.gpus_per_node) if cluster.gpus_per_node % t == 0]
     if not any(b.supports_tp for b in profile.blocks):
@@ -277,7 +296,7 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
                         continue
                     for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
                         for rec in recomputes:
-                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero))
+                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split))
     return specs
 
 
@@ -303,6 +322,30 @@ def best_homogeneous(profile: Profile, cluster: Cluster, global_batch: int, *, s
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
     return search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
+
+
+MEGATRON_SCHEDULES = ("1f1b", "gpipe", "interleaved:2")
+ALL_ZEROS = (0, 1, 2, 3)
+
+
+def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = MEGATRON_SCHEDULES,
+                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = ALL_ZEROS,
+                  recomputes: Sequence[Recompute] = ("none", "full"), per_step_micro_batch: int | None = None,
+                  deadline: float = math.inf) -> Plan:
+    """The fastest Megatron-style plan (Megatron-LM's MIMO recipe): encoders and projectors on the first pipeline
+    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage / recompute / micro-batch / schedule
+    for all -- searched over every such layout the runtime runs. per_step_micro_batch: only layouts whose
+    micro-batch over all replicas (dp x micro-batch) is this (solve --micro-batch)."""
+    specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches, zeros=zeros,
+                         recomputes=recomputes, split="megatron")
+    if per_step_micro_batch is not None:
+        specs = [s for s in specs if s.dp * s.micro_batch == per_step_micro_batch]
+    from plans.limits import MAX_MICRO_BATCHES  # the solver's own limit on micro-batches per step
+
+    specs = [s for s in specs if global_batch // (s.dp * s.micro_batch) <= MAX_MICRO_BATCHES]
+    if not specs:
+        raise _no_layout(profile, cluster, global_batch)
+    return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline)
 
 
 def _no_layout(profile: Profile, cluster: Cluster, global_batch: int) -> MmplanError:
@@ -359,6 +402,8 @@ def baseline_plan(kind: Baseline, profile: Profile, cluster: Cluster, global_bat
     if kind == "homogeneous":
         return homogeneous_plan(profile, cluster, global_batch, layout) if layout is not None \
             else best_homogeneous(profile, cluster, global_batch)
+    if kind == "megatron":
+        return best_megatron(profile, cluster, global_batch)
     if kind == "zero3":
         return zero3_plan(profile, cluster, global_batch)
     if kind == "gpipe-even":
@@ -379,95 +424,131 @@ class Screened:
     lower_bound_s: float
 
 
-def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str) -> Plan:
+def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str,
+           deadline: float = math.inf) -> Plan:
     """The fastest fitting plan among `specs`, exactly as evaluating every one would find it, simulating few.
 
-    1. Memory first: each layout's per-rank memory is computed with the cost model's own stage_memory and
-       in-flight counts (cost_models/memory.py), which is exactly what evaluate() reports for these plans.
-    2. Dominance: recomputation only adds compute time, so a layout with recomputation is dropped when the
-       same layout without it fits.
-    3. Branch and bound: fitting layouts are simulated in order of a lower bound of their step time
-       (see screen); the search stops when the next bound is no better than the best simulated step.
+    1. Every layout's step-time lower bound (see screen; cheap: block times and tails, cached) orders them.
+    2. In that order, a layout's per-rank memory is computed with the cost model's own stage_memory and
+       in-flight counts (cost_models/memory.py), exactly what evaluate() reports for these plans; those that
+       do not fit are skipped. Dominance: recomputation only adds compute time, so a layout with
+       recomputation is skipped when the same layout without it fits.
+    3. Branch and bound: fitting layouts are simulated in that order; the search stops when the next bound is
+       no better than the best simulated step (or at the deadline, a time.perf_counter() value).
     None fits: the layout with the least overflow is built; its predictions say fits = false and the solver
     notes say by how much.
     """
     started = time.perf_counter()
     costs = _Costs(profile, cluster)
-    screened = [screen(profile, cluster, global_batch, s, costs=costs) for s in specs]
-    fitting = {s.spec for s in screened if s.overflow <= 0}
-    keep = [s for s in screened if s.overflow <= 0
-            and not (s.spec.recompute != "none" and replace(s.spec, recompute="none") in fitting)]
+    order = sorted(((_step_bound(profile, cluster, global_batch, s, costs), i) for i, s in enumerate(specs)))
+    memory: dict[LayoutSpec, float] = {}
+
+    def peak(spec: LayoutSpec) -> float:
+        if spec not in memory:
+            memory[spec] = _peak_gpu_bytes(profile, global_batch, spec, costs)
+        return memory[spec]
+
+    cap = cluster.device.memory_bytes
     best: tuple[Plan, LayoutSpec] | None = None
     simulated = 0
-    for s in sorted(keep, key=lambda s: s.lower_bound_s):
-        if best is not None and s.lower_bound_s * (1 - 1e-9) >= best[0].predicted.step_time_s:
+    for bound, i in order:
+        spec = specs[i]
+        if time.perf_counter() > deadline:
+            if best is None:
+                raise MmplanError("the time limit ended the baseline's search before it simulated a layout")
             break
+        if best is not None and bound * (1 - 1e-9) >= best[0].predicted.step_time_s:
+            break
+        if peak(spec) > cap or (spec.recompute != "none" and peak(replace(spec, recompute="none")) <= cap):
+            continue
         try:
-            plan = _build(profile, cluster, global_batch, s.spec, SolverInfo(method))
+            plan = _build(profile, cluster, global_batch, spec, SolverInfo(method), schema=False)  # checked when saved
         except MmplanError:  # e.g. an interleaved order that deadlocks: not a candidate
             continue
         simulated += 1
         if plan.predicted.fits and (best is None or plan.predicted.step_time_s < best[0].predicted.step_time_s):
-            best = plan, s.spec
+            best = plan, spec
     if best is not None:
         plan, spec = best
-        note = (f"layout {spec}; {len(specs)} layouts, {len(fitting)} fit in memory, {simulated} simulated "
+        note = (f"layout {spec}; {len(specs)} layouts, {len(memory)} screened for memory, {simulated} simulated "
                 f"(the rest pruned by memory, dominance or a step-time lower bound)")
     else:
-        least = min(screened, key=lambda s: (s.overflow, s.lower_bound_s))
-        plan, spec = _build(profile, cluster, global_batch, least.spec, SolverInfo(method)), least.spec
+        least = min(specs, key=peak)
+        plan, spec = _build(profile, cluster, global_batch, least, SolverInfo(method)), least
         simulated += 1
         note = (f"layout {spec}; no layout fits: of {len(specs)} layouts this one needs the least memory, "
-                f"{least.gpu_bytes / 1e9:.1f} GB on its fullest GPU of {cluster.device.memory_bytes / 1e9:.1f} GB")
+                f"{peak(least) / 1e9:.1f} GB on its fullest GPU of {cluster.device.memory_bytes / 1e9:.1f} GB")
     return replace(plan, solver=SolverInfo(method, objective=plan.predicted.step_time_s, time_s=time.perf_counter() - started,
                                            candidates=len(specs), notes=note))
 
 
 def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, *, costs: _Costs | None = None) -> Screened:
-    """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan.
-
-    Lower bound (each term is a part of what cost_models/pipeline.py simulates, so the bound never exceeds
-    the simulated step; tests check it on whole grids): stage i runs m forwards of f_i and m backwards of b_i
-    seconds (block_time compute plus blocking TP all-reduces; exposed transfers and p2p sends left out) on
-    one compute lane, after micro-batch 0 went through the forwards of the stages before it; its last
-    backward is micro-batch m-1's, whose gradient then goes back through the stages before it; every stage
-    ends with its gradient sync, optimizer step and ZeRO all-gather in sequence (the simulator's stage tail).
-    With v > 1 chunks per rank only the per-stage sum is used.
-    """
+    """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan."""
     costs = costs or _Costs(profile, cluster)
+    peak = _peak_gpu_bytes(profile, global_batch, spec, costs)
+    return Screened(spec, peak, peak - cluster.device.memory_bytes, _step_bound(profile, cluster, global_batch, spec, costs))
+
+
+def _peak_gpu_bytes(profile: Profile, global_batch: int, spec: LayoutSpec, costs: _Costs) -> float:
+    """GPU bytes of the layout's fullest rank, as cost_models/memory.stage_memory counts them."""
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
-    per = spec.dp * spec.tp
-    samples = float(spec.micro_batch)
-    fwd, bwd, tail, gpu = [], [], [], []
-    for i, names in enumerate(_stage_blocks(profile, spec)):
+    gpu = []
+    for i, names in enumerate(costs.stage_blocks(profile, spec)):
         stage = [costs.blocks[n] for n in names]
         acts = _recomputed(profile, names, spec.recompute)
         warmup = warmup_forwards(spec.schedule, m, spec.pp - i - 1, spec.virtual_stages, spec.pp)
-        mem = stage_memory(stage, samples=samples, tp=spec.tp, dp=spec.dp, zero=spec.zero,
+        mem = stage_memory(stage, samples=float(spec.micro_batch), tp=spec.tp, dp=spec.dp, zero=spec.zero,
                            memory=Memory(activations=acts),
                            in_flight_micro_batches=in_flight(spec.schedule, m, warmup, spec.virtual_stages),
                            input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer)
         gpu.append(mem.gpu)
-        f = b = 0.0
-        for blk in stage:
-            bf, bb = costs.block_time(blk, samples, spec.tp, training.dtype, blk.name in acts)
-            f += bf
-            b += bb
-        fwd.append(f)
-        bwd.append(b)
-        params = sum(blk.params / tp_shard(blk, spec.tp) for blk in stage)
-        link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
-        tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
-                              dtype=training.dtype, optimizer=training.optimizer).total)
+    return max(gpu)
+
+
+def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, costs: _Costs) -> float:
+    """A lower bound of the layout's simulated step time.
+
+    Each term is a part of what cost_models/pipeline.py simulates, so the bound never exceeds the simulated
+    step (tests check it on whole grids): stage i runs m forwards of f_i and m backwards of b_i seconds
+    (block_time compute plus blocking TP all-reduces; exposed transfers and p2p sends left out) on one compute
+    lane, after micro-batch 0 went through the forwards of the stages before it; its last backward is
+    micro-batch m-1's, whose gradient then goes back through the stages before it; every stage ends with its
+    gradient sync, optimizer step and ZeRO all-gather in sequence (the simulator's stage tail). With v > 1
+    chunks per rank only the per-stage sum is used.
+    """
+    m = global_batch // (spec.dp * spec.micro_batch)
+    training = _training(profile, spec, global_batch)
+    dtype = training.dtype
+    key = ("bound", spec.tp, spec.pp, spec.dp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.zero, spec.split)
+    if key not in costs.memo:
+        per = spec.dp * spec.tp
+        samples = float(spec.micro_batch)
+        fwd, bwd, tail = [], [], []
+        for i, names in enumerate(costs.stage_blocks(profile, spec)):
+            stage = [costs.blocks[n] for n in names]
+            acts = _recomputed(profile, names, spec.recompute)
+            f = b = 0.0
+            for blk in stage:
+                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, blk.name in acts)
+                f += bf
+                b += bb
+            fwd.append(f)
+            bwd.append(b)
+            params = sum(blk.params / tp_shard(blk, spec.tp) for blk in stage if not blk.frozen)  # frozen: no sync / update
+            link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
+            # the gradient buckets hide behind at most the stage's last backward (the simulator's overlap_s)
+            tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
+                                  dtype=dtype, optimizer=training.optimizer, overlap_s=b).total)
+        costs.memo[key] = (fwd, bwd, tail)
+    fwd, bwd, tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
     if spec.virtual_stages == 1:
         fill = [sum(fwd[:i]) for i in range(spec.pp)]
         drain = [sum(bwd[:i]) for i in range(spec.pp)]
         busy = [fill[i] + m * (fwd[i] + bwd[i]) for i in range(spec.pp)]
         bound = max(bound, max(x + t for x, t in zip(busy, tail)), max(x + d for x, d in zip(busy, drain)) + tail[0])
-    peak = max(gpu)
-    return Screened(spec, peak, peak - cluster.device.memory_bytes, bound)
+    return bound
 
 
 class _Costs:
@@ -479,6 +560,14 @@ class _Costs:
         self.inputs = block_input_bytes(profile)
         self.measured = profile.micro_batch if measured_on(profile, cluster) else None
         self._times: dict[tuple, tuple[float, float]] = {}
+        self.memo: dict[tuple, object] = {}  # per-layout figures shared by layouts that differ in schedule or ZeRO only
+        self._stages: dict[tuple, list[tuple[str, ...]]] = {}
+
+    def stage_blocks(self, profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
+        key = (spec.pp, spec.virtual_stages, spec.split)
+        if key not in self._stages:
+            self._stages[key] = _stage_blocks(profile, spec)
+        return self._stages[key]
 
     def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool) -> tuple[float, float]:
         """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""

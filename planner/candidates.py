@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -96,7 +97,11 @@ class Setting:
     dtype: str = "bf16"
     optimizer: str = "adam"
     measured_micro_batch: int | None = None  # the profile's micro-batch when its times were measured here
+    # The search's dimensions beyond tp, dp, pp, m and cut points, each a list of entries: per-stage tier
+    # policies (keep / recompute / offload ...; a new activation tier such as selective recompute is one more
+    # Policy once segments.py prices it) and per-layout ZeRO stages.
     policies: tuple[Policy, ...] = GPU_ONLY
+    zeros: tuple[int, ...] = (0, 1, 2, 3)
 
     @property
     def host_share(self) -> float:
@@ -201,12 +206,24 @@ def stage_in_flight(schedule: Schedule, micro_batches: int, downstream: int) -> 
 
 class _Stages:
     """The DP's stage cost of a unit at one (tp, dp, ZeRO, m, downstream) and send link: per stage depth q, the
-    fastest policy that fits (time inf when none does), and which policy that is."""
+    fastest policy that fits (time inf when none does), and which policy that is. Each policy's time and the
+    most micro-batches in flight each segment holds are computed once; a depth only compares with them."""
 
     def __init__(self, seg: Segments, downstream: int, send: np.ndarray):
         self.seg, self.downstream, self.send = seg, downstream, send
         self._by_flight: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._flights: dict[int, float] = {}  # q -> micro-batches in flight (the DP asks for each q many times)
+        self._times: list[np.ndarray] = []
+        self._room: list[np.ndarray] = []
+        for pol in seg.setting.policies:
+            fwd, bwd, tail, _, _ = seg.time(pol)
+            t = fwd + bwd + send[None, :] + tail / seg.micro_batches
+            self._times.append(t if runs_with(pol, seg.zero) else np.full_like(t, np.inf))  # tiers FSDP2 cannot hold
+            self._room.append(seg.room(pol))
+        # which segments fit under which policy depends on the flight only through the set {room < flight}:
+        # flights with as many room values below them give the same costs (one evaluation when memory never binds)
+        self._rooms = np.sort(np.concatenate([r.ravel() for r in self._room]))
+        self._by_key: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def flight(self, q: int) -> float:
         if q not in self._flights:
@@ -218,18 +235,16 @@ class _Stages:
 
     def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray]:
         if flight not in self._by_flight:
-            seg = self.seg
-            best = np.full_like(seg.params, np.inf)
-            which = np.zeros(best.shape, dtype=np.int64)
-            for index, pol in enumerate(seg.setting.policies):
-                if not runs_with(pol, seg.zero):
-                    continue
-                fwd, bwd, tail, _, _ = seg.time(pol)
-                t = np.where(seg.fits(pol, flight), fwd + bwd + self.send[None, :] + tail / seg.micro_batches, np.inf)
-                better = t < best
-                best = np.where(better, t, best)
-                which = np.where(better, index, which)
-            self._by_flight[flight] = (best, which)
+            key = int(np.searchsorted(self._rooms, flight, side="left"))  # room values < flight
+            if key not in self._by_key:
+                best = np.full_like(self.seg.params, np.inf)
+                which = np.zeros(best.shape, dtype=np.int64)
+                for index, (t, room) in enumerate(zip(self._times, self._room)):
+                    better = (room >= flight) & (t < best)
+                    best = np.where(better, t, best)
+                    which = np.where(better, index, which)
+                self._by_key[key] = (best, which)
+            self._by_flight[flight] = self._by_key[key]
         return self._by_flight[flight]
 
 
@@ -257,6 +272,7 @@ def unit_layouts(
     max_pp: int | None = None,
     limit: float = math.inf,
     times: BlockTimes | None = None,
+    deadline: float = math.inf,
 ) -> list[Layout]:
     """Every layout of `unit` at m = micro_batches with at most max_gpus ranks: for each (tp, dp, ZeRO) one DP
     table gives the cut points of every pp at once.
@@ -267,6 +283,7 @@ def unit_layouts(
     one layout (downstream=None) serves them all.
     stage_ranks: only layouts with dp * tp equal to it (colocated encoders); max_pp caps the depth.
     limit: skip every (tp, dp) whose layouts' bounds are all >= limit (run_bound), e.g. the best simulated step.
+    deadline: a time.perf_counter() value after which no more (tp, dp) runs are tried (solve --time-limit).
     """
     cl = setting.cluster
     times = times or BlockTimes(setting)
@@ -275,22 +292,22 @@ def unit_layouts(
         work = times.work(unit, tp, setting.global_batch / micro_batches / dp)
         if run_bound(work, micro_batches, depth) >= limit:
             continue
-        for zero in zero_stages(cl, dp):
+        if time.perf_counter() > deadline:
+            break
+        for zero in zero_stages(cl, dp, setting.zeros):
+            if time.perf_counter() > deadline:
+                break
             seg = Segments(unit, setting, tp, dp, zero, micro_batches, times)
             out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
     return out
 
 
-# ZeRO stages the solver searches. The runtime trains 0-3 (runtime/zero.py), and (0, 1, 2, 3) runs end to end
-# (runs_with keeps the tiers runnable), but the cost model then prices ZeRO-3 fastest for every tiny example on
-# local-cpu (its gathers hidden behind compute) while measured on gloo it is slower (tiny-vlm dp 2, 5 steps: median
-# step 0.36 s under ZeRO-3, 0.22 s under ZeRO-0): kept at 0 until the cost model's ZeRO pricing matches measurements.
-RUNTIME_ZERO_STAGES = (0,)
+ZERO_STAGES = (0, 1, 2, 3)  # every ZeRO stage the cost model prices and runtime/ trains (issue 13)
 
 
-def zero_stages(cluster: Cluster, dp: int) -> tuple[int, ...]:
-    """ZeRO stages the solver may emit (RUNTIME_ZERO_STAGES over dp > 1 replicas; ZeRO over dp = 1 shards nothing)."""
-    return (0,) if dp == 1 else RUNTIME_ZERO_STAGES
+def zero_stages(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) -> tuple[int, ...]:
+    """ZeRO stages worth trying at dp replicas: 0 alone at dp = 1 (nothing to shard), else `zeros`."""
+    return (0,) if dp == 1 else tuple(zeros)
 
 
 def runs_with(policy: Policy, zero: int) -> bool:
@@ -337,18 +354,23 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
     else:
         variants = [(d, d) for d in depths]
     out = []
+    links = [_stage_link(st.cluster, seg.tp * seg.dp, k) for k in range(max(0, depth - 1))]
     for recorded, assumed in variants:
-        table, table_link, stages = None, None, None
+        table, table_link, stages, send_max = None, None, None, 0.0
         for pp in range(1, depth + 1):
             if not allowed_gpus(seg.tp * seg.dp * pp, st.cluster) or m * work / pp >= limit:
                 continue
             link = _cross_link(st, seg.tp * seg.dp, pp)
             if table is None or link != table_link:
-                stages = _Stages(seg, assumed, _send(seg, link))
+                send = _send(seg, link)
+                stages, send_max = _Stages(seg, assumed, send), float(send.max())
                 table, table_link = cut_table(seg.n, stages.cost, depth), link
             part = table.best(pp)
-            if part is not None:
-                out.append(_layout(seg, stages, part.cuts, part.slowest, recorded))
+            # the DP's slowest stage costs f + b + send + tail / m per micro-batch, and every layout's bound is at
+            # least m (f + b) + tail of each of its stages (bounds.py: body >= m (f + b), Up >= tail): a layout
+            # whose m (slowest - largest send) reaches `limit` cannot beat it and is not built
+            if part is not None and m * (part.slowest - send_max) < limit:
+                out.append(_layout(seg, stages, part.cuts, part.slowest, recorded, links))
     return out
 
 
@@ -367,7 +389,8 @@ def _tp_link(seg: Segments) -> Link:
     return link_between(cl, crosses_nodes=seg.tp > cl.gpus_per_node)
 
 
-def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None) -> Layout:
+def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None,
+            links: Sequence[Link] | None = None) -> Layout:
     st, cl = seg.setting, seg.setting.cluster
     starts = np.array((0, *cuts), dtype=np.int64)
     ends = np.array((*cuts, seg.n), dtype=np.int64)
@@ -384,7 +407,8 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
             figures[row, sel] = x[a, b]
     fwd, bwd, tail, opt, gather, g0, g1, c0, c1, n0, n1 = figures[:11]
     stage_ranks = seg.tp * seg.dp
-    lag = tuple(hand_over_time(seg.unit.cross_bytes[c] * seg.samples, seg.tp, _stage_link(cl, stage_ranks, k), _tp_link(seg))
+    links = links if links is not None else [_stage_link(cl, stage_ranks, k) for k in range(len(cuts))]
+    lag = tuple(hand_over_time(seg.unit.cross_bytes[c] * seg.samples, seg.tp, links[k], _tp_link(seg))
                 for k, c in enumerate(cuts))
     entries = tuple(int(np.searchsorted(starts, f.block, side="right")) - 1 for f in seg.unit.feeds)
     return Layout(

@@ -150,7 +150,8 @@ def solve(
     solver: Annotated[Literal["highs", "cbc"], typer.Option(help="ILP solver (HiGHS in-process; CBC is the fallback).")] = "highs",
     memory_tiers: Annotated[bool, typer.Option(help="Place state and activations in CPU / NVMe tiers or recompute them when that fits or is faster.")] = True,
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Regroup the cluster's GPUs into nodes of this size.")] = None,
-    baseline: Annotated[Optional[Literal["homogeneous", "zero3", "gpipe-even"]], typer.Option(help="Write a baseline plan instead of solving: the best of its kind, or exactly [cyan]--layout[/].")] = None,
+    baseline: Annotated[Optional[Literal["homogeneous", "megatron", "zero3", "gpipe-even"]], typer.Option(help="Write a baseline plan instead of solving: the best of its kind (homogeneous and megatron: exactly the ones solve compares with), or exactly [cyan]--layout[/].")] = None,
+    memory_reserve: Annotated[float, typer.Option(help="Fraction of each GPU's memory every plan leaves free: usable = capacity x (1 - reserve).")] = 0.10,
     layout: Annotated[Optional[str], typer.Option(help="With [cyan]--baseline homogeneous[/]: tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1].")] = None,
     from_: Annotated[Optional[tuple[str, str]], typer.Option("--from", metavar="KIND VALUE", help="Your current configuration as the plan: [cyan]--from megatron \"ARGS\"[/] (or @FILE) or [cyan]--from deepspeed ds_config.json[/] (with [cyan]--baseline homogeneous[/]).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (plan path, step times, speed-up, solve time, fits).")] = False,
@@ -162,7 +163,11 @@ def solve(
     is faster. Exit code 2 with the shortfall (bytes or GPUs) when nothing can fit.
     """
     from planner.report import render_solution, solution_json
-    from planner.solve import run_solve
+    from planner.solve import process_started, run_solve
+
+    # --time-limit counts from the process start (loading Python and the profile included) in a process of its own
+    fresh = Path(sys.argv[0]).name in ("mmplan", "cli.py", "__main__.py")
+    started = process_started() if fresh else None
 
     check_writable(output)
     check_not_input(output, "--output", [profile_path, Path(cluster)])
@@ -176,7 +181,7 @@ def solve(
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
                                    gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
                                    time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, baseline=baseline,
-                                   layout=layout, progress=note)
+                                   layout=layout, progress=note, memory_reserve=memory_reserve, started=started)
     if as_json:
         print(json.dumps(solution_json(solution, output), allow_nan=False))
     elif not quiet:

@@ -51,12 +51,13 @@ def to_group(layout: GroupLayout) -> Group:
 
 
 def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],
-               solver: SolverInfo | None = None, *, predict: bool = True) -> Plan:
-    """A checked plan (carrying the profile's data flow) with the cost model's predictions attached."""
+               solver: SolverInfo | None = None, *, predict: bool = True, schema: bool = True) -> Plan:
+    """A checked plan (carrying the profile's data flow) with the cost model's predictions attached (schema=False:
+    without the JSON Schema check, for the solver's many candidates; save_plan checks the one written)."""
     groups = tuple(to_group(layout) for layout in layouts)
     plan = Plan(profile=ProfileRef(profile.model, profile.fingerprint), cluster=cluster, training=training,
                 groups=groups, flow=flow_of(profile), solver=solver)
-    plan = check_plan(plan, profile)
+    plan = check_plan(plan, profile, schema=schema)
     return with_predictions(plan, profile)[0] if predict else plan
 
 

@@ -59,6 +59,10 @@ def solution_json(solution: Solution, output: str | os.PathLike) -> dict:
         "step_time_s": p.step_time_s,
         "baseline_step_time_s": solution.baseline_step_time_s,
         "speedup_vs_homogeneous": solution.speedup,
+        "speedup_vs_megatron": solution.speedup_over("megatron"),
+        "baselines": {name: {"layout": layout_text(b), "step_time_s": b.predicted.step_time_s}
+                      for name, b in solution.baselines.items()},
+        "memory_reserve": plan.solver.memory_reserve if plan.solver else 0.0,
         "solve_time_s": solution.solve_time_s,
         "fits": p.fits,
         "method": plan.solver.method if plan.solver else None,
@@ -108,15 +112,15 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
         + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
     ]
-    if solution.speedup is not None:
-        lines.append(f"best homogeneous plan {solution.baseline_step_time_s:.4g} s: speed-up [bold]{solution.speedup:.2f}x[/]")
+    for name, b in solution.baselines.items():
+        lines.append(f"{name} baseline ({safe(layout_text(b).replace(chr(10), '; '))}) {b.predicted.step_time_s:.4g} s: "
+                     f"speed-up [bold]{solution.speedup_over(name):.2f}x[/]")
     if solution.structure == "baseline" and solution.plan.solver:
         lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
-    else:
-        how = "proved optimal over the search space" if solution.proved_optimal else (
-            "stopped early at the time limit" if solution.stopped_early else f"bound gap {solution.gap:.1%}")
-        lines.append(f"solved in {solution.solve_time_s:.2f} s: {solution.candidates} candidate layouts, {solution.simulated} plans "
-                     f"simulated, {how}")
+    how = "proved optimal over the search space" if solution.proved_optimal else (
+        "stopped early at the time limit" if solution.stopped_early else f"bound gap {solution.gap:.1%}")
+    lines.append(f"solved in {solution.solve_time_s:.2f} s: {solution.candidates} candidate layouts, {solution.simulated} plans "
+                 f"simulated, {how}")
     if solution.stopped_early:
         lines.append("[yellow]the time limit stopped the search: this is the best plan found so far[/]")
     lines.append(f"wrote [bold]{safe(output)}[/]")

@@ -8,19 +8,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from planner import baselines
 from planner.allocate import Allocator, Choice, Solver, assign_ranks
 from planner.candidates import (
-    RUNTIME_ZERO_STAGES,
     Layout,
     Setting,
     Structure,
     Unit,
+    _layouts_of,
     unit_layouts,
     unit_runs,
+    zero_stages,
 )
 from planner.construct import GroupLayout, build_plan
-from planner.segments import BlockTimes
+from planner.segments import BlockTimes, Segments
 from planner.tiers import place_tiers
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -53,6 +53,18 @@ class Search:
     gap_goal: float = TOLERANCE
     solver: Solver = "highs"
     seen: set = field(default_factory=set)  # combinations already simulated
+    started: float = field(default_factory=time.perf_counter)
+    time_limit: float | None = None
+    floor: float = 0.0  # the smallest bound not yet ruled out in the current branch and bound (progress only)
+
+    def report(self, step: str, fraction: float) -> None:
+        """Progress with the incumbent and the bound; the fraction is the share of the time limit used, if any."""
+        if self.time_limit:
+            fraction = max(fraction, min(0.99, (time.perf_counter() - self.started) / self.time_limit))
+        best = f"best {self.best[0]:.4g} s" if self.best is not None else "no plan yet"
+        floor = min(self.floor, self.best[0]) if self.best is not None else self.floor
+        bound = f", bound {floor:.4g} s" if floor > 0 else ""
+        self.progress(f"{step}: {best}{bound}", fraction)
 
     def out_of_time(self) -> bool:
         if time.perf_counter() > self.deadline:
@@ -80,14 +92,14 @@ class Search:
 def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[int], solver: Solver) -> tuple[bool, float]:
     """Generate candidates and run the ILP-proposes / simulator-disposes loop; returns (proved optimal, gap)."""
     cl = search.cluster
-    note = search.progress
+    search.floor = 0.0  # this search's bound is not known yet
     times = BlockTimes(setting)
     allocators: list[tuple[Structure, tuple[Unit, ...], Allocator]] = []
     exhaustive = True
     for si, (structure, units) in enumerate(structures):
         if search.out_of_time():
             break
-        note(f"candidate layouts: {structure}", 0.05 + 0.45 * si / len(structures))
+        search.report(f"{structure}: candidate layouts", 0.05 + 0.45 * si / len(structures))
         cands = _candidates(search, structure, units, setting, _m_order(units, setting, ms, times, cl), times)
         if any(not c for c in cands):
             continue
@@ -127,6 +139,7 @@ def _run(search: Search, allocators, budget: int) -> tuple[bool, float]:
     while heap:
         floor, _, i, choice = heap[0]
         goal = search.best[0] * (1 - search.gap_goal) if search.best is not None else math.inf
+        search.floor = floor
         if floor >= goal:
             return exact and search.gap_goal <= TOLERANCE, max(0.0, 1 - floor / search.best[0])
         if search.out_of_time() or simulated >= budget:
@@ -135,7 +148,7 @@ def _run(search: Search, allocators, budget: int) -> tuple[bool, float]:
         structure, units, alloc = allocators[i]
         exact &= choice.optimal
         if choice.bound < goal:
-            search.progress(f"simulating {structure} plans ({search.simulated} so far)", min(0.8, 0.5 + 0.3 * simulated / budget))
+            search.report(f"{structure}: {search.simulated} simulated", min(0.8, 0.5 + 0.3 * simulated / budget))
             if search.simulate(structure, units, choice.layouts):
                 simulated += 1
         alloc.exclude(choice)
@@ -162,7 +175,7 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
             break
         limit = search.best[0] if search.best else math.inf
         if structure == "chain":
-            lays = unit_layouts(units[0], setting, m, max_gpus=n, limit=limit, times=times)
+            lays = unit_layouts(units[0], setting, m, max_gpus=n, limit=limit, times=times, deadline=search.deadline)
             out[0] += [lay for lay in lays if lay.bound.own < limit]
             if search.best is None:
                 for lay in sorted(out[0], key=lambda lay: lay.bound.own)[:3]:
@@ -170,7 +183,7 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
             continue
         sink = next(i for i, u in enumerate(units) if u.feeds)
         reserve = len(units) - 1 if structure == "non-colocated" else 0
-        sink_layouts = [lay for lay in unit_layouts(units[sink], setting, m, max_gpus=n - reserve, limit=limit, times=times)
+        sink_layouts = [lay for lay in unit_layouts(units[sink], setting, m, max_gpus=n - reserve, limit=limit, times=times, deadline=search.deadline)
                         if lay.bound.own < limit]
         if not sink_layouts:
             continue
@@ -181,16 +194,38 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
                 per_unit.append(sink_layouts)
             elif structure == "non-colocated":
                 per_unit.append(unit_layouts(unit, setting, m, max_gpus=n - min(lay.gpus for lay in sink_layouts),
-                                             downstream=depths, limit=limit, times=times))
+                                             downstream=depths, limit=limit, times=times, deadline=search.deadline))
             else:
                 sizes = {lay.gpus for lay in sink_layouts}
                 per_unit.append([lay for lay in unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False,
-                                                             max_pp=1, limit=limit, times=times) if lay.gpus in sizes])
+                                                             max_pp=1, limit=limit, times=times, deadline=search.deadline) if lay.gpus in sizes])
         for u, lays in enumerate(per_unit):
             out[u] += [lay for lay in lays if lay.bound.own < limit]
         if search.best is None and all(out):
             _seed(search, structure, units, out)
     return out
+
+
+def quick_incumbent(search: Search, units: tuple[Unit, ...], setting: Setting, ms: Sequence[int]) -> None:
+    """An incumbent within moments, even past a short time limit: unpipelined layouts (pp = 1, no DP table) of the
+    chain (`units`) at the most promising m with the most-sharding ZeRO stage: of the six (tp, dp) runs of least
+    work per micro-batch, the two of smallest bound are simulated (then the next six, up to 18 runs, until one fits)."""
+    if search.best is not None or not ms:
+        return
+    times = BlockTimes(setting)
+    m = _m_order(units, setting, ms, times, search.cluster)[0]
+    unit, n = units[0], search.cluster.world_size
+    runs = unit_runs(unit, setting, m, max_gpus=n)
+    runs.sort(key=lambda r: (times.work(unit, r[0], setting.global_batch / m / r[1]), -r[1]))
+    for start in range(0, len(runs), 6):
+        lays = []
+        for tp, dp, _ in runs[start:start + 6]:
+            seg = Segments(unit, setting, tp, dp, max(zero_stages(search.cluster, dp, setting.zeros)), m, times)
+            lays += _layouts_of(seg, 1, (), True)
+        for lay in sorted(lays, key=lambda lay: lay.bound.own)[:2]:
+            search.simulate("chain", units, (lay,))
+        if search.best is not None or start >= 12:
+            return
 
 
 def _seed(search: Search, structure: Structure, units: tuple[Unit, ...], candidates: list[list[Layout]]) -> None:
@@ -248,7 +283,7 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     training = Training(global_batch, layouts[0].micro_batches, schedule, dtype=dtype)
     try:
-        return build_plan(profile, cluster, training, groups)
+        return build_plan(profile, cluster, training, groups, schema=False)
     except MmplanError:
         return None  # e.g. a deadlocking order: not a candidate
 
@@ -260,27 +295,8 @@ def refine_tiers(search: Search) -> None:
     if all(s.memory == type(s.memory)() for s in stages):
         return  # everything on the GPU, nothing recomputed: no other tiers are faster
     try:
-        refined = place_tiers(plan, search.profile)
+        refined = place_tiers(plan, search.profile, time_limit=max(0.05, min(30.0, search.deadline - time.perf_counter())))
     except MmplanError:
         return
     if refined is not None:
         search.offer(refined, structure)
-
-
-INTERLEAVED = ("interleaved:2", "interleaved:4")  # the homogeneous grid's interleaved schedules (--schedule interleaved)
-
-
-def best_baseline(profile: Profile, cluster: Cluster, global_batch: int, schedule: str, micro_batch: int | None) -> Plan | None:
-    """The best homogeneous plan of planner/baselines.py for the same request (None when there is none); for the
-    interleaved schedule the grid holds 1f1b and interleaved 1F1B layouts (v = 2, 4 model chunks per rank)."""
-    schedules = ("1f1b", *INTERLEAVED) if schedule == "interleaved" else (schedule,)
-    try:
-        zeros = RUNTIME_ZERO_STAGES  # the same runnable space as the solver's (candidates.zero_stages)
-        specs = baselines.grid_layouts(profile, cluster, global_batch, schedules=schedules, zeros=zeros)
-        if micro_batch is not None:
-            specs = [s for s in specs if s.dp * s.micro_batch == micro_batch]
-        if not specs:
-            return None
-        return baselines.search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
-    except MmplanError:
-        return None

@@ -27,10 +27,16 @@ if TYPE_CHECKING:
 _BIG = 2.0**31  # bytes at which the affine fits of alpha-beta costs are taken (well-conditioned)
 
 
-def _affine(fn: Callable[[float], float], x: np.ndarray) -> np.ndarray:
-    """fn (an alpha-beta cost, affine in bytes for bytes > 0 and 0 at 0) applied to an array."""
-    b = (fn(2 * _BIG) - fn(_BIG)) / _BIG
-    a = fn(_BIG) - b * _BIG
+def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = None, key: tuple = ()) -> np.ndarray:
+    """fn (an alpha-beta cost, affine in bytes for bytes > 0 and 0 at 0) applied to an array; its two
+    coefficients are kept in `cache` under `key` when given (they depend on the link and options, not on bytes)."""
+    if cache is not None and key in cache:
+        a, b = cache[key]
+    else:
+        b = (fn(2 * _BIG) - fn(_BIG)) / _BIG
+        a = fn(_BIG) - b * _BIG
+        if cache is not None:
+            cache[key] = (a, b)
     return np.where(x > 0, a + b * x, 0.0)
 
 
@@ -55,6 +61,28 @@ class BlockTimes:
     def __init__(self, setting: Setting):
         self.setting = setting
         self._cache: dict[tuple, list] = {}
+        self._arrays: dict[tuple, dict] = {}
+        self.coefficients: dict[tuple, tuple[float, float]] = {}  # _affine's, shared by every Segments of a search
+
+    def arrays(self, unit: Unit, tp: int, samples: float) -> dict:
+        """The per-segment sums and maxima of a unit at (tp, samples) that every (dp, ZeRO, m) giving these
+        samples shares (see Segments)."""
+        key = (unit.name, tp, samples)
+        if key not in self._arrays:
+            blocks = unit.blocks
+            ops = self.of(unit, tp, samples)
+            shard = np.array([tp_shard(b, tp) for b in blocks], dtype=float)
+            params = np.array([b.params for b in blocks], dtype=float) / shard
+            act = np.array([kept_activation_bytes(b, tp) for b in blocks], dtype=float) * samples
+            inp = np.array(unit.input_bytes, dtype=float) * samples  # checkpoints: whole without sequence parallelism
+            trained = params * np.array([not b.frozen for b in blocks], dtype=float)  # frozen: no grads / optimizer / sync
+            n = len(blocks)
+            self._arrays[key] = dict(
+                fwd=_span(np.array([o.fwd for o in ops])), fwd_comm=_span(np.array([o.fwd_comm for o in ops])),
+                bwd=_span(np.array([o.bwd for o in ops])), bwd_comm=_span(np.array([o.bwd_comm for o in ops])),
+                params=_span(params), trained=_span(trained), largest=_range_max(params), act=_span(act), act_max=_range_max(act),
+                checkpoint=_span(inp), valid=np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :])
+        return self._arrays[key]
 
     def of(self, unit: Unit, tp: int, samples: float) -> list:
         key = (unit.name, tp, samples)
@@ -86,23 +114,18 @@ class Segments:
     def __post_init__(self) -> None:
         st = self.setting
         self.samples = st.global_batch / self.micro_batches / self.dp  # per replica and micro-batch
-        blocks = self.unit.blocks
-        ops = (self.times or BlockTimes(st)).of(self.unit, self.tp, self.samples)
-        shard = np.array([tp_shard(b, self.tp) for b in blocks], dtype=float)
-        self.n = len(blocks)
-        self.fwd, self.fwd_comm = _span(np.array([o.fwd for o in ops])), _span(np.array([o.fwd_comm for o in ops]))
-        self.bwd, self.bwd_comm = _span(np.array([o.bwd for o in ops])), _span(np.array([o.bwd_comm for o in ops]))
-        params = np.array([b.params for b in blocks], dtype=float) / shard
-        act = np.array([kept_activation_bytes(b, self.tp) for b in blocks], dtype=float) * self.samples
-        inp = np.array(self.unit.input_bytes, dtype=float) * self.samples  # checkpoints: whole without sequence parallelism
+        if self.times is None:
+            self.times = BlockTimes(st)
+        arrays = self.times.arrays(self.unit, self.tp, self.samples)  # shared with every Segments of these samples
+        self.n = len(self.unit.blocks)
+        self.fwd, self.fwd_comm, self.bwd, self.bwd_comm = (arrays[k] for k in ("fwd", "fwd_comm", "bwd", "bwd_comm"))
         self.width = DTYPE_BYTES[st.dtype]
-        self.params = _span(params)
-        self.trained = _span(params * np.array([not b.frozen for b in blocks], dtype=float))  # frozen: no grads / optimizer / sync
-        self.largest = _range_max(params)  # parameters of the largest block
-        self.act, self.act_max = _span(act), _range_max(act)
-        self.checkpoint = _span(inp)
-        valid = np.arange(self.n + 1)[:, None] < np.arange(self.n + 1)[None, :]
-        self.valid = valid
+        self.params = arrays["params"]
+        self.trained = arrays["trained"]
+        self.largest = arrays["largest"]  # parameters of the largest block
+        self.act, self.act_max = arrays["act"], arrays["act_max"]
+        self.checkpoint = arrays["checkpoint"]
+        self.valid = arrays["valid"]
         self.dp_link = self._dp_link()
 
     def _dp_link(self) -> Link:
@@ -124,13 +147,16 @@ class Segments:
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
         param_bytes = self.params * self.width
         act_out = 0.0
+        memo, k = self.times.coefficients, (dp, z, policy, self.tp)  # the link is the one (dp, tp) gives
         if policy.activations.startswith("offload-"):
-            act_out = _affine(lambda x: transfer_time(x, policy.activations.removeprefix("offload-"), cl), self.act)
-        params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).params_in, param_bytes)
-        grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).grads_out, param_bytes)
+            act_out = _affine(lambda x: transfer_time(x, policy.activations.removeprefix("offload-"), cl), self.act, memo, ("act", *k))
+        params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).params_in, param_bytes,
+                            memo, ("in", *k))
+        grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).grads_out, param_bytes,
+                            memo, ("out", *k))
         link = self.dp_link
-        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).gather, param_bytes)
-        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).scatter, param_bytes)
+        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).gather, param_bytes, memo, ("gather", *k))
+        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).scatter, param_bytes, memo, ("scatter", *k))
         t_fwd = act_out + params_in
         t_bwd = act_out + params_in + grads_out
         fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)
@@ -141,11 +167,11 @@ class Segments:
 
         # the gradient sync hides behind the last backward but for its last bucket (tail.tail_over's overlap_s);
         # frozen parameters are neither synced nor updated
-        full = _affine(lambda x: tail(x).grad_sync, self.trained)
-        bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.trained, BUCKET_BYTES / self.width))
+        full = _affine(lambda x: tail(x).grad_sync, self.trained, memo, ("sync", *k))
+        bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.trained, BUCKET_BYTES / self.width), memo, ("sync", *k))
         sync = np.maximum(bucket, full - bwd)
-        opt = _affine(lambda x: tail(x).optimizer, self.trained)
-        gathered = _affine(lambda x: tail(x).param_gather, self.trained)
+        opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k))
+        gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
         out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
         self._cache[key] = out
         return out
@@ -174,6 +200,23 @@ class Segments:
         st = self.setting
         return (self.valid & (g0 + in_flight * g1 <= st.cluster.device.memory_bytes)
                 & (c0 + in_flight * c1 <= st.host_share) & (n0 + in_flight * n1 <= st.nvme_share))
+
+    def room(self, policy: Policy) -> np.ndarray:
+        """The most micro-batches in flight each segment's stage holds and still fits (fits(policy, f) is
+        room >= f; -inf where it never fits or the segment is empty)."""
+        key = ("room", policy)
+        if key in self._cache:
+            return self._cache[key]
+        g0, g1, c0, c1, n0, n1 = self.memory(policy)
+        st = self.setting
+        room = np.where(self.valid, np.inf, -np.inf)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for base, per, cap in ((g0, g1, st.cluster.device.memory_bytes), (c0, c1, st.host_share), (n0, n1, st.nvme_share)):
+                limit = np.where(per > 0, (cap - base) / np.where(per > 0, per, 1.0), np.where(base <= cap, np.inf, -np.inf))
+                limit = np.where(base > cap, -np.inf, limit)
+                room = np.minimum(room, limit)
+        self._cache[key] = room
+        return room
 
     def binds(self, policy: Policy, low: float, high: float) -> bool:
         """Whether some segment fits at `low` micro-batches in flight but not at `high`."""

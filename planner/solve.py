@@ -10,9 +10,10 @@ from typing import Literal
 from cost_models.compute import measured_on
 from cost_models.memory import DTYPE_BYTES
 from planner.allocate import Solver, pick_solver
-from planner.candidates import GPU_ONLY, OFFLOAD, Setting, Structure, Unit, micro_batch_counts, profile_units
+from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
 from planner.diagnosis import check_capacity, no_fit
-from planner.search import Progress, Schedule, Search, best_baseline, branch_and_bound, refine_tiers
+from planner import baselines
+from planner.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
@@ -48,10 +49,10 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f
 
 @dataclass(frozen=True, slots=True)
 class Solution:
-    """What `mmplan solve` found: the plan, the homogeneous baseline it was compared with, and how the search went."""
+    """What `mmplan solve` found: the plan, the baselines it was compared with, and how the search went."""
 
     plan: Plan
-    baseline: Plan | None
+    baseline: Plan | None  # the homogeneous baseline (one layout, cut points by the solver's DP)
     solve_time_s: float
     structure: str  # "chain" | "non-colocated" | "colocated" | "baseline"
     candidates: int  # layouts generated over all units and structures
@@ -59,19 +60,49 @@ class Solution:
     proved_optimal: bool  # the bound reached the best simulated step over the search space
     stopped_early: bool  # the time limit ended the search
     gap: float  # 1 - smallest remaining bound / best step (0 when proved optimal)
+    megatron: Plan | None = None  # the Megatron-style baseline (encoders on stage 0, LLM layers even)
 
     @property
     def step_time_s(self) -> float:
         return self.plan.predicted.step_time_s
 
     @property
+    def baselines(self) -> dict[str, Plan]:
+        """The baselines that fit, by name."""
+        out = {"homogeneous": self.baseline, "megatron": self.megatron}
+        return {k: p for k, p in out.items() if p is not None and p.predicted is not None and p.predicted.fits}
+
+    def speedup_over(self, name: str) -> float | None:
+        b = self.baselines.get(name)
+        return b.predicted.step_time_s / self.step_time_s if b is not None and self.step_time_s > 0 else None
+
+    @property
     def baseline_step_time_s(self) -> float | None:
-        return self.baseline.predicted.step_time_s if self.baseline is not None and self.baseline.predicted.fits else None
+        b = self.baselines.get("homogeneous")
+        return b.predicted.step_time_s if b is not None else None
 
     @property
     def speedup(self) -> float | None:
-        b = self.baseline_step_time_s
-        return b / self.step_time_s if b is not None and self.step_time_s > 0 else None
+        return self.speedup_over("homogeneous")
+
+
+DEFAULT_RESERVE = 0.10  # of each GPU's memory left free by every solved plan (allocator fragmentation, CUDA context)
+WRITE_MARGIN_S = 0.2  # seconds of a --time-limit kept for building the result, writing the plan and exiting,
+WRITE_PER_RANK_S = 5e-4  # and per rank (save_plan validates per-rank lists against the JSON Schema: ~1 s at 4,096
+WRITE_SHARE = 0.1  # ranks on a loaded 2-core machine), and this share of it (a search step overruns the deadline)
+
+
+def _write_reserve(time_limit: float, cluster: Cluster) -> float:
+    """Seconds of a time limit kept for what follows the search (at most half of it)."""
+    return min(0.5 * time_limit, WRITE_SHARE * time_limit + WRITE_MARGIN_S + WRITE_PER_RANK_S * cluster.world_size)
+
+
+def usable_cluster(cluster: Cluster, reserve: float) -> Cluster:
+    """The cluster the search plans for: each GPU's memory is capacity x (1 - reserve)."""
+    if not 0 <= reserve < 1:
+        raise MmplanError(f"--memory-reserve must be a fraction in [0, 1), got {reserve}")
+    usable = int(cluster.device.memory_bytes * (1 - reserve))
+    return replace(cluster, device=replace(cluster.device, memory_bytes=usable))
 
 
 def solve(
@@ -87,64 +118,152 @@ def solve(
     memory_tiers: bool = True,
     baseline: bool = True,
     progress: Progress | None = None,
+    memory_reserve: float = DEFAULT_RESERVE,
+    started: float | None = None,
+    emit: Literal["best", "homogeneous", "megatron"] = "best",
+    zeros: tuple[int, ...] = ZERO_STAGES,
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
     micro_batch: samples per micro-batch (over a group's data-parallel replicas; Training.micro_batch),
-    default: searched. time_limit: seconds; the search returns the best plan so far and says it stopped early.
+    default: searched. time_limit: seconds from `started` (a time.perf_counter() value, default now: the CLI
+    passes the process start); the search returns the best plan so far and says it stopped early.
+    memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
+    that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
+    stages searched (by the solver and both baselines).
     """
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
     _check_request(profile, cluster, global_batch, placement, schedule, micro_batch, time_limit)
+    usable = usable_cluster(cluster, memory_reserve)
     solver = pick_solver(solver)
+    deadline = started + (time_limit - _write_reserve(time_limit, cluster) if time_limit is not None else math.inf)
     # --schedule interleaved: the heterogeneous search lays out 1f1b pipelines (its cut-point DP is per contiguous
-    # stage); the homogeneous grid adds interleaved 1F1B layouts, and the faster plan is emitted
+    # stage); the Megatron-style baseline's grid holds interleaved 1F1B layouts, emitted where faster
     searched = "1f1b" if schedule == "interleaved" else schedule
-    search = Search(profile, cluster, global_batch, searched,
-                     started + (time_limit if time_limit is not None else math.inf), note, solver=solver)
-    structures = _structures(profile, cluster, placement)
+    search = Search(profile, usable, global_batch, searched, deadline, note, solver=solver, started=started,
+                    time_limit=time_limit)
+    structures = _structures(profile, usable, placement)
     ms = micro_batch_counts(global_batch, micro_batch)
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
-    measured = profile.micro_batch if measured_on(profile, cluster) else None
-    setting = Setting(cluster, global_batch, searched, dtype, "adam", measured, GPU_ONLY)
-    proved, gap = branch_and_bound(search, structures, setting, ms, solver)
-    if search.best is None and memory_tiers and not search.stopped_early:
-        note("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)
-        check_capacity(profile, cluster, dtype)
-        proved, gap = branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
-    if search.best is not None and memory_tiers:
-        note("choosing memory tiers", 0.85)
+    measured = profile.micro_batch if measured_on(profile, usable) else None
+    setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros))
+    # 1. the homogeneous baseline: the chain structure alone (one layout for every block, cut points by the DP),
+    #    searched first so that its step prunes the heterogeneous structures
+    chain = [(s, u) for s, u in structures if s == "chain"]
+    rest = [(s, u) for s, u in structures if s != "chain"]
+    if baseline and not chain:
+        chain = [("chain", profile_units(profile, "chain"))]
+    proved = True
+    gap = 0.0
+    offload = False
+    if chain and emit != "megatron":
+        quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
+        proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
+    homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline and emit != "megatron" else None
+    if emit == "homogeneous":
+        if homogeneous is None:
+            raise no_fit(profile, usable, setting, chain, memory_tiers, search.stopped_early)
+        return _baseline_solution(homogeneous, search, started, "homogeneous")
+    if not any(s == "chain" for s, _ in structures) and search.best is not None:
+        search.best = (search.best[0], search.best[1], "baseline")  # outside the requested placement: a baseline
+    # 2. the Megatron-style baseline (its grid of homogeneous layouts, searched by baselines.search)
+    megatron = None
+    if baseline and not search.out_of_time():
+        note("Megatron-style baseline", 0.3)
+        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros)
+    if emit == "megatron":
+        if megatron is None or not megatron.predicted.fits:
+            raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
+        return _baseline_solution(megatron, search, started, "megatron")
+    # 3. the heterogeneous structures, pruned by the best step so far
+    if rest and not search.out_of_time():
+        p, g, offload = _search(search, rest, setting, ms, solver, memory_tiers, offload)
+        proved, gap = proved and p, max(gap, g)
+    if search.best is not None and memory_tiers and not search.out_of_time():
+        note("choosing memory tiers", 0.9)
         refine_tiers(search)
-    base = None
-    if baseline:
-        note("best homogeneous baseline", 0.9)
-        base = best_baseline(profile, cluster, global_batch, schedule, micro_batch)
-    base_fits = base is not None and base.predicted.fits
-    if search.best is None and not base_fits:
-        raise no_fit(profile, cluster, setting, structures, memory_tiers, search.stopped_early)
+    mega_fits = megatron is not None and megatron.predicted.fits
+    if search.best is None and not mega_fits:
+        raise no_fit(profile, usable, setting, structures, memory_tiers, search.stopped_early)
     step, plan, structure = search.best or (math.inf, None, "")
-    elapsed = time.perf_counter() - started
-    if base_fits and base.predicted.step_time_s < step:
-        why = (f"the best homogeneous plan ({base.predicted.step_time_s:.4g} s) beat the best heterogeneous one found "
-               f"({step:.4g} s)" if plan is not None else "the search found no plan that fits but the homogeneous grid did")
-        info = replace(base.solver or SolverInfo("baseline:homogeneous"), time_s=elapsed, candidates=search.candidates,
-                       stopped_early=search.stopped_early,
-                       notes=f"{why}, so it is emitted; " + ((base.solver.notes if base.solver else "") or ""))
-        plan, structure, proved = replace(base, solver=info), "baseline", False
+    if mega_fits and megatron.predicted.step_time_s < step or structure == "baseline":
+        winner, name = (megatron, "megatron") if mega_fits and megatron.predicted.step_time_s < step else (plan, "homogeneous")
+        why = (f"the best {name} plan ({winner.predicted.step_time_s:.4g} s) beat the best plan of the requested search "
+               f"({step:.4g} s)" if winner is megatron and plan is not None else
+               f"the search found no plan that fits and beats the {name} baseline")
+        plan, structure, proved = winner, "baseline", False
+        notes = f"{why}, so it is emitted; " + ((winner.solver.notes if winner.solver else "") or "")
+        method = winner.solver.method if winner.solver else f"baseline:{name}"
     else:
-        info = SolverInfo(
-            method=f"ilp+dp:{structure}", objective=step, time_s=elapsed, candidates=search.candidates,
-            stopped_early=search.stopped_early,
-            notes=_notes(structure, search, proved, gap, base, step),
-        )
-        plan = replace(plan, solver=info)
-    note("done", 1.0)
+        method, notes = f"ilp+dp:{structure}", _notes(structure, search, proved, gap)
     proved = proved and not search.stopped_early
-    return Solution(plan, base, elapsed, structure, search.candidates, search.simulated, proved, search.stopped_early,
-                    0.0 if proved else gap)
+    bases = {k: p.predicted.step_time_s for k, p in (("homogeneous", homogeneous), ("megatron", megatron))
+             if p is not None and p.predicted.fits}
+    elapsed = time.perf_counter() - started
+    info = SolverInfo(method=method, objective=plan.predicted.step_time_s, time_s=elapsed, candidates=search.candidates,
+                      stopped_early=search.stopped_early, notes=notes + _versus(bases, plan.predicted.step_time_s),
+                      optimal=proved, memory_reserve=memory_reserve, baselines=bases)
+    plan = replace(plan, cluster=cluster, solver=info)
+    note("done", 1.0)
+    return Solution(plan, homogeneous, elapsed, structure, search.candidates, search.simulated, proved, search.stopped_early,
+                    0.0 if proved else gap, megatron)
 
 
-def _notes(structure: str, search: Search, proved: bool, gap: float, base: Plan | None, step: float) -> str:
+def _baseline_solution(plan: Plan, search: Search, started: float, name: str) -> Solution:
+    elapsed = time.perf_counter() - started
+    plan = replace(plan, solver=replace(plan.solver, time_s=elapsed, stopped_early=search.stopped_early))
+    return Solution(plan, plan if name == "homogeneous" else None, elapsed, "baseline", search.candidates, search.simulated,
+                    False, search.stopped_early, 0.0, plan if name == "megatron" else None)
+
+
+def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool,
+            offload: bool) -> tuple[bool, float, bool]:
+    """Branch and bound over `structures` with GPU-only tiers, then (memory tiers on, nothing fits yet, or an
+    earlier structure needed them) with CPU / NVMe tiers too; returns (proved, gap, tiers were needed)."""
+    if not offload:
+        proved, gap = branch_and_bound(search, structures, setting, ms, solver)
+        if search.best is not None or not memory_tiers or search.out_of_time():
+            return proved, gap, False
+        search.progress("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)
+        check_capacity(search.profile, search.cluster, setting.dtype)
+    proved, gap = branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
+    return proved, gap, True
+
+
+def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
+    """The chain structure's best plan (the homogeneous baseline), tiers refined, on the real cluster."""
+    if search.best is None:
+        return None
+    step, plan, _ = search.best
+    if not search.out_of_time():
+        probe = Search(search.profile, search.cluster, search.global_batch, search.schedule, search.deadline,
+                       search.progress, best=search.best)
+        refine_tiers(probe)
+        step, plan, _ = probe.best
+        search.best = probe.best
+    info = SolverInfo("baseline:homogeneous", objective=step, candidates=search.candidates,
+                      notes=f"one layout for the whole model, cut points by the solver's DP; {search.simulated} plans "
+                            f"simulated", optimal=False, memory_reserve=reserve)
+    return replace(plan, cluster=cluster, solver=info)
+
+
+def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_batch: int, micro_batch: int | None,
+                   search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES) -> Plan | None:
+    """The best Megatron-style plan (planner/baselines.best_megatron) for the same request, on the real cluster."""
+    try:
+        plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
+                                       zeros=zeros)
+    except MmplanError:
+        return None
+    return replace(plan, cluster=cluster, solver=replace(plan.solver, memory_reserve=reserve))
+
+
+def _versus(bases: dict[str, float], step: float) -> str:
+    return "".join(f"; {k} {v:.4g} s, speed-up {v / step:.3f}x" for k, v in bases.items())
+
+
+def _notes(structure: str, search: Search, proved: bool, gap: float) -> str:
     parts = [f"structure {structure}; {search.candidates} candidate layouts, {search.simulated} plans simulated"]
     if search.stopped_early:
         parts.append("stopped at the time limit: the best plan found so far")
@@ -154,8 +273,6 @@ def _notes(structure: str, search: Search, proved: bool, gap: float, base: Plan 
         parts.append(f"within {search.gap_goal:.1%} of the optimum over the search space (dominated candidates pruned)")
     else:
         parts.append(f"simulation budget reached; bound gap {gap:.1%}")
-    if base is not None and base.predicted.fits:
-        parts.append(f"best homogeneous {base.predicted.step_time_s:.4g} s, speed-up {base.predicted.step_time_s / step:.3f}x")
     return "; ".join(parts)
 
 
@@ -203,7 +320,23 @@ def _structures(profile: Profile, cluster: Cluster, placement: Placement) -> lis
 
 # --- the command's core: `mmplan solve` ----------------------------------------------------------------------------
 
-Baseline = Literal["homogeneous", "zero3", "gpipe-even"]
+Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
+
+
+def process_started() -> float:
+    """When this process started, as a time.perf_counter() value (Linux /proc): --time-limit counts from there,
+    so that loading Python and the profile is inside the limit. Now, when the process is older than a minute
+    (a long-lived process calling the CLI app, e.g. tests) or /proc cannot tell."""
+    now = time.perf_counter()
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - age if 0 <= age < 60 else now
 
 
 def run_solve(
@@ -222,8 +355,14 @@ def run_solve(
     baseline: Baseline | None = None,
     layout: str | None = None,
     progress: Progress | None = None,
+    memory_reserve: float = DEFAULT_RESERVE,
+    started: float | None = None,
 ) -> tuple[Solution, Profile]:
-    """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan."""
+    """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan.
+
+    --baseline homogeneous / megatron (without --layout) write exactly the baseline plan `solve` compares with.
+    started: a time.perf_counter() value --time-limit counts from (default now)."""
+    started = time.perf_counter() if started is None else started
     from cost_models.hardware import parse_cluster
     from plans.graph import load_profile
     from plans.plan import save_plan
@@ -232,18 +371,21 @@ def run_solve(
         raise MmplanError("--layout describes a homogeneous layout: use it with --baseline homogeneous")
     profile = load_profile(profile_path)
     spec = parse_cluster(cluster, gpus_per_node)
-    if baseline is not None:
-        from planner import baselines
-
-        started = time.perf_counter()
-        plan = baselines.baseline_plan(baseline, profile, spec, global_batch, layout=layout)
+    if baseline in ("homogeneous", "megatron") and layout is None:
+        solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
+                         time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
+                         memory_reserve=memory_reserve, started=started, emit=baseline)
+    elif baseline is not None:
+        plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout)
         elapsed = time.perf_counter() - started
-        plan = replace(plan, solver=replace(plan.solver or SolverInfo(f"baseline:{baseline}"), time_s=elapsed))
+        plan = replace(plan, cluster=spec, solver=replace(plan.solver or SolverInfo(f"baseline:{baseline}"), time_s=elapsed,
+                                                          memory_reserve=memory_reserve))
         solution = Solution(plan, plan if baseline == "homogeneous" else None, elapsed, "baseline", plan.solver.candidates,
-                            0, False, False, 0.0)
+                            0, False, False, 0.0, plan if baseline == "megatron" else None)
     else:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
-                         time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress)
+                         time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
+                         memory_reserve=memory_reserve, started=started)
     save_plan(solution.plan, output)
     return solution, profile
 

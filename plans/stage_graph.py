@@ -22,6 +22,8 @@ Vocabulary (docs/architecture.md has the glossary):
 """
 from __future__ import annotations
 
+import functools
+
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
@@ -158,12 +160,17 @@ def slice_of(replica: int, dp: int, micro_batch: int) -> tuple[int, int]:
     return replica * share, (replica + 1) * share
 
 
+@functools.lru_cache(maxsize=1024)
 def pieces(src_dp: int, dst_dp: int, micro_batch: int) -> tuple[Piece, ...]:
-    """Overlaps of producer and consumer replica slices, by consumer replica then producer replica."""
+    """Overlaps of producer and consumer replica slices, by consumer replica then producer replica (only the
+    producer replicas whose slice can overlap are visited: O(src_dp + dst_dp), cached)."""
+    slice_of(0, dst_dp, micro_batch)  # raise for a micro-batch dp does not divide
+    slice_of(0, src_dp, micro_batch)
+    share = micro_batch // src_dp
     out = []
     for d in range(dst_dp):
         d0, d1 = slice_of(d, dst_dp, micro_batch)
-        for s in range(src_dp):
+        for s in range(d0 // share, min(src_dp, (d1 - 1) // share + 1)):
             s0, s1 = slice_of(s, src_dp, micro_batch)
             lo, hi = max(d0, s0), min(d1, s1)
             if lo < hi:

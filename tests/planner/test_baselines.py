@@ -215,5 +215,34 @@ def test_baseline_plan_dispatches_and_rejects_layout_for_other_kinds(tiny, four)
     assert baseline_plan("zero3", tiny, four, 8).groups[0].zero == 3
     with pytest.raises(MmplanError, match="--layout applies to --baseline homogeneous only"):
         baseline_plan("zero3", tiny, four, 8, layout="tp=1,pp=1,dp=4")
-    with pytest.raises(MmplanError, match="unknown baseline 'megatron'"):
-        baseline_plan("megatron", tiny, four, 8)  # type: ignore[arg-type]
+    assert baseline_plan("megatron", tiny, four, 8).solver.method == "baseline:megatron"
+    with pytest.raises(MmplanError, match="unknown baseline 'sideways'"):
+        baseline_plan("sideways", tiny, four, 8)  # type: ignore[arg-type]
+
+
+def test_megatron_split_puts_the_encoders_on_the_first_stage_and_splits_the_llm_layers_evenly(tiny):
+    names = [b.name for b in tiny.blocks]
+    llm = tiny.blocks[-1].group
+    first_llm = next(i for i, b in enumerate(tiny.blocks) if b.group == llm)
+    chunks = split_blocks(tiny, 2, "megatron")
+    assert [b for c in chunks for b in c] == names
+    assert set(names[:first_llm]) <= set(chunks[0])  # every encoder and projector block on stage 0
+    layers = [sum(1 for b in c if next(x for x in tiny.blocks if x.name == b).supports_tp and b in names[first_llm:])
+              for c in chunks]
+    assert layers == [1, 1]  # tiny-vlm's 2 LLM layers, one per stage
+    by_count = split_blocks(tiny, 2)  # the layer-count split counts the vision layers too
+    assert by_count != chunks
+
+
+def test_best_megatron_searches_zero_and_schedules_and_every_stage_zero_holds_the_encoders(tiny, four):
+    from planner.baselines import best_megatron, llm_start
+
+    plan = best_megatron(tiny, four, 8)
+    assert plan.predicted.fits and plan.solver.method == "baseline:megatron"
+    (g,) = plan.groups
+    encoders = {b.name for b in tiny.blocks[:llm_start(tiny)]}
+    assert encoders <= set(g.stages[0].blocks)
+    specs = grid_layouts(tiny, four, 8, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), split="megatron")
+    assert {s.zero for s in specs} == {0, 1, 2, 3} and {s.schedule for s in specs} >= {"1f1b", "gpipe"}
+    fitting = [p for p in (homogeneous_plan(tiny, four, 8, s) for s in specs) if p.predicted.fits]
+    assert plan.predicted.step_time_s == pytest.approx(min(p.predicted.step_time_s for p in fitting), rel=1e-9)

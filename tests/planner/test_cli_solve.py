@@ -52,8 +52,8 @@ def test_summary_table(profiles, tmp_path):
                "--placement", "non-colocated")
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    for phrase in ("GPUs per modality", "predicted step", "peak memory per rank", "best homogeneous plan", "speed-up",
-                   f"wrote {out}"):
+    for phrase in ("GPUs per modality", "predicted step", "peak memory per rank", "homogeneous baseline", "speed-up",
+                   "candidate layouts", f"wrote {out}"):
         assert phrase in text, phrase
     # the search's own summary, or, when the homogeneous baseline predicts faster and is emitted, the grid's
     assert "candidate layouts" in text or "fit in memory" in text
@@ -121,3 +121,38 @@ def test_unwritable_output_fails_before_solving(profiles, tmp_path):
 def test_unknown_placement_is_a_usage_error(profiles, tmp_path):
     r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "--placement", "sideways")
     assert r.exit_code == 2
+
+
+def test_json_reports_both_baselines_and_baseline_writes_exactly_that_plan(profiles, tmp_path):
+    """`--baseline homogeneous|megatron` writes the very plan `solve` compared with (same step, same layout)."""
+    common = (profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "--json")
+    r = invoke(*common, "-o", tmp_path / "solved.json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert set(data["baselines"]) == {"homogeneous", "megatron"}
+    solved = load_plan(tmp_path / "solved.json")
+    assert solved.solver.baselines == {k: v["step_time_s"] for k, v in data["baselines"].items()}
+    assert solved.solver.memory_reserve == pytest.approx(0.10)
+    for name, b in data["baselines"].items():
+        assert data["step_time_s"] <= b["step_time_s"] * (1 + 1e-12)
+        out = tmp_path / f"{name}.json"
+        r = invoke(*common, "-o", out, "--baseline", name)
+        assert r.exit_code == 0, r.output
+        plan = load_plan(out)
+        assert plan.predicted.step_time_s == pytest.approx(b["step_time_s"], rel=1e-12), name
+        assert plan.solver.method == f"baseline:{name}"
+
+
+def test_memory_reserve_is_respected_and_recorded(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "8xh100-sxm", "--global-batch", 16, "-o", out, "--json",
+               "--memory-reserve", "0.4")
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    cap = plan.cluster.device.memory_bytes
+    assert cap == 80 * 10**9 or cap > 60e9  # the real device, not the reduced one the search planned for
+    assert plan.solver.memory_reserve == pytest.approx(0.4)
+    assert max(m.gpu for m in plan.predicted.memory) <= 0.6 * cap
+    bad = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "-o", tmp_path / "x.json",
+                 "--memory-reserve", "1.5")
+    assert bad.exit_code == 2 and "--memory-reserve" in bad.output and not (tmp_path / "x.json").exists()

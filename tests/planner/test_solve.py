@@ -101,7 +101,7 @@ def check_optimal(seed: int, schedule: str = "1f1b", placement: str = "auto") ->
     if placement == "non-colocated" and cluster.world_size < units:
         return  # an error naming the missing GPUs: test_too_few_gpus_for_non_colocated_groups
     want = brute_force(profile, cluster, batch, schedule, placement)
-    kwargs = dict(schedule=schedule, placement=placement, memory_tiers=False, baseline=False)
+    kwargs = dict(schedule=schedule, placement=placement, memory_tiers=False, baseline=False, memory_reserve=0.0)
     if want is None:
         with pytest.raises(MmplanError, match="GB"):
             solve(profile, cluster, batch, **kwargs)
@@ -109,7 +109,7 @@ def check_optimal(seed: int, schedule: str = "1f1b", placement: str = "auto") ->
     got = solve(profile, cluster, batch, **kwargs)
     assert got.plan.predicted.fits
     assert got.step_time_s == pytest.approx(want, rel=1e-9), (seed, got.structure, got.plan.solver.notes)
-    assert got.proved_optimal
+    assert got.proved_optimal and got.plan.solver.optimal
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 5, 8, 10, 16])
@@ -200,8 +200,10 @@ def check_never_worse(profile: Profile, gpus: int) -> None:
     if base.predicted.fits:
         assert got.step_time_s <= base.predicted.step_time_s * (1 + 1e-12)
         assert got.speedup >= 1 - 1e-12
+    if got.megatron is not None and got.megatron.predicted.fits:
+        assert got.step_time_s <= got.megatron.predicted.step_time_s * (1 + 1e-12)
     if got.structure == "baseline":
-        assert got.plan.solver.method == "baseline:homogeneous" and "emitted" in got.plan.solver.notes
+        assert got.plan.solver.method in ("baseline:homogeneous", "baseline:megatron") and "emitted" in got.plan.solver.notes
 
 
 TINY = ["tiny-vlm", "tiny-avlm", "tiny-flamingo", "tiny-clip", "tiny-vlm-heavy"]
@@ -237,7 +239,9 @@ def test_heterogeneous_layouts_and_modality_aware_gpus(zoo_profiles):
     """On an encoder-heavy model in the pipeline regime the best plan gives the encoder its own layout and a
     GPU share near its FLOP share."""
     profile = zoo_profiles("vit22b-llama70b")
-    got = solve(profile, parse_cluster("128xh100-sxm"), 128, placement="non-colocated")
+    # baseline=False: with ZeRO 0-3 searched, one unpipelined ZeRO layout for the whole model is faster here
+    # (and would be emitted); this test is about the non-colocated structure's own allocation
+    got = solve(profile, parse_cluster("128xh100-sxm"), 128, placement="non-colocated", baseline=False)
     vision, llm = got.plan.groups
     assert (vision.name, llm.name) == ("vision", "llm") and vision.colocated_with is None
     assert "vision_proj" in vision.blocks  # the projector joins the encoder it follows
@@ -246,7 +250,6 @@ def test_heterogeneous_layouts_and_modality_aware_gpus(zoo_profiles):
     flop_share = sum(flops[b] for b in vision.blocks) / sum(flops.values())
     assert flop_share / 4 < share < flop_share * 4
     assert (vision.tp, vision.dp, vision.pp) != (llm.tp, llm.dp, llm.pp)
-    assert got.speedup is not None and got.speedup > 1.1
 
 
 def test_local_cpu_plans_keep_tp_1_and_the_schedule(zoo_profiles):
@@ -264,6 +267,35 @@ def test_colocated_placement_shares_ranks(zoo_profiles):
     assert set(groups) == {"vision", "audio", "llm"}
     assert groups["vision"].colocated_with == "llm" and set(groups["vision"].ranks) == set(groups["llm"].ranks)
     assert got.plan.solver.method == "ilp+dp:colocated"
+
+
+def test_the_search_includes_every_zero_stage(zoo_profiles):
+    from planner.candidates import ZERO_STAGES, zero_stages
+
+    assert ZERO_STAGES == (0, 1, 2, 3) and zero_stages(parse_cluster("8xh100-sxm"), 4) == ZERO_STAGES
+    assert zero_stages(parse_cluster("8xh100-sxm"), 1) == (0,)
+
+
+def test_memory_reserve_leaves_that_share_of_every_gpu_free(zoo_profiles):
+    profile, cluster = zoo_profiles("llava-1.5-7b"), parse_cluster("8xh100-sxm")
+    free = solve(profile, cluster, 16, memory_reserve=0.0)
+    tight = solve(profile, cluster, 16, memory_reserve=0.5)
+    cap = cluster.device.memory_bytes
+    assert tight.plan.cluster == cluster and tight.plan.solver.memory_reserve == 0.5
+    assert max(m.gpu for m in tight.plan.predicted.memory) <= 0.5 * cap
+    assert free.step_time_s <= tight.step_time_s * (1 + 1e-12)  # a larger reserve can only slow the plan
+    for b in tight.baselines.values():
+        assert max(m.gpu for m in b.predicted.memory) <= 0.5 * cap
+
+
+def test_time_limit_counts_from_the_given_start(zoo_profiles):
+    import time
+
+    profile, cluster = zoo_profiles("tiny-avlm"), parse_cluster("4xlocal-cpu")
+    got = solve(profile, cluster, 8, time_limit=1.0, started=time.perf_counter() - 5.0)  # already spent before solving
+    # only the quick unpipelined incumbent (simulated even past the limit) is returned
+    assert got.stopped_early and got.plan.predicted.fits and got.structure in ("chain", "baseline")
+    assert got.plan.groups[0].pp == 1 and got.simulated <= 4 and not got.plan.solver.optimal
 
 
 def test_time_limit_returns_the_best_so_far(zoo_profiles):
@@ -313,11 +345,10 @@ def test_the_interleaved_grid_holds_interleaved_1f1b_where_it_is_faster(zoo_prof
     # llava-1.5-13b on 16 H100 at a small global batch: few micro-batches per pipeline, so the bubble decides and
     # interleaving (v chunks per rank) shrinks it by v (Narayanan et al. 2021, section 2.2)
     from planner import baselines
-    from planner.search import best_baseline
 
     prof, cluster = zoo_profiles("llava-1.5-13b"), parse_cluster("16xh100-sxm")
-    best = best_baseline(prof, cluster, 32, "interleaved", None)
-    plain = best_baseline(prof, cluster, 32, "1f1b", None)
+    best = baselines.best_megatron(prof, cluster, 32, schedules=("1f1b", "interleaved:2", "interleaved:4"))
+    plain = baselines.best_megatron(prof, cluster, 32, schedules=("1f1b",))
     assert best.training.schedule == "interleaved" and best.training.virtual_stages >= 2
     assert best.predicted.step_time_s < plain.predicted.step_time_s and plain.training.schedule == "1f1b"
 
