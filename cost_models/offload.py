@@ -26,6 +26,17 @@ def transfer_time(nbytes: float, tier: str, cluster: Cluster) -> float:
     raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'cpu' or 'nvme'")
 
 
+def overlaps_compute(cluster: Cluster) -> bool:
+    """Whether asynchronous transfers and collectives run beside compute on the cluster's ranks.
+
+    On GPUs (nccl) they do: NCCL kernels and copy engines work next to the compute stream. On CPU ranks (gloo)
+    they take the cores the compute uses, so nothing hides -- measured on the 2-core reference machine:
+    ZeRO-3's prefetched gathers made tiny-vlm dp2 slower than ZeRO-0 (0.36 vs 0.22 s per step), prefetch on a
+    side thread was slower than none (0.183 vs 0.141 s), and the bucketed gradient all-reduce's overlap was
+    within the noise (session notes of issues 11 and 13)."""
+    return cluster.backend == "nccl"
+
+
 def exposed(transfer_s: float, overlappable_s: float) -> float:
     """The part of an asynchronous transfer that does not hide behind concurrent compute: max(0, t - c).
 

@@ -10,7 +10,7 @@ from typing import Literal
 from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
 from cost_models.compute import OpTime, block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
-from cost_models.offload import exposed, state_streaming, transfer_time
+from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
@@ -173,7 +173,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
         # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
         # chunk's, under the interleaved schedule)
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
-                                overlap_s=costs[cs[0]].time.bwd))
+                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) else 0.0))
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
@@ -246,8 +246,12 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     cost.transfer_fwd = act + params_in
     cost.transfer_bwd = act + params_in + grads_out
     cost.overlap_comm_fwd, cost.overlap_comm_bwd = gather, gather + scatter
-    cost.fwd = time.fwd + time.fwd_comm + exposed(max(cost.transfer_fwd, gather), time.fwd)
-    cost.bwd = time.bwd + time.bwd_comm + exposed(max(cost.transfer_bwd, gather + scatter), time.bwd)
+    if overlaps_compute(cluster):
+        cost.fwd = time.fwd + time.fwd_comm + exposed(max(cost.transfer_fwd, gather), time.fwd)
+        cost.bwd = time.bwd + time.bwd_comm + exposed(max(cost.transfer_bwd, gather + scatter), time.bwd)
+    else:  # CPU ranks: transfers and collectives take the compute's cores, one after another
+        cost.fwd = time.fwd + time.fwd_comm + cost.transfer_fwd + gather
+        cost.bwd = time.bwd + time.bwd_comm + cost.transfer_bwd + gather + scatter
     cost.bytes_per_mb = tp_bytes + zero_bytes
     return cost
 

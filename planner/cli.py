@@ -183,7 +183,7 @@ def solve(
                                    time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, baseline=baseline,
                                    layout=layout, progress=note, memory_reserve=memory_reserve, started=started)
     if as_json:
-        print(json.dumps(solution_json(solution, output), allow_nan=False))
+        print(json.dumps(solution_json(solution, output, prof), allow_nan=False))
     elif not quiet:
         console.out.print(render_solution(solution, prof, output))
 

@@ -51,7 +51,7 @@ def _seconds(s: float) -> str:
 # --- mmplan solve -------------------------------------------------------------------------------------------
 
 
-def solution_json(solution: Solution, output: str | os.PathLike) -> dict:
+def solution_json(solution: Solution, output: str | os.PathLike, profile: Profile | None = None) -> dict:
     """The --json object: the written path, step times, speed-up, solve time, fit, and how the search went."""
     plan, p = solution.plan, solution.plan.predicted
     return {
@@ -77,7 +77,18 @@ def solution_json(solution: Solution, output: str | os.PathLike) -> dict:
                     "colocated_with": g.colocated_with, "cuts": [s.blocks[0] for s in g.stages[1:]]} for g in plan.groups],
         "peak_gpu_bytes": max((m.gpu for m in p.memory), default=0.0),
         "mfu": p.mfu,
+        "why": why_solved(solution, profile) if profile is not None else {},
     }
+
+
+def why_solved(solution: Solution, profile: Profile) -> dict[str, str]:
+    """Per baseline: why the solved plan beats it (or loses to it), from both plans' breakdowns (planner/explain.py)."""
+    from cost_models.evaluate import evaluate
+
+    plan = solution.plan
+    mine = evaluate(plan, profile)
+    return {name: why("the solved plan", plan, mine, f"the {name} baseline", b, evaluate(b, profile))
+            for name, b in solution.baselines.items()}
 
 
 def render_solution(solution: Solution, profile: Profile, output: str | os.PathLike):
@@ -112,9 +123,10 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
         + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
     ]
+    reasons = why_solved(solution, profile)
     for name, b in solution.baselines.items():
         lines.append(f"{name} baseline ({safe(layout_text(b).replace(chr(10), '; '))}) {b.predicted.step_time_s:.4g} s: "
-                     f"speed-up [bold]{solution.speedup_over(name):.2f}x[/]")
+                     f"speed-up [bold]{solution.speedup_over(name):.2f}x[/]; {safe(reasons[name])}")
     if solution.structure == "baseline" and solution.plan.solver:
         lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
     how = "proved optimal over the search space" if solution.proved_optimal else (

@@ -10,7 +10,7 @@ import numpy as np
 from cost_models.comm import dp_link, zero_collectives
 from cost_models.compute import block_time, tp_shard
 from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
-from cost_models.offload import state_streaming, transfer_time
+from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.cluster import Link
 
@@ -159,8 +159,12 @@ class Segments:
         scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).scatter, param_bytes, memo, ("scatter", *k))
         t_fwd = act_out + params_in
         t_bwd = act_out + params_in + grads_out
-        fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)
-        bwd_op = bwd + bwd_comm + np.maximum(0.0, np.maximum(t_bwd, gather + scatter) - bwd)
+        if overlaps_compute(cl):
+            fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)
+            bwd_op = bwd + bwd_comm + np.maximum(0.0, np.maximum(t_bwd, gather + scatter) - bwd)
+        else:  # CPU ranks: nothing hides behind compute (cost_models.offload.overlaps_compute)
+            fwd_op = fwd + fwd_comm + t_fwd + gather
+            bwd_op = bwd + bwd_comm + t_bwd + gather + scatter
 
         def tail(x: float):
             return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
@@ -169,7 +173,7 @@ class Segments:
         # frozen parameters are neither synced nor updated
         full = _affine(lambda x: tail(x).grad_sync, self.trained, memo, ("sync", *k))
         bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.trained, BUCKET_BYTES / self.width), memo, ("sync", *k))
-        sync = np.maximum(bucket, full - bwd)
+        sync = np.maximum(bucket, full - bwd) if overlaps_compute(cl) else full
         opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k))
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
         out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)

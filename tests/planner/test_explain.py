@@ -79,3 +79,16 @@ def test_compare_json_carries_the_breakdown_and_why_the_best_wins(evaluated):
             assert "why" not in d
         else:
             assert re.match(rf"{items[best].name.removesuffix('.json')} is \d+\.\d\dx faster than", d["why"])
+
+
+def test_solve_says_why_its_plan_beats_each_baseline():
+    from planner.report import solution_json
+    from planner.solve import solve
+
+    profile = chain_profile()
+    solution = solve(profile, parse_cluster("4xlocal-cpu"), 8)
+    data = solution_json(solution, "plan.json", profile)
+    assert set(data["why"]) == set(solution.baselines) and solution.baselines
+    for name, text in data["why"].items():
+        assert text.startswith("the solved plan") or text.startswith(f"the {name} baseline")
+        assert f"the {name} baseline" in text
