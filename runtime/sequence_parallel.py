@@ -233,7 +233,8 @@ def sequence_runs(program: Any, blocks: Iterable[str], capable: set[str], leavin
     by_node = {program.blocks[b]: b for b in blocks if b in program.blocks}
     inner_out: set[str] = set()
     for node, b in by_node.items():
-        if b not in capable or b in leaving or len(node.users) != 1:
+        # no fx graph (a model running its own forward, runtime/forward_program.py): every block gathers and slices
+        if b not in capable or b in leaving or len(getattr(node, "users", ())) != 1:
             continue
         (user,) = node.users
         reader = by_node.get(user)

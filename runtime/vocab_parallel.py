@@ -153,6 +153,8 @@ def shard_embedding(block: nn.Module, group: Any, tp_rank: int, tp: int, vocab: 
 def _loss_node(program: Any, head: str) -> Any:
     """The F.cross_entropy node reading `head`'s output through shape-only glue, or None."""
     node = program.blocks[head]
+    if not hasattr(node, "users"):  # a model running its own forward (runtime/forward_program.py): no fx graph
+        return None
     while True:
         if len(node.users) != 1:
             return None
