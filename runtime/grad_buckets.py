@@ -21,6 +21,23 @@ from torch import nn
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
 
+def all_reduce_grads(params: list[nn.Parameter], group: Any) -> None:
+    """Sum the gradients of `params` over `group` in one flat all-reduce (a missing gradient counts as zeros);
+    afterwards every member holds the sums."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+
+
 class GradBuckets:
     """One stage's parameters, in buckets of about `bucket_bytes`, all-reduced over `group` as they get ready."""
 

@@ -146,27 +146,6 @@ def build(config) -> nn.Module:
     return for_training(model)
 
 
-def _configs(config) -> list:
-    if config is None:
-        return []
-    out = [config]
-    for key in ("text_config", "vision_config", "audio_config"):
-        sub = getattr(config, key, None)
-        if sub is not None:
-            out.append(sub)
-    return out
-
-
-def build(config) -> nn.Module:
-    """The model of `config` with random weights, on the current default device (meta under torch.device("meta"))."""
-    cls = model_class(config)
-    try:
-        model = cls._from_config(config)
-    except Exception as e:
-        raise MmplanError(f"building {cls.__name__} from its config failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-    return for_training(model)
-
-
 def _initialise_unset(model: nn.Module) -> None:
     """Tensors HF's init leaves unset (it expects a checkpoint to fill them, e.g. Qwen2-Audio's frozen
     `embed_positions`) get N(0, 0.02) from a generator seeded by their name: the same model in every process,

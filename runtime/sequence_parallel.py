@@ -256,15 +256,6 @@ def sequence_parallel_params(block: nn.Module) -> list[nn.Parameter]:
 def sync_sequence_parallel_grads(params: list[nn.Parameter], group: Any) -> None:
     """Sum the partial gradients of sequence-parallel replicated parameters over the tp group (one flat
     all-reduce); afterwards every tp rank holds the full, identical gradient."""
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p))
-        offset += n
+    from runtime.grad_buckets import all_reduce_grads
+
+    all_reduce_grads(params, group)

@@ -28,6 +28,7 @@ from runtime.layout import Layout, build_layout
 from runtime.program import evaluate, tensor_leaves, trace_program
 from runtime.schedule import Task, has_backward, rank_tasks
 from runtime.forward_program import bare
+from runtime.grad_buckets import all_reduce_grads
 from runtime.source import call_factory, model_loss, resolve
 from runtime.stage import RankModel, build_rank_model
 
@@ -487,24 +488,13 @@ class RankTrainer:
             if chunks:
                 for ck in chunks:
                     self.buckets[ck].finish()
-                st = self._stage(key)
                 events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
                 continue
             params = [p for b in self.layout.stage_blocks(key) for p in self.rm.local[b].parameters() if p.requires_grad]
             params = list({id(p): p for p in params}.values())
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             if not params:
                 continue
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
-            st = self._stage(key)
+            all_reduce_grads(params, group)
             events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
 
     def close(self) -> None:
