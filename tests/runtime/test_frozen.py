@@ -7,7 +7,8 @@ import pytest
 from runtime.launch import launch
 from runtime.train import Job, train_rank
 from tests.runtime.plan_builder import make_plan
-from tests.runtime.test_zero import check_parity, reference
+from tests.runtime.test_parity import check_parity
+from tests.runtime.test_zero import reference
 
 STEPS = 6
 VISION = ("vision.*",)

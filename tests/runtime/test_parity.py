@@ -109,10 +109,15 @@ def test_plan_matches_single_process_reference(case):
     ref = reference(model, job)
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
     assert_executed_order_is_predicted(plan, model, results[0]["trace"])
+    check_parity(case, results, ref, loss_rtol=1e-4)
+
+
+def check_parity(case: str, results: list, ref: dict, *, loss_rtol: float = 1e-5) -> None:
+    """Rank 0's losses within loss_rtol of the reference's, every probed gradient within 1e-5 of it."""
     losses = [m["loss"] for m in results[0]["metrics"]]
-    assert len(losses) == STEPS
+    assert len(losses) == len(ref["losses"]) > 0  # the reference ran the job's steps
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
-        assert abs(got - want) <= 1e-4 * abs(want), (case, step, got, want)
+        assert abs(got - want) <= loss_rtol * abs(want), (case, step, got, want)
     grads = {}
     for r in results:
         grads.update(r["grads"])

@@ -9,6 +9,7 @@ from runtime.launch import launch
 from runtime.train import Job, train_rank
 from runtime.reference import reference_run
 from tests.runtime.plan_builder import make_plan
+from tests.runtime.test_parity import check_parity
 
 STEPS = 6
 VLM_ALL = ["vision", "vision_proj", "llm"]
@@ -41,21 +42,6 @@ def reference(model: str, job: Job) -> dict:
     if key not in _REFERENCE:
         _REFERENCE[key] = reference_run(job)
     return _REFERENCE[key]
-
-
-def check_parity(case: str, results: list, ref: dict) -> None:
-    losses = [m["loss"] for m in results[0]["metrics"]]
-    assert len(losses) == STEPS
-    for step, (got, want) in enumerate(zip(losses, ref["losses"])):
-        assert abs(got - want) <= 1e-5 * abs(want), (case, step, got, want)
-    grads = {}
-    for r in results:
-        grads.update(r["grads"])
-    assert set(grads) == set(ref["grads"]), case
-    scale = max(float(g.abs().max()) for g in ref["grads"].values())
-    for name, want in ref["grads"].items():
-        tol = 1e-5 * max(float(want.abs().max()), 1e-3 * scale)
-        assert float((grads[name] - want).abs().max()) <= tol, (case, name)
 
 
 @pytest.mark.parametrize("case", list(PLANS))
