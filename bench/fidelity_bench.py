@@ -12,8 +12,12 @@ Sources:
 - [N21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC21), Table 1 (weak scaling, A100 80GB DGX SuperPOD, seq 2048, vocab 51200, full activation
   recomputation), also the NVIDIA/Megatron-LM README table. Metric: TFLOP/s per GPU with
-  F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (their eq. 3, recomputation counted). Micro-batch size per
-  replica: not in the table; 1 assumed. Interleaving: not used in Table 1 rows (1F1B).
+  F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (their eq. 3, recomputation counted).
+- [SC21] The scripts that produced [N21] Table 1: NVIDIA/Megatron-LM examples/sc21/run_table_1.sh and CONFIG.sh
+  (commit de7dc40f883c, 2021-08-10, "scripts for sc21"): per row the micro-batch size (16, 16, 16, 8, 4, 2, 2,
+  1, 1, 1), `--num-layers-per-virtual-pipeline-stage` (76B: 5, 145B: 5, 310B: 3, 530B: 1; the others 1F1B
+  without interleaving), `--DDP-impl` (torch up to 18B, local from 39B), `--checkpoint-activations`, `--fp16`
+  (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048.
 - [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023),
   abstract: the 530B GPT-3-style model (105 layers, hidden 20480, 128 heads; Table 3) on 2240 A100 80GB GPUs
   (TP 8, PP 35, so DP 8) reaches 54.2 % MFU with sequence parallelism + selective recomputation, 42.1 % with full
@@ -38,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_models import gpt_profile  # noqa: E402
+from published_models import gpt_profile, zoo_profile  # noqa: E402
 
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import parse_cluster  # noqa: E402
@@ -62,6 +66,8 @@ class Model:
     attention: str = "math"
     gated: bool = False
     dropout: float = 0.1
+    zoo: str = ""  # a model of mmplan's zoo (profiled at full depth) instead of the Megatron-style decoder
+    freeze: tuple[str, ...] = ()
 
     @property
     def params(self) -> float:
@@ -87,6 +93,10 @@ class Row:
     recompute: str = "full"  # "full" | "selective" | "none"
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    micro_batch: int = 1  # samples per micro-batch per data-parallel replica
+    zero: int = 0
+    published_step_s: float = 0.0  # metric "time": the published seconds per step (published = its TFLOP/s)
+    grad_sync_overlap: bool = True  # the run's framework overlapped the dp gradient all-reduce with backward
     note: str = ""
 
     @property
@@ -102,17 +112,25 @@ LLAMA3_405B = Model("llama3-405b", 126, 16384, 128, seq=8192, vocab=128256, mlp=
                     attention="flash", gated=True, dropout=0.0)
 
 ROWS = (
-    # [N21] Table 1: params, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU
-    Row("N21 T1 1.7B", _gpt("gpt-1.7b", 24, 2304, 24), "a100-80g", 1, 1, 32, 512, 137, "n21"),
-    Row("N21 T1 3.6B", _gpt("gpt-3.6b", 30, 3072, 32), "a100-80g", 2, 1, 32, 512, 138, "n21"),
-    Row("N21 T1 7.5B", _gpt("gpt-7.5b", 36, 4096, 32), "a100-80g", 4, 1, 32, 512, 142, "n21"),
-    Row("N21 T1 18.4B", _gpt("gpt-18.4b", 40, 6144, 48), "a100-80g", 8, 1, 32, 1024, 135, "n21"),
-    Row("N21 T1 39.1B", _gpt("gpt-39.1b", 48, 8192, 64), "a100-80g", 8, 2, 32, 1536, 138, "n21"),
-    Row("N21 T1 76.1B", _gpt("gpt-76.1b", 60, 10240, 80), "a100-80g", 8, 4, 32, 1792, 140, "n21"),
-    Row("N21 T1 145.6B", _gpt("gpt-145.6b", 80, 12288, 96), "a100-80g", 8, 8, 24, 2304, 148, "n21"),
-    Row("N21 T1 310.1B", _gpt("gpt-310.1b", 96, 16384, 128), "a100-80g", 8, 16, 15, 2160, 155, "n21"),
-    Row("N21 T1 529.6B", _gpt("gpt-529.6b", 105, 20480, 128), "a100-80g", 8, 35, 9, 2520, 163, "n21"),
-    Row("N21 T1 1008B", _gpt("gpt-1t", 128, 25600, 160), "a100-80g", 8, 64, 6, 3072, 163, "n21"),
+    # [N21] Table 1: params, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU. Micro-batch, interleaving
+    # and DDP implementation per row from [SC21] (`--DDP-impl torch`: PyTorch DDP, gradient buckets all-reduced
+    # during the backward; `local`: Megatron's own DDP, one all-reduce after the backward, no overlap)
+    Row("N21 T1 1.7B", _gpt("gpt-1.7b", 24, 2304, 24), "a100-80g", 1, 1, 32, 512, 137, "n21", micro_batch=16),
+    Row("N21 T1 3.6B", _gpt("gpt-3.6b", 30, 3072, 32), "a100-80g", 2, 1, 32, 512, 138, "n21", micro_batch=16),
+    Row("N21 T1 7.5B", _gpt("gpt-7.5b", 36, 4096, 32), "a100-80g", 4, 1, 32, 512, 142, "n21", micro_batch=16),
+    Row("N21 T1 18.4B", _gpt("gpt-18.4b", 40, 6144, 48), "a100-80g", 8, 1, 32, 1024, 135, "n21", micro_batch=8),
+    Row("N21 T1 39.1B", _gpt("gpt-39.1b", 48, 8192, 64), "a100-80g", 8, 2, 32, 1536, 138, "n21", micro_batch=4,
+        grad_sync_overlap=False),
+    Row("N21 T1 76.1B", _gpt("gpt-76.1b", 60, 10240, 80), "a100-80g", 8, 4, 32, 1792, 140, "n21", micro_batch=2,
+        schedule="interleaved:3", grad_sync_overlap=False),  # 5 layers per virtual stage: 15 / 5 = 3 chunks
+    Row("N21 T1 145.6B", _gpt("gpt-145.6b", 80, 12288, 96), "a100-80g", 8, 8, 24, 2304, 148, "n21", micro_batch=2,
+        schedule="interleaved:2", grad_sync_overlap=False),  # 10 layers per stage, 5 per virtual stage
+    Row("N21 T1 310.1B", _gpt("gpt-310.1b", 96, 16384, 128), "a100-80g", 8, 16, 15, 2160, 155, "n21",
+        schedule="interleaved:2", grad_sync_overlap=False),  # 6 layers per stage, 3 per virtual stage
+    Row("N21 T1 529.6B", _gpt("gpt-529.6b", 105, 20480, 128), "a100-80g", 8, 35, 9, 2520, 163, "n21",
+        schedule="interleaved:3", grad_sync_overlap=False),  # 3 layers per stage, 1 per virtual stage
+    Row("N21 T1 1008B", _gpt("gpt-1t", 128, 25600, 160), "a100-80g", 8, 64, 6, 3072, 163, "n21",
+        grad_sync_overlap=False),
     # [K22] abstract (MFU x 312 TFLOP/s)
     Row("K22 530B SP+selective", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.542 * 312, "k22",
         recompute="selective", sequence_parallel=True),
@@ -125,9 +143,34 @@ ROWS = (
 )
 
 
+# [LLaVA] pretraining (feature alignment): one epoch over the 558,128 image-caption pairs of LCS-558K
+# (blip_laion_cc_sbu_558k.json), global batch 256 = 8 GPUs x 32, so ceil(558128 / 256) = 2181 steps.
+_LLAVA_PRETRAIN_STEPS = -(-558128 // 256)
+# Text tokens per sample after the 576 image tokens: the "plain" template is caption + "\n", padded to the longest
+# caption of the micro-batch (BLIP captions, ~10-30 tokens). Not published: 48 assumed.
+_LLAVA_CAPTION = 48
+LLAVA_7B_PT = Model("llava-1.5-7b-pretrain", 32, 4096, 32, seq=_LLAVA_CAPTION, vocab=32000, zoo="llava-1.5-7b",
+                    freeze=("vision.*", "llm.*"))
+LLAVA_13B_PT = Model("llava-1.5-13b-pretrain", 40, 5120, 40, seq=_LLAVA_CAPTION, vocab=32000, zoo="llava-1.5-13b",
+                     freeze=("vision.*", "llm.*"))
+ROWS += (
+    # [LLaVA] README: "Pretrain takes around 5.5 hours for LLaVA-v1.5-13B on 8x A100 (80G) ... around 3.5 hours
+    # for LLaVA-v1.5-7B"; scripts/v1_5/pretrain.sh: ZeRO-2, 32 per GPU, no accumulation, gradient checkpointing,
+    # bf16, flash attention (train_mem.py); vision tower and LLM frozen, only the projector trains.
+    Row("LLaVA-1.5 7B pretrain", LLAVA_7B_PT, "a100-80g", 1, 1, 8, 256, 0.0, "time", micro_batch=32, zero=2,
+        published_step_s=3.5 * 3600 / _LLAVA_PRETRAIN_STEPS),
+    Row("LLaVA-1.5 13B pretrain", LLAVA_13B_PT, "a100-80g", 1, 1, 8, 256, 0.0, "time", micro_batch=32, zero=2,
+        published_step_s=5.5 * 3600 / _LLAVA_PRETRAIN_STEPS),
+)
+
+
 def published_flops(row: Row, m: Model) -> float:
-    """FLOPs of one step by the publication's own formula."""
+    """FLOPs of one step by the publication's own formula; for a "time" row (a publication that gives only
+    its run's wall time) the profile's executed FLOPs per step (forward + backward as profiled, frozen blocks
+    without weight gradients, recomputation not counted), the same count for both sides of the comparison."""
     B, s, l, h, V = row.global_batch, m.seq, m.layers, m.hidden, m.vocab
+    if row.metric == "time":
+        return B * sum(b.fwd_flops + b.bwd_flops for b in profile_of(m).blocks)
     if row.metric == "n21":  # Narayanan et al. 2021, eq. 3 (with recomputation)
         return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     if row.metric == "k22":  # Korthikanti et al. 2022, model FLOPs (no recomputation)
@@ -139,6 +182,8 @@ _PROFILES: dict[Model, Profile] = {}
 
 
 def profile_of(m: Model) -> Profile:
+    if m not in _PROFILES and m.zoo:
+        _PROFILES[m] = zoo_profile(m.zoo, text_seq=m.seq, freeze=m.freeze)
     if m not in _PROFILES:
         _PROFILES[m] = gpt_profile(m.name, layers=m.layers, dim=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab,
                                    mlp=m.mlp, kv_heads=m.kv_heads, attention=m.attention, dropout=m.dropout,
@@ -150,8 +195,8 @@ def predict(row: Row) -> tuple[float, float]:
     """(predicted TFLOP/s per GPU by the publication's metric, predicted step seconds)."""
     profile = profile_of(row.model)
     cluster = parse_cluster(f"{row.gpus}x{row.gpu}")
-    spec = f"tp={row.tp},pp={row.pp},dp={row.dp},micro-batch=1,schedule={row.schedule}," \
-           f"recompute={'full' if row.recompute == 'full' else 'none'}"
+    spec = f"tp={row.tp},pp={row.pp},dp={row.dp},micro-batch={row.micro_batch},schedule={row.schedule}," \
+           f"recompute={'full' if row.recompute == 'full' else 'none'},zero={row.zero}"
     plan = homogeneous_plan(profile, cluster, row.global_batch, spec, predict=False)
     if row.recompute == "selective" or row.sequence_parallel:
         tier = "selective" if row.recompute == "selective" else "keep"
@@ -160,8 +205,15 @@ def predict(row: Row) -> tuple[float, float]:
             replace(st, memory=replace(st.memory, activations={b: tier for b in st.blocks if blocks[b].supports_tp}))
             for st in g.stages)) for g in plan.groups)
         plan = replace(plan, groups=groups)
-    step = evaluate(plan, profile).predicted.step_time_s
+    step = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap).predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step
+
+
+def published(row: Row) -> float:
+    """The published TFLOP/s per GPU (for a "time" row: the row's FLOPs per step / its published step time)."""
+    if row.metric == "time":
+        return published_flops(row, row.model) / row.published_step_s / row.gpus / 1e12
+    return row.published
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         t0 = time.perf_counter()
         pred, step = predict(row)
-        err = pred / row.published - 1
+        pub = published(row)
+        err = pred / pub - 1
         errors.append(err)
         flag = "" if abs(err) <= TOLERANCE else "  MISS"
-        print(f"{row.source:24} {row.gpus:6d} {f'{row.tp}x{row.pp}x{row.dp}':>14} {row.published:10.1f} {pred:10.1f} "
+        print(f"{row.source:24} {row.gpus:6d} {f'{row.tp}x{row.pp}x{row.dp}':>14} {pub:10.1f} {pred:10.1f} "
               f"{err:+8.1%}  {step:7.2f}{flag}   ({time.perf_counter() - t0:.0f} s)", flush=True)
     mae = statistics.mean(abs(e) for e in errors)
     within = sum(abs(e) <= TOLERANCE for e in errors)

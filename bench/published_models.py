@@ -153,3 +153,15 @@ def repeat_layers(profile: Profile, layers: int) -> Profile:
     edges = tuple(Edge(a, b, hidden if b != "head" else blocks["norm"].output_bytes) for a, b in zip(names, names[1:]))
     return Profile.build(profile.model, profile.dtype, profile.micro_batch, tuple(order), edges,
                          inputs=profile.inputs, loss=("head",), attention=profile.attention)
+
+
+def zoo_profile(name: str, *, text_seq: int | None = None, freeze: tuple[str, ...] = ()) -> Profile:
+    """The profile of a model of mmplan's zoo (runtime/models/zoo.py) at its full depth, on FakeTensors, with the
+    decoder's text tokens set to `text_seq` and the blocks matching `freeze` frozen (`mmplan profile --freeze`)."""
+    from runtime.models import zoo
+
+    config = zoo.resolve(name)
+    if text_seq is not None:
+        config = replace(config, decoder=replace(config.decoder, text_seq=text_seq))
+    source = ModelSource(name, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
+    return profile_model(source, micro_batch=1, freeze=freeze)

@@ -44,7 +44,7 @@ class Evaluation:
         return self.simulation.rank_timeline(rank)
 
 
-def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Evaluation:
+def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True) -> Evaluation:
     """Simulate one step of `plan` and derive its throughput, MFU, memory per rank and whether it fits.
 
     TFLOP/s per GPU = model FLOPs per step (forward + backward of every block for every sample; the
@@ -54,7 +54,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Ev
     """
     cluster = cluster or plan.cluster
     training = plan.training
-    sim = simulate(plan, profile, cluster)
+    sim = simulate(plan, profile, cluster, grad_sync_overlap=grad_sync_overlap)
     inputs = block_input_bytes(profile)
 
     blocks = {b.name: b for b in profile.blocks}

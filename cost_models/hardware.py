@@ -82,15 +82,27 @@ def _hopper(name: str, memory_bytes: int, hbm_gbps: float) -> Device:
                   _launch_bound_curve(peak["bf16"], _GPU_BEST_FRACTION["hopper"], _GPU_LAUNCH_S))
 
 
+# NCCL moves data over NVLink at ~80 % of the line rate: "450GB/s is the line rate. With the protocol overhead
+# (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as "BusBw" when running
+# non-allreduce operations, or when running with NCCL_ALGO=RING" (S. Jeaugey, NCCL maintainer, NVIDIA/nccl-tests
+# issue #212, 2024, for H100). The same protocol runs on A100's NVLink 3: nccl-tests all_reduce on 8x A100-SXM4
+# measures ~200-230 GB/s bus bandwidth of 300 GB/s (NVIDIA/nccl-tests issues #149 and #178, NVIDIA/nccl #583).
+# The catalog's NVLink is that effective bandwidth, the bandwidth a ring collective or a p2p send achieves.
+# (InfiniBand: NCCL reaches ~96 % of the NICs' line rate, nccl-tests issue #119: 96 GB/s of 4 x 200 Gb/s HDR;
+# left at line rate.)
+_NCCL_NVLINK_FRACTION = 0.80
+
+
 def _dgx(name: str, device: Device, *, nvlink_gbps: float, ib_gbps: float, pcie_gbps: float,
          host_memory_bytes: int, nvme_drives: int) -> Cluster:
-    """One DGX-style node of 8 GPUs: the template that shorthands like `64xh100-sxm` scale out."""
+    """One DGX-style node of 8 GPUs: the template that shorthands like `64xh100-sxm` scale out. `nvlink_gbps` is
+    the datasheet's per-direction line rate; the link gets NCCL's effective share of it (_NCCL_NVLINK_FRACTION)."""
     return Cluster(
         name=name,
         nodes=1,
         gpus_per_node=8,
         device=device,
-        intra_node=Link(nvlink_gbps * GBps, _NVLINK_LATENCY_S),
+        intra_node=Link(nvlink_gbps * _NCCL_NVLINK_FRACTION * GBps, _NVLINK_LATENCY_S),
         inter_node=Link(ib_gbps * GBps, _IB_LATENCY_S),
         host_to_device=Link(pcie_gbps * GBps, _PCIE_LATENCY_S),
         nvme=Link(nvme_drives * _NVME_WRITE_PER_DRIVE, _NVME_LATENCY_S),

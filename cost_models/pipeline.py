@@ -126,8 +126,12 @@ class _Cost:
     bytes_per_mb: float = 0.0  # bytes one rank of the chunk sends per micro-batch (TP + ZeRO collectives)
 
 
-def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Simulation:
-    """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's)."""
+def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True) -> Simulation:
+    """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
+
+    `grad_sync_overlap=False` prices a runtime that all-reduces the gradients only after the last backward (as
+    Megatron-LM's `--DDP-impl local` did until 2023; the fidelity bench reproduces such runs); mmplan's runtime
+    overlaps its buckets (the default)."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -173,7 +177,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
         # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
         # chunk's, under the interleaved schedule)
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
-                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) else 0.0))
+                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0))
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
