@@ -37,11 +37,17 @@ def _launch_bound_curve(peak: float, best: float, launch_s: float) -> tuple[tupl
 
 
 # A CUDA kernel launch plus cuBLAS heuristics costs a few microseconds (estimate; "CUDA C++ Best Practices
-# Guide", section on kernel launch overhead). Large cuBLAS GEMMs reach ~75-80 % of the dense tensor peak
-# (estimate; see NVIDIA's blog "New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA
-# Hopper GPUs" for measured curves). Both are replaced by measurements with `mmplan calibrate` on the target.
+# Guide", section on kernel launch overhead). Large GEMMs of transformer shapes, fraction of the dense tensor peak:
+# - A100: 0.75. NVIDIA's CUTLASS profiler documentation (media/docs/profiler.md, "Example Tensor Core GEMM
+#   Operations", CUTLASS 2.2, 2020) measures an fp16 GEMM m=3456 n=4096 k=8192 on A100 at 235.1 TFLOP/s = 0.754 x
+#   312 (cuBLAS passed the same check). The best shape of a search with today's cuBLAS reaches 267.9 TFLOP/s =
+#   0.86 (S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS" table): a searched maximum, not a
+#   transformer's shapes.
+# - Hopper: 0.75 (estimate; the same MAMF table: H100 SXM best shape 792.1 TFLOP/s = 0.80 of 989; NVIDIA's blog
+#   "New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs" for curves).
+# Both are replaced by measurements with `mmplan calibrate` on the target.
 _GPU_LAUNCH_S = 5e-6
-_GPU_BEST_FRACTION = {"a100": 0.80, "hopper": 0.75}
+_GPU_BEST_FRACTION = {"a100": 0.75, "hopper": 0.75}
 
 # Memory-bound kernels (norms, softmax, elementwise, copies) stream at a fraction of the datasheet HBM bandwidth:
 # BabelStream's Triad (Deakin et al. 2018, "Evaluating attainable memory bandwidth of parallel programming models
