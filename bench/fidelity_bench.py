@@ -18,6 +18,11 @@ Sources:
   1, 1, 1), `--num-layers-per-virtual-pipeline-stage` (76B: 5, 145B: 5, 310B: 3, 530B: 1; the others 1F1B
   without interleaving), `--DDP-impl` (torch up to 18B, local from 39B), `--checkpoint-activations`, `--fp16`
   (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048.
+- [MLM] Megatron-LM of 2021-2022, as the [N21] and [K22] runs used it: megatron/p2p_communication.py
+  `_communicate` ends every pipeline send/receive with `torch.cuda.synchronize()` (added 2021-01-20, 27fc468964;
+  still there in c3e688d3dd, 2022-11-10), so sends stop the compute stream (`blocking_p2p`); Megatron's own DDP
+  all-reduces the gradients after the backward, with no overlap, until `--overlap-grad-reduce` (2d5220a424,
+  2023-08-16) (`grad_sync_overlap=False`; [SC21] picks it from 39B on, and it is the default `--DDP-impl`).
 - [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023),
   abstract: the 530B GPT-3-style model (105 layers, hidden 20480, 128 heads; Table 3) on 2240 A100 80GB GPUs
   (TP 8, PP 35, so DP 8) reaches 54.2 % MFU with sequence parallelism + selective recomputation, 42.1 % with full
@@ -97,6 +102,7 @@ class Row:
     zero: int = 0
     published_step_s: float = 0.0  # metric "time": the published seconds per step (published = its TFLOP/s)
     grad_sync_overlap: bool = True  # the run's framework overlapped the dp gradient all-reduce with backward
+    blocking_p2p: bool = False  # the run's pipeline sends stopped the compute stream (Megatron-LM 2021)
     note: str = ""
 
     @property
@@ -120,21 +126,22 @@ ROWS = (
     Row("N21 T1 7.5B", _gpt("gpt-7.5b", 36, 4096, 32), "a100-80g", 4, 1, 32, 512, 142, "n21", micro_batch=16),
     Row("N21 T1 18.4B", _gpt("gpt-18.4b", 40, 6144, 48), "a100-80g", 8, 1, 32, 1024, 135, "n21", micro_batch=8),
     Row("N21 T1 39.1B", _gpt("gpt-39.1b", 48, 8192, 64), "a100-80g", 8, 2, 32, 1536, 138, "n21", micro_batch=4,
-        grad_sync_overlap=False),
+        grad_sync_overlap=False, blocking_p2p=True),
     Row("N21 T1 76.1B", _gpt("gpt-76.1b", 60, 10240, 80), "a100-80g", 8, 4, 32, 1792, 140, "n21", micro_batch=2,
-        schedule="interleaved:3", grad_sync_overlap=False),  # 5 layers per virtual stage: 15 / 5 = 3 chunks
+        schedule="interleaved:3", grad_sync_overlap=False, blocking_p2p=True),  # 5 layers per virtual stage: 15 / 5 = 3 chunks
     Row("N21 T1 145.6B", _gpt("gpt-145.6b", 80, 12288, 96), "a100-80g", 8, 8, 24, 2304, 148, "n21", micro_batch=2,
-        schedule="interleaved:2", grad_sync_overlap=False),  # 10 layers per stage, 5 per virtual stage
+        schedule="interleaved:2", grad_sync_overlap=False, blocking_p2p=True),  # 10 layers per stage, 5 per virtual stage
     Row("N21 T1 310.1B", _gpt("gpt-310.1b", 96, 16384, 128), "a100-80g", 8, 16, 15, 2160, 155, "n21",
-        schedule="interleaved:2", grad_sync_overlap=False),  # 6 layers per stage, 3 per virtual stage
+        schedule="interleaved:2", grad_sync_overlap=False, blocking_p2p=True),  # 6 layers per stage, 3 per virtual stage
     Row("N21 T1 529.6B", _gpt("gpt-529.6b", 105, 20480, 128), "a100-80g", 8, 35, 9, 2520, 163, "n21",
-        schedule="interleaved:3", grad_sync_overlap=False),  # 3 layers per stage, 1 per virtual stage
+        schedule="interleaved:3", grad_sync_overlap=False, blocking_p2p=True),  # 3 layers per stage, 1 per virtual stage
     Row("N21 T1 1008B", _gpt("gpt-1t", 128, 25600, 160), "a100-80g", 8, 64, 6, 3072, 163, "n21",
-        grad_sync_overlap=False),
+        grad_sync_overlap=False, blocking_p2p=True),
     # [K22] abstract (MFU x 312 TFLOP/s)
     Row("K22 530B SP+selective", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.542 * 312, "k22",
-        recompute="selective", sequence_parallel=True),
-    Row("K22 530B full recompute", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.421 * 312, "k22"),
+        recompute="selective", sequence_parallel=True, grad_sync_overlap=False, blocking_p2p=True),
+    Row("K22 530B full recompute", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.421 * 312, "k22",
+        grad_sync_overlap=False, blocking_p2p=True),
     # [L3] Table 4 (tokens per batch 16M = 2048 sequences of 8192)
     Row("L3 T4 405B 8k GPUs", LLAMA3_405B, "h100-sxm", 8, 16, 64, 2048, 430, "palm", recompute="none",
         schedule="interleaved:2"),
@@ -205,7 +212,8 @@ def predict(row: Row) -> tuple[float, float]:
             replace(st, memory=replace(st.memory, activations={b: tier for b in st.blocks if blocks[b].supports_tp}))
             for st in g.stages)) for g in plan.groups)
         plan = replace(plan, groups=groups)
-    step = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap).predicted.step_time_s
+    step = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap,
+                    blocking_p2p=row.blocking_p2p).predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step
 
 

@@ -44,7 +44,8 @@ class Evaluation:
         return self.simulation.rank_timeline(rank)
 
 
-def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True) -> Evaluation:
+def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
+             blocking_p2p: bool = False) -> Evaluation:
     """Simulate one step of `plan` and derive its throughput, MFU, memory per rank and whether it fits.
 
     TFLOP/s per GPU = model FLOPs per step (forward + backward of every block for every sample; the
@@ -54,7 +55,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     """
     cluster = cluster or plan.cluster
     training = plan.training
-    sim = simulate(plan, profile, cluster, grad_sync_overlap=grad_sync_overlap)
+    sim = simulate(plan, profile, cluster, grad_sync_overlap=grad_sync_overlap, blocking_p2p=blocking_p2p)
     inputs = block_input_bytes(profile)
 
     blocks = {b.name: b for b in profile.blocks}

@@ -126,12 +126,16 @@ class _Cost:
     bytes_per_mb: float = 0.0  # bytes one rank of the chunk sends per micro-batch (TP + ZeRO collectives)
 
 
-def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True) -> Simulation:
+def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
+             blocking_p2p: bool = False) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    `grad_sync_overlap=False` prices a runtime that all-reduces the gradients only after the last backward (as
-    Megatron-LM's `--DDP-impl local` did until 2023; the fidelity bench reproduces such runs); mmplan's runtime
-    overlaps its buckets (the default)."""
+    Two switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
+    `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
+    stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
+    torch.cuda.synchronize()): a task's send of its output to the next chunk (forward) or of its input gradient
+    to the previous one (backward) is part of the task, and the receiver starts when that task ends."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -151,6 +155,12 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
+    if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
+        for i, r in enumerate(graph.routes):
+            costs[r.src].fwd += lags[i]
+            if graph.has_backward(r.dst) and graph.has_backward(r.src):
+                costs[r.dst].bwd += lags[i]
+        lags = (0.0,) * len(lags)
 
     # the DAG: task ops (joint over the classes hosting their stage), then each class's tail ops
     ops = _Ops()

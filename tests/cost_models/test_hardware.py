@@ -43,7 +43,8 @@ def test_catalog_matches_datasheets():
     assert CATALOG["h200"].device.peak_flops == h100.device.peak_flops  # same GH100 compute
     assert CATALOG["h200"].device.memory_bandwidth == pytest.approx(4800 * GBps)
     assert 80 * GB < h100.device.memory_bytes < 86 * GB < CATALOG["h200"].device.memory_bytes
-    assert h100.intra_node.bandwidth == 450 * GBps and a100.intra_node.bandwidth == 300 * GBps  # per direction
+    # per direction: NCCL's effective share (80 %, hardware._NCCL_NVLINK_FRACTION) of the 450 / 300 GB/s line rate
+    assert h100.intra_node.bandwidth == pytest.approx(0.8 * 450 * GBps) and a100.intra_node.bandwidth == pytest.approx(0.8 * 300 * GBps)
     assert h100.inter_node.bandwidth == 50 * GBps and a100.inter_node.bandwidth == 25 * GBps  # 400 / 200 Gb/s
     assert h100.host_to_device.bandwidth == 50 * GBps and a100.host_to_device.bandwidth == 25 * GBps
     assert all(c.backend == "nccl" for n, c in CATALOG.items() if n != "local-cpu")
