@@ -170,6 +170,36 @@ def test_gradient_all_reduce_and_optimizer_follow_the_last_backward():
     assert sim.comm_bytes == pytest.approx(8 * 2 * 7 / 8 * grads, rel=1e-12)  # ring: 2(n-1)/n per rank
 
 
+def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():
+    # grad_sync_overlap=False: a runtime that all-reduces after the backward (Megatron-LM's --DDP-impl local)
+    profile = make_profile([("llm", 2, 1e9)], params=10**8)
+    cluster = make_cluster()
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=8)], P.Training(8, 1), cluster)
+    overlapped, serial = simulate(plan, profile), simulate(plan, profile, grad_sync_overlap=False)
+    full = all_reduce_time(2 * 2 * 10**8, 8, cluster.intra_node)
+    assert serial.stages[0].grad_sync_s == pytest.approx(full, rel=1e-12)
+    assert serial.step_time_s - overlapped.step_time_s == pytest.approx(full - overlapped.stages[0].grad_sync_s, rel=1e-9)
+    assert serial.pipeline_time_s == overlapped.pipeline_time_s
+
+
+def test_blocking_p2p_makes_every_send_part_of_its_task():
+    # blocking_p2p=True (Megatron-LM 2021-22: torch.cuda.synchronize() after each send/receive): with one
+    # micro-batch the critical path is the same as with free-running sends (each hop once forward, once back),
+    # and every stage but the last (forward) / first (backward) is busy for its sends
+    p, nbytes = 4, 1e6
+    profile = make_profile([("llm", p, 1e9)], edge_bytes=nbytes)
+    cluster = make_cluster(nodes=4, gpus_per_node=1)
+    plan = make_plan(profile, [make_group("llm", [[f"llm.{i}"] for i in range(p)])], P.Training(1, 1), cluster)
+    free, blocking = simulate(plan, profile), simulate(plan, profile, blocking_p2p=True)
+    hop = p2p_time(nbytes, cluster.inter_node)
+    assert blocking.pipeline_time_s == pytest.approx(free.pipeline_time_s, rel=1e-12)
+    assert [s.fwd_s - f.fwd_s for s, f in zip(blocking.stages, free.stages)] == pytest.approx([hop] * (p - 1) + [0.0])
+    assert [s.bwd_s - f.bwd_s for s, f in zip(blocking.stages, free.stages)] == pytest.approx([0.0] + [hop] * (p - 1))
+    # with many micro-batches the sends occupy the ranks in the steady state too: the step grows
+    plan = make_plan(profile, [make_group("llm", [[f"llm.{i}"] for i in range(p)])], P.Training(16, 16), cluster)
+    assert simulate(plan, profile, blocking_p2p=True).step_time_s > simulate(plan, profile).step_time_s + hop
+
+
 def test_offload_only_extends_the_step_by_what_compute_does_not_hide():
     act = 4e8  # bytes per sample: 20 ms over PCIe at 20 GB/s, against 1 ms of forward compute
     profile = make_profile([("llm", 1, 1e9)], activation_bytes=act)
