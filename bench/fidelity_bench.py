@@ -18,6 +18,10 @@ Sources:
   1, 1, 1), `--num-layers-per-virtual-pipeline-stage` (76B: 5, 145B: 5, 310B: 3, 530B: 1; the others 1F1B
   without interleaving), `--DDP-impl` (torch up to 18B, local from 39B), `--checkpoint-activations`, `--fp16`
   (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048.
+- [MLM175] NVIDIA/Megatron-LM README at 152aab304d (2021-01-11): "With full global batch size of 1536 on 1024 A100
+  GPUs, each iteration takes around 32 seconds resulting in 138 teraFLOPs per GPU" for examples/pretrain_gpt3_175B.sh
+  (same commit; the [N21] formula gives 137.7 TFLOP/s for 32 s, so that is the metric). A100 80GB assumed (Selene,
+  as [N21]; the README of that date does not say; 40 GB would change only the memory-bound share's bandwidth).
 - [MLM] Megatron-LM of 2021-2022, as the [N21] and [K22] runs used it: megatron/p2p_communication.py
   `_communicate` ends every pipeline send/receive with `torch.cuda.synchronize()` (added 2021-01-20, 27fc468964;
   still there in c3e688d3dd, 2022-11-10), so sends stop the compute stream (`blocking_p2p`); Megatron's own DDP
@@ -151,6 +155,12 @@ ROWS = (
     Row("N21 T1 529.6B", _gpt("gpt-529.6b", 105, 20480, 128), "a100-80g", 8, 35, 9, 2520, 163, "n21",
         schedule="interleaved:3", grad_sync_overlap=False, blocking_p2p=True),  # 3 layers per stage, 1 per virtual stage
     Row("N21 T1 1008B", _gpt("gpt-1t", 128, 25600, 160), "a100-80g", 8, 64, 6, 3072, 163, "n21",
+        grad_sync_overlap=False, blocking_p2p=True),
+    # [MLM175] GPT-3 175B on 1024 A100, examples/pretrain_gpt3_175B.sh: TP 8, PP 16 (so DP 8), micro-batch 1,
+    # global batch 1536, 1F1B, --checkpoint-activations, --fp16, default --DDP-impl local (no overlap); its sends
+    # block the stream (batch_isend_irecv + wait), but predate the scatter/gather optimisation that mmplan prices
+    # (a full 50 MB activation per tp rank over InfiniBand, ~2 ms per hand-over more: ~1 % optimistic here)
+    Row("MLM README 175B", _gpt("gpt-175b", 96, 12288, 96), "a100-80g", 8, 16, 8, 1536, 138, "n21",
         grad_sync_overlap=False, blocking_p2p=True),
     # [K22] abstract (MFU x 312 TFLOP/s)
     Row("K22 530B SP+selective", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.542 * 312, "k22",
