@@ -50,7 +50,8 @@ Sources:
   is the step-time ratio. The published time is a rounded wall time that includes data loading, start-up and
   logging, which the cost model does not price.
 
-Not fitted: the rows were not used to choose any constant. What each row's software did (micro-batch,
+Not fitted: no constant is derived from these rows (each is a datasheet figure or a published microbenchmark, cited
+in hardware.py). What each row's software did (micro-batch,
 interleaving, overlap of the gradient all-reduce, blocking pipeline sends) comes from the scripts and code of the
 runs ([SC21], [MLM]); the hardware constants from datasheets and published microbenchmarks (hardware.py).
 """
