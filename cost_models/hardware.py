@@ -91,11 +91,11 @@ def _hopper(name: str, memory_bytes: int, hbm_gbps: float) -> Device:
 # NCCL moves data over NVLink at ~80 % of the line rate: "450GB/s is the line rate. With the protocol overhead
 # (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as "BusBw" when running
 # non-allreduce operations, or when running with NCCL_ALGO=RING" (S. Jeaugey, NCCL maintainer, NVIDIA/nccl-tests
-# issue #212, 2024, for H100). The same protocol runs on A100's NVLink 3: nccl-tests all_reduce on 8x A100-SXM4
-# measures ~200-230 GB/s bus bandwidth of 300 GB/s (NVIDIA/nccl-tests issues #149 and #178, NVIDIA/nccl #583).
+# issue #212, 2024, for H100). The same protocol runs on A100's NVLink 3: nccl-tests all_reduce on 8x
+# A100-SXM4-80GB measures ~200 GB/s bus bandwidth of the 300 GB/s line rate (NVIDIA/nccl-tests issue #149).
 # The catalog's NVLink is that effective bandwidth, the bandwidth a ring collective or a p2p send achieves.
-# (InfiniBand: NCCL reaches ~96 % of the NICs' line rate, nccl-tests issue #119: 96 GB/s of 4 x 200 Gb/s HDR;
-# left at line rate.)
+# (InfiniBand: NCCL reaches 92-96 % of the NICs' line rate -- nccl-tests issue #119: 96 GB/s of 4 x 200 Gb/s HDR;
+# issue #290, NCCL developer: "For NDR @ 400Gbps you should see 46-48GB/s per NIC"; left at line rate.)
 _NCCL_NVLINK_FRACTION = 0.80
 
 
