@@ -40,7 +40,7 @@ def _launch_bound_curve(peak: float, best: float, launch_s: float) -> tuple[tupl
 # Guide", section on kernel launch overhead). Large GEMMs of transformer shapes, fraction of the dense tensor peak:
 # - A100: 0.75. NVIDIA's CUTLASS profiler documentation (media/docs/profiler.md, "Example Tensor Core GEMM
 #   Operations", CUTLASS 2.2, 2020) measures an fp16 GEMM m=3456 n=4096 k=8192 on A100 at 235.1 TFLOP/s = 0.754 x
-#   312 (cuBLAS passed the same check). The best shape of a search with today's cuBLAS reaches 267.9 TFLOP/s =
+#   312. The best shape of a search with today's cuBLAS reaches 267.9 TFLOP/s =
 #   0.86 (S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS" table): a searched maximum, not a
 #   transformer's shapes.
 # - Hopper: 0.75 (estimate; the same MAMF table: H100 SXM best shape 792.1 TFLOP/s = 0.80 of 989; NVIDIA's blog
