@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plans.errors import MmplanError
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
+from runtime.samples import batch_samples
 from runtime.source import model_loss
 
 LOSS = "(loss)"  # the node name of the forward's loss
@@ -80,7 +81,9 @@ class ForwardProgram:
         self._reads = reads
         self._loss = loss
         self.output = LOSS
-        self.specs = {b: OutputSpec(tree, leaves) for b, (tree, leaves) in specs.items()}
+        n = batch_samples(batch)  # a leaf of k·n rows is packed, k rows per sample (runtime/samples.py)
+        self.specs = {b: OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves),
+                                    tuple(_rows(b, s[0], n) for s, _ in leaves)) for b, (tree, leaves) in specs.items()}
 
     def deps(self, node: str) -> tuple[set[str], set[str]]:
         """Blocks whose outputs `node` reads; batch inputs: all of them (every stage runs the forward's glue)."""
@@ -99,7 +102,7 @@ class ForwardProgram:
     def run_stage(self, model: nn.Module, names: tuple[str, ...], batch: dict[str, Any], received: dict[str, Any],
                   mine, want_loss: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
         """One forward of a stage: (outputs of its blocks, the loss when `want_loss`)."""
-        samples = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+        samples = batch_samples(batch)
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
@@ -130,8 +133,16 @@ class ForwardProgram:
 
     def zeros(self, name: str, samples: int, device: torch.device) -> Any:
         spec = self.specs[name]
-        leaves = [torch.zeros((samples, *shape), dtype=dtype, device=device) for shape, dtype in spec.leaves]
+        leaves = [torch.zeros((samples * spec.rows_of(i), *shape), dtype=dtype, device=device)
+                  for i, (shape, dtype) in enumerate(spec.leaves)]
         return tree_unflatten(leaves, spec.tree)
+
+
+def _rows(block: str, rows: int, samples: int) -> int:
+    if rows % samples:
+        raise MmplanError(f"block {block}'s output has {rows} rows for {samples} samples: cannot tell which rows belong "
+                          "to which sample")
+    return rows // samples
 
 
 class _Bare:
@@ -187,7 +198,7 @@ def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module
                 if inside:
                     return
                 flat, tree = tree_flatten(output)
-                specs.setdefault(name, (tree, tuple((tuple(t.shape[1:]), t.dtype) for t in flat if isinstance(t, torch.Tensor))))
+                specs.setdefault(name, (tree, tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))))
                 for leaf in flat:
                     if isinstance(leaf, torch.Tensor):
                         prov[id(leaf)] = frozenset({name})
