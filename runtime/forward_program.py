@@ -34,6 +34,7 @@ from runtime.samples import batch_samples
 from runtime.source import model_loss
 
 LOSS = "(loss)"  # the node name of the forward's loss
+PARAM = "param:"  # provenance of a parameter outside every block
 
 
 class _Stop(Exception):
@@ -78,12 +79,33 @@ class ForwardProgram:
         self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True
         order, reads, loss, specs = _record(model, batch, blocks)
         self.blocks: dict[str, str] = {b: b for b in order}  # block name -> its node (the name itself)
-        self._reads = reads
-        self._loss = loss
+        self._reads = {b: {s for s in r if not s.startswith(PARAM)} for b, r in reads.items()}
+        self._loss = {s for s in loss if not s.startswith(PARAM)}
+        # parameters outside every block (CLIP's logit_scale): consumers from the data flow, owner block
+        consumers: dict[str, set[str]] = defaultdict(set)
+        for node, srcs in [*reads.items(), (LOSS, loss)]:
+            for s in srcs:
+                if s.startswith(PARAM):
+                    consumers[s[len(PARAM):]].add(node)
+        self.free_consumers = dict(consumers)
+        self.free_owner = {p: self._owner(c) for p, c in consumers.items()}
         self.output = LOSS
         n = batch_samples(batch)  # a leaf of k·n rows is packed, k rows per sample (runtime/samples.py)
         self.specs = {b: OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves),
                                     tuple(_rows(b, s[0], n) for s, _ in leaves)) for b, (tree, leaves) in specs.items()}
+
+    def _owner(self, consumers: set[str]) -> str:
+        """The block a free parameter joins: its consumer latest in execution order (the loss: the block the
+        loss stage is placed by, runtime/layout.py)."""
+        def last(names):
+            return max(names, key=list(self.blocks).index)
+
+        blocks = {c for c in consumers if c != LOSS}
+        if LOSS in consumers:
+            blocks |= {last(self._loss)} if self._loss else set()
+        if not blocks:
+            raise MmplanError(f"parameter(s) outside every block feed only the loss, which reads no block")
+        return last(blocks)
 
     def deps(self, node: str) -> tuple[set[str], set[str]]:
         """Blocks whose outputs `node` reads; batch inputs: all of them (every stage runs the forward's glue)."""
@@ -175,9 +197,15 @@ def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    in_blocks = {id(p) for m in blocks.values() for p in m.parameters()}
+    free = [n for n, p in model.named_parameters() if id(p) not in in_blocks and p.requires_grad]
     restore = fakify_module(model, mode)
     prov: dict[int, frozenset] = {}
     alive: list = []
+    for n in free:  # a trained parameter outside every block: its readers are found like a block output's
+        fake = model.get_parameter(n)
+        prov[id(fake)] = frozenset({PARAM + n})
+        alive.append(fake)
     inside: list[str] = []
     order: list[str] = []
     reads: dict[str, set[str]] = defaultdict(set)

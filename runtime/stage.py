@@ -1,7 +1,7 @@
 """This rank's part of the model: the traced program, its local blocks, and the shape of every block output."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ class RankModel:
     program: Program
     local: dict[str, nn.Module]  # this rank's blocks by name
     specs: dict[str, OutputSpec]  # every block's output structure (for receive buffers)
+    aliases: dict[str, str] = field(default_factory=dict)  # "block.local name" of an adopted parameter -> its model name
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -53,6 +54,7 @@ def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: se
     own_forward = hasattr(program, "run_stage")  # runtime/forward_program.py: the model's own forward runs
     specs = program.specs if own_forward else output_specs(model, example)
     blocks = block_modules(model)
+    aliases = adopt_free_parameters(model, blocks, getattr(program, "free_owner", {}))
     shared = _shared_across(blocks, local_blocks)
     if shared:
         raise ValueError(f"parameter shared between a local and a remote block ({shared}); tied weights across stages are not supported")
@@ -66,7 +68,24 @@ def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: se
             m.to(torch.device("meta"))
     if own_forward:
         model.to(device)  # the glue's own modules (rotary tables); hollow tensors are on `device` already
-    return RankModel(model, program, {n: blocks[n] for n in local_blocks}, specs)
+    return RankModel(model, program, {n: blocks[n] for n in local_blocks}, specs, aliases)
+
+
+FREE = "mmplan_free_"  # the prefix of a parameter a block adopted
+
+
+def adopt_free_parameters(model: nn.Module, blocks: dict[str, nn.Module], owner: dict[str, str]) -> dict[str, str]:
+    """Register each parameter outside every block (CLIP's logit_scale) in its owner block too — the block
+    that uses it, found from the data flow (runtime/forward_program.py) — so the owner's stage trains it,
+    its tiers hold it, its data-parallel group all-reduces it, like any of the block's own parameters. The
+    model's forward keeps reading it where it is (the same Parameter object). Returns the aliases:
+    "block.local name" -> the parameter's name in the model."""
+    aliases = {}
+    for name, block in owner.items():
+        local = FREE + name.replace(".", "__")
+        blocks[block].register_parameter(local, model.get_parameter(name))
+        aliases[f"{block}.{local}"] = name
+    return aliases
 
 
 def _hollow(module: nn.Module, device: torch.device) -> None:
