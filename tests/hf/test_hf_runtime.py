@@ -74,7 +74,7 @@ def models(tmp_path_factory):
 
 
 # the others take 10-110 s each on a loaded 2-core machine: python -m pytest -m slow tests/hf -p no:cacheprovider
-FAST = {"llava-colocated", "qwen2-vl-colocated", "clip-non-colocated"}
+FAST = {"llava-colocated", "qwen2-vl-colocated"}
 
 
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in PLANS])
@@ -141,3 +141,19 @@ def test_a_plan_from_a_group_override_profile_runs(models, tmp_path):
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["run", str(plan), "--steps", "2"])
     assert res.exit_code == 0, res.output
+
+
+def test_parameters_outside_blocks_join_the_block_that_reads_them(models):
+    """CLIP's logit_scale is read only by the loss: the block the loss stage is placed by adopts it, so that
+    stage trains it (the parity cases above check its gradient and the losses)."""
+    import torch
+
+    from runtime.source import call_factory, resolve
+    from runtime.stage import build_rank_model
+
+    torch.manual_seed(0)
+    model, example = call_factory(resolve(models["clip"]), 1)
+    rm = build_rank_model(model, example, {"text_projection"}, torch.device("cpu"))
+    assert rm.program.free_consumers == {"logit_scale": {"(loss)"}}
+    assert rm.aliases == {"text_projection.mmplan_free_logit_scale": "logit_scale"}
+    assert any(p is model.logit_scale for p in rm.parameters())  # trained with the stage's own parameters
