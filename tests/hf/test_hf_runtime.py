@@ -56,7 +56,9 @@ PLANS = {
                                     {"name": "text", "stages": [(CLIP_TEXT, [1])]}], {}),
     "clip-colocated": ("clip", [{"name": "image", "dp": 2, "stages": [(CLIP_IMAGE, [0, 1])]},
                                 {"name": "text", "colocated_with": "image", "stages": [(CLIP_TEXT_FIRST, [0]), (CLIP_TEXT, [1])]}], {}),
-    "siglip-dp2": ("siglip", [{"name": "all", "dp": 2, "stages": [(["vision_model", "text_model"], [0, 1])]}], {"reference_x": 2}),
+    # (a sigmoid loss over 2-sample halves learns slower: 1.44 -> 1.19 in 20 steps)
+    "siglip-dp2": ("siglip", [{"name": "all", "dp": 2, "stages": [(["vision_model", "text_model"], [0, 1])]}],
+                   {"reference_x": 2, "min_drop": 0.2}),
     "siglip-pp2": ("siglip", [{"name": "all", "stages": [(["vision_model", "text_model.embeddings"], [0]), (["text_model"], [1])]}],
                    {"micro_batches": 4, "global_batch": 16}),
     "siglip-non-colocated": ("siglip", [{"name": "image", "stages": [(["vision_model"], [0])]},
@@ -81,8 +83,8 @@ FAST = {"llava-colocated", "qwen2-vl-colocated"}
 def test_stock_hf_plan_matches_single_process_reference(case, models):
     kind, groups, training = PLANS[case]
     model = models[kind]
-    x = training.get("reference_x", 1)
-    plan = make_plan(model, groups, **{k: v for k, v in training.items() if k != "reference_x"})
+    x, drop = training.get("reference_x", 1), training.get("min_drop", 0.3)
+    plan = make_plan(model, groups, **{k: v for k, v in training.items() if k not in ("reference_x", "min_drop")})
     job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True)
     ref = reference_run(replace(job, plan=replace(plan, training=replace(plan.training, micro_batches=x * plan.training.micro_batches))))
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
@@ -90,7 +92,7 @@ def test_stock_hf_plan_matches_single_process_reference(case, models):
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-4 * abs(want), (case, step, got, want)
-    assert losses[-1] < losses[0] - 0.3  # the synthetic data derived from the example batch is learnable
+    assert losses[-1] < losses[0] - drop  # the synthetic data derived from the example batch is learnable
     grads = {}
     for r in results:
         grads.update(r["grads"])
