@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from runtime.boundary import OutputSpec
 from runtime.program import Program, block_modules, trace_program
+from runtime.samples import rows_per_sample
 
 
 @dataclass
@@ -36,11 +37,14 @@ def output_specs(model: nn.Module, example: dict[str, Any]) -> dict[str, OutputS
     for name, m in block_modules(model).items():
         def hook(module, args, output, name=name):
             flat, tree = tree_flatten(output)
-            specs[name] = OutputSpec(tree, tuple((tuple(t.shape[1:]), t.dtype) for t in flat if isinstance(t, torch.Tensor)))
+            leaves = [t for t in flat if isinstance(t, torch.Tensor)]  # of one sample: k rows if packed (samples.py)
+            specs[name] = OutputSpec(tree, tuple((tuple(t.shape[1:]), t.dtype) for t in leaves),
+                                     tuple(t.shape[0] if t.dim() else 1 for t in leaves))
         handles.append(m.register_forward_hook(hook))
+    rows = rows_per_sample(example)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            batch = {k: mode.from_tensor(v[:1]) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+            batch = {k: mode.from_tensor(v[:rows.get(k, 1)]) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
             model(**batch)
     finally:
         for h in handles:
