@@ -29,7 +29,8 @@ PLANS = {
                                       {"name": "llm", "stages": [(LLM, [1])]}], {}),
     "llava-colocated": ("llava", [{"name": "vision", "dp": 2, "stages": [(VISION + PROJ, [0, 1])]},
                                   {"name": "llm", "colocated_with": "vision", "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}], {}),
-    # tensor parallelism from the model's own base_model_tp_plan (q/k/v/gate/up colwise, o/down rowwise)
+    # tensor parallelism from the model's own base_model_tp_plan (q/k/v/gate/up colwise, o/down rowwise); the token
+    # embedding, lm_head and HF's cross-entropy vocabulary-parallel (runtime/vocab_parallel.py, as the profile prices)
     "llava-llm-tp2": ("llava", [{"name": "vision", "stages": [(VISION + PROJ, [0])]},
                                 {"name": "llm", "tp": 2, "stages": [(LLM, [1, 2])]}], {}),
     "qwen2-audio-non-colocated": ("qwen2_audio", [{"name": "audio", "stages": [(AUDIO + PROJ, [0])]},
