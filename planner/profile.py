@@ -739,7 +739,26 @@ def profile_model(
     auto = _auto_groups(records, trace, batch)
     _check_overrides(groups, [r.name for r in records], auto)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
-                     _device_name(torch.device(device)) if measure else None, options, auto)
+                     _device_name(torch.device(device)) if measure else None, options, auto,
+                     adopted=_adopted_parameters(model, batch, records))
+
+
+def _adopted_parameters(model: nn.Module, batch: dict[str, Any], records) -> dict[str, list[nn.Parameter]]:
+    """Trained parameters outside every block (CLIP's logit_scale) by the block the runtime makes own and train
+    them (runtime/forward_program.py, stage.adopt_free_parameters): counted in that block's parameters. Only for
+    models the runtime runs by their own forward (Hugging Face); one extra fake forward, only when there are any."""
+    from runtime.hf import is_hf_model
+
+    inside = {id(p) for r in records for p in r.module.parameters()}
+    if not is_hf_model(model) or not any(p.requires_grad and id(p) not in inside for p in model.parameters()):
+        return {}
+    from runtime.forward_program import ForwardProgram
+
+    owner = ForwardProgram(model, batch, {r.name: r.module for r in records}).free_owner
+    out: dict[str, list[nn.Parameter]] = {}
+    for name, block in owner.items():
+        out.setdefault(block, []).append(model.get_parameter(name))
+    return out
 
 
 def _auto_groups(records, trace, batch) -> dict[str, str]:
@@ -760,7 +779,8 @@ def _check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:
                               f"{names[0]!r} ... {names[-1]!r}")
 
 
-def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None) -> Profile:
+def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None,
+              adopted=None) -> Profile:
     from planner.groups import contiguous_order
 
     groups = {}
@@ -778,7 +798,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
     counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
         group = groups[rec.name]
-        own = [p for p in rec.module.parameters() if id(p) not in counted]
+        own = [p for p in [*rec.module.parameters(), *(adopted or {}).get(rec.name, ())] if id(p) not in counted]
         counted.update(id(p) for p in own)
         params = sum(p.numel() for p in own)
         pbytes = sum(p.numel() * p.element_size() for p in own)
