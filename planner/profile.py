@@ -46,6 +46,7 @@ from runtime.program import block_modules, is_frozen, module_structure
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.source import ModelSource, call_factory, model_loss
 from runtime.tensor_parallel import supports_tp
+from runtime.vocab_parallel import HeadPaths
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
 
@@ -155,6 +156,7 @@ class _Trace:
     seen_storages: set[int] = field(default_factory=set)
     saved_at: dict[int, tuple[str, int]] = field(default_factory=dict)  # storage -> (owner block, index in its saved)
     edges: dict[tuple[str, str], dict[tuple[str, int], int]] = field(default_factory=lambda: defaultdict(dict))
+    heads: set[str] = field(default_factory=set)  # LM heads the runtime can make vocabulary-parallel (HeadPaths)
     max_seq: int = -1  # highest autograd-node sequence number created so far
     seq_ranges: list = field(default_factory=list)  # [(first, last, block)] autograd nodes each block call made
     glue_flops: float = 0.0
@@ -535,8 +537,12 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
             if isinstance(value, torch.Tensor):
                 trace.tag(value, frozenset({(f"input:{key}", 0, _nbytes(value))}))
         handles = _install_hooks(trace)
+        heads = HeadPaths()  # the runtime's own rule for a vocabulary-parallel head (runtime/vocab_parallel.py)
+        handles += [rec.module.register_forward_hook(functools.partial(lambda n, m, a, o: heads.watch(n, m, o), name))
+                    for name, rec in records.items()]
         try:
             with ExitStack() as stack:
+                stack.enter_context(heads)
                 stack.enter_context(static_fake(mode) if fake else nullcontext())
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(_FlopCount(trace))
@@ -552,6 +558,7 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
                     read = out if found is None else found
                     trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(read) if not src.startswith("input:")}))
                     loss = _scalar_loss(out)
+                trace.heads = heads.found()
                 if loss.requires_grad:
                     loss.backward()
             trace.fuse()
@@ -732,7 +739,26 @@ def profile_model(
     auto = _auto_groups(records, trace, batch)
     _check_overrides(groups, [r.name for r in records], auto)
     return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
-                     _device_name(torch.device(device)) if measure else None, options, auto)
+                     _device_name(torch.device(device)) if measure else None, options, auto,
+                     adopted=_adopted_parameters(model, batch, records))
+
+
+def _adopted_parameters(model: nn.Module, batch: dict[str, Any], records) -> dict[str, list[nn.Parameter]]:
+    """Trained parameters outside every block (CLIP's logit_scale) by the block the runtime makes own and train
+    them (runtime/forward_program.py, stage.adopt_free_parameters): counted in that block's parameters. Only for
+    models the runtime runs by their own forward (Hugging Face); one extra fake forward, only when there are any."""
+    from runtime.hf import is_hf_model
+
+    inside = {id(p) for r in records for p in r.module.parameters()}
+    if not is_hf_model(model) or not any(p.requires_grad and id(p) not in inside for p in model.parameters()):
+        return {}
+    from runtime.forward_program import ForwardProgram
+
+    owner = ForwardProgram(model, batch, {r.name: r.module for r in records}).free_owner
+    out: dict[str, list[nn.Parameter]] = {}
+    for name, block in owner.items():
+        out.setdefault(block, []).append(model.get_parameter(name))
+    return out
 
 
 def _auto_groups(records, trace, batch) -> dict[str, str]:
@@ -753,7 +779,8 @@ def _check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:
                               f"{names[0]!r} ... {names[-1]!r}")
 
 
-def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None) -> Profile:
+def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None,
+              adopted=None) -> Profile:
     from planner.groups import contiguous_order
 
     groups = {}
@@ -771,7 +798,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
     counted: set[int] = set()  # a parameter shared by blocks (tied embeddings) counts for the first one
     for rec in records:
         group = groups[rec.name]
-        own = [p for p in rec.module.parameters() if id(p) not in counted]
+        own = [p for p in [*rec.module.parameters(), *(adopted or {}).get(rec.name, ())] if id(p) not in counted]
         counted.update(id(p) for p in own)
         params = sum(p.numel() for p in own)
         pbytes = sum(p.numel() * p.element_size() for p in own)
@@ -792,7 +819,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             replicated_memory_fraction=round(rec.replicated_memory_bytes / rec.memory_bytes[0], 4) if rec.memory_bytes[0] else 0.0,
             matmuls=rec.matmuls, fwd_gemms=_gemm_list(rec.gemms[0], mb), bwd_gemms=_gemm_list(rec.gemms[1], mb),
             activation_replicated_bytes=_per_sample(replicated, mb),
-            attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss),
+            attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss, trace.heads),
         ))
     order = {r.name: r.order for r in records}
     edges = tuple(
@@ -827,17 +854,19 @@ def _reads_ids(rec: _BlockRecord) -> bool:
     return any(isinstance(x, _TensorSpec) and not x.dtype.is_floating_point and x.dtype != torch.bool for x in leaves)
 
 
-def vocab_role(rec: _BlockRecord, vocab: int | None, loss: tuple[str, ...]) -> str:
+def vocab_role(rec: _BlockRecord, vocab: int | None, loss: tuple[str, ...], heads: set[str] | None = None) -> str:
     """"embedding" for the block embedding token ids into the vocabulary-sized table, "head" for a block the loss
-    reads that projects onto the vocabulary (an nn.Linear with vocab outputs), "" otherwise: the blocks Megatron
-    shards along the vocabulary under tensor parallelism (Shoeybi et al. 2019, section 3)."""
+    reads that projects onto the vocabulary (an nn.Linear with vocab outputs) — and, given `heads`, one the
+    runtime shards (read only by F.cross_entropy through shape-only glue: HeadPaths) —, "" otherwise: the blocks
+    Megatron shards along the vocabulary under tensor parallelism (Shoeybi et al. 2019, section 3)."""
     if vocab is None:
         return ""
     modules = list(rec.module.modules())
     if _reads_ids(rec) and any(isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in modules):
         return "embedding"
     if rec.name in loss and any(isinstance(m, nn.Linear) and m.out_features == vocab for m in modules):
-        return "head"
+        if heads is None or (rec.name in heads and type(rec.module) is nn.Linear):
+            return "head"
     return ""
 
 

@@ -23,10 +23,15 @@ from runtime.layout import Layout, Route
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """Structure of a block's output: pytree spec and (per-sample shape, dtype) of each tensor leaf."""
+    """Structure of a block's output: pytree spec and (per-row shape, dtype) of each tensor leaf; `rows`: each
+    leaf's rows per sample (empty: one, batch-major; k for a packed leaf, runtime/samples.py)."""
 
     tree: TreeSpec
     leaves: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    rows: tuple[int, ...] = ()
+
+    def rows_of(self, leaf: int) -> int:
+        return self.rows[leaf] if self.rows else 1
 
 
 class Exchange:
@@ -80,6 +85,7 @@ class Exchange:
         if not self._leads(route.src, replica):
             return
         start0, _ = self.layout.slice(route.src, replica)
+        spec = self.specs[route.block]
         leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
@@ -87,7 +93,8 @@ class Exchange:
             for dst in self.layout.stages[route.dst].tp_ranks(p.dst_replica):
                 for leaf, t in enumerate(leaves):
                     key = (route_idx, k, leaf, 0, mb)
-                    self._put(dst, t[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
+                    r = spec.rows_of(leaf)
+                    self._put(dst, t[(p.start - start0) * r:(p.stop - start0) * r], key, self.tag(*key[:4], mb))
 
     def recv_forward(self, route_idx: int, replica: int, mb: int, needs_grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
         """The producer's output for this consumer replica's samples, as fresh leaves (requiring grad when
@@ -99,7 +106,8 @@ class Exchange:
             src = self._rank(route.src, p.src_replica)
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 key = (route_idx, k, leaf, 0, mb)
-                parts[leaf].append(self._get(src, (p.stop - p.start, *shape), dtype, key, self.tag(*key[:4], mb)))
+                rows = (p.stop - p.start) * spec.rows_of(leaf)
+                parts[leaf].append(self._get(src, (rows, *shape), dtype, key, self.tag(*key[:4], mb)))
         leaves = [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in parts]
         leaves = [t.requires_grad_() if needs_grad and t.is_floating_point() else t for t in leaves]
         return tree_unflatten(leaves, spec.tree), leaves
@@ -109,6 +117,7 @@ class Exchange:
         route = self.layout.routes[route_idx]
         if not self._leads(route.dst, replica):
             return
+        spec = self.specs[route.block]
         start0, _ = self.layout.slice(route.dst, replica)
         for k, p in self._pieces_into(route, replica):
             for src in self.layout.stages[route.src].tp_ranks(p.src_replica):
@@ -117,7 +126,8 @@ class Exchange:
                         continue
                     grad = t.grad if t.grad is not None else torch.zeros_like(t)
                     key = (route_idx, k, leaf, 1, mb)
-                    self._put(src, grad[p.start - start0:p.stop - start0], key, self.tag(*key[:4], mb))
+                    r = spec.rows_of(leaf)
+                    self._put(src, grad[(p.start - start0) * r:(p.stop - start0) * r], key, self.tag(*key[:4], mb))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
         """Add the gradients of this producer replica's output that the route's consumers send back."""
@@ -132,11 +142,12 @@ class Exchange:
                 if not dtype.is_floating_point:
                     continue
                 key = (route_idx, k, leaf, 1, mb)
-                piece = self._get(dst, (p.stop - p.start, *shape), dtype, key, self.tag(*key[:4], mb))
+                r = spec.rows_of(leaf)
+                piece = self._get(dst, ((p.stop - p.start) * r, *shape), dtype, key, self.tag(*key[:4], mb))
                 if grads[leaf] is None:
                     n = self.layout.slice(route.src, replica)
-                    grads[leaf] = torch.zeros((n[1] - n[0], *shape), dtype=dtype, device=self.device)
-                grads[leaf][p.start - start0:p.stop - start0] += piece
+                    grads[leaf] = torch.zeros(((n[1] - n[0]) * r, *shape), dtype=dtype, device=self.device)
+                grads[leaf][(p.start - start0) * r:(p.stop - start0) * r] += piece
 
     def _pieces_into(self, route: Route, replica: int):
         return sorted(((k, p) for k, p in enumerate(route.pieces) if p.dst_replica == replica), key=lambda kp: kp[1].start)

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from plans.errors import MmplanError
+from runtime.samples import collate, rows_per_sample
 
 KNOWN_KEYS = ("images", "mels", "tokens", "targets")
 
@@ -167,7 +168,8 @@ def load_user_dataset(spec: str, example_batch: Mapping[str, torch.Tensor], voca
     except Exception as exc:
         raise MmplanError(f"dataset factory {spec!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
     if not callable(getattr(dataset, "sample_batch", None)) and callable(getattr(dataset, "__getitem__", None)):
-        dataset = MapDataset(dataset)  # a torch Dataset of dicts (one sample each)
+        packed = {k for k, r in rows_per_sample(example_batch).items() if r > 1}
+        dataset = MapDataset(dataset, packed)  # a torch Dataset of dicts (one sample each)
     if not callable(getattr(dataset, "sample_batch", None)):
         raise MmplanError(f"dataset factory {spec!r} returned {type(dataset).__name__}, which has no sample_batch() "
                           "and is not a torch Dataset of dicts")
@@ -177,10 +179,11 @@ def load_user_dataset(spec: str, example_batch: Mapping[str, torch.Tensor], voca
 
 class MapDataset:
     """A torch-style Dataset (`__getitem__(i)` -> dict of per-sample tensors, `__len__`) as a BatchSource:
-    global sample i is item i modulo its length, samples stacked along a new dim 0."""
+    global sample i is item i modulo its length, samples stacked along a new dim 0 (the rows of `packed` keys
+    concatenated, runtime/samples.py)."""
 
-    def __init__(self, items: Any) -> None:
-        self.items = items
+    def __init__(self, items: Any, packed: set[str] = frozenset()) -> None:
+        self.items, self.packed = items, set(packed)
         try:
             self.size = len(items)
         except TypeError:
@@ -190,7 +193,7 @@ class MapDataset:
 
     def sample_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         samples = [self.items[int(i) % self.size if self.size else int(i)] for i in indices]
-        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+        return collate(samples, self.packed)
 
 
 def open_dataset(spec: str | None, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int) -> BatchSource:
@@ -237,13 +240,16 @@ def _check_batch(spec: str, dataset: Any, example_batch: Mapping[str, torch.Tens
     missing = sorted(set(example_batch) - set(batch))
     if missing:
         raise MmplanError(f"dataset {spec!r}: batches lack {missing} (the model needs {sorted(example_batch)})")
+    rows = rows_per_sample(example_batch)  # 1 per sample, or a packed input's k (runtime/samples.py)
     for key, want in example_batch.items():
+        if key not in rows:
+            continue
         got = batch[key]
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (1, *want.shape[1:]) or got.dtype != want.dtype:
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (rows[key], *want.shape[1:]) or got.dtype != want.dtype:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise MmplanError(
                 f"dataset {spec!r}: {key} of one sample is {shape} {getattr(got, 'dtype', '')}, "
-                f"the model needs {(1, *want.shape[1:])} {want.dtype}"
+                f"the model needs {(rows[key], *want.shape[1:])} {want.dtype}"
             )
     for key in ("tokens", "targets"):
         if (

@@ -19,6 +19,7 @@ Cost: every stage recomputes the forward's glue up to its last block (not measur
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -30,9 +31,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plans.errors import MmplanError
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
+from runtime.samples import batch_samples
+from runtime.vocab_parallel import HeadPaths
 from runtime.source import model_loss
 
 LOSS = "(loss)"  # the node name of the forward's loss
+PARAM = "param:"  # provenance of a parameter outside every block
 
 
 class _Stop(Exception):
@@ -75,12 +79,39 @@ class ForwardProgram:
         self.modules = blocks
         self.inputs = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True
-        order, reads, loss, specs = _record(model, batch, blocks)
+        order, reads, loss, specs, heads = _record(model, batch, blocks)
+        # nn.Linear blocks read only by F.cross_entropy through shape-only glue: LM heads that tensor parallelism
+        # may shard over the vocabulary (runtime/vocab_parallel.shard_head fills vocab_loss)
+        self.vocab_heads = heads & loss
+        self.vocab_loss: dict[str, Any] = {}  # head -> (its vocabulary-parallel cross-entropy, full vocab, tp)
         self.blocks: dict[str, str] = {b: b for b in order}  # block name -> its node (the name itself)
-        self._reads = reads
-        self._loss = loss
+        self._reads = {b: {s for s in r if not s.startswith(PARAM)} for b, r in reads.items()}
+        self._loss = {s for s in loss if not s.startswith(PARAM)}
+        # parameters outside every block (CLIP's logit_scale): consumers from the data flow, owner block
+        consumers: dict[str, set[str]] = defaultdict(set)
+        for node, srcs in [*reads.items(), (LOSS, loss)]:
+            for s in srcs:
+                if s.startswith(PARAM):
+                    consumers[s[len(PARAM):]].add(node)
+        self.free_consumers = dict(consumers)
+        self.free_owner = {p: self._owner(c) for p, c in consumers.items()}
         self.output = LOSS
-        self.specs = {b: OutputSpec(tree, leaves) for b, (tree, leaves) in specs.items()}
+        n = batch_samples(batch)  # a leaf of k·n rows is packed, k rows per sample (runtime/samples.py)
+        self.specs = {b: OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves),
+                                    tuple(_rows(b, s[0], n) for s, _ in leaves)) for b, (tree, leaves) in specs.items()}
+
+    def _owner(self, consumers: set[str]) -> str:
+        """The block a free parameter joins: its consumer latest in execution order (the loss: the block the
+        loss stage is placed by, runtime/layout.py)."""
+        def last(names):
+            return max(names, key=list(self.blocks).index)
+
+        blocks = {c for c in consumers if c != LOSS}
+        if LOSS in consumers:
+            blocks |= {last(self._loss)} if self._loss else set()
+        if not blocks:
+            raise MmplanError(f"parameter(s) outside every block feed only the loss, which reads no block")
+        return last(blocks)
 
     def deps(self, node: str) -> tuple[set[str], set[str]]:
         """Blocks whose outputs `node` reads; batch inputs: all of them (every stage runs the forward's glue)."""
@@ -99,7 +130,7 @@ class ForwardProgram:
     def run_stage(self, model: nn.Module, names: tuple[str, ...], batch: dict[str, Any], received: dict[str, Any],
                   mine, want_loss: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
         """One forward of a stage: (outputs of its blocks, the loss when `want_loss`)."""
-        samples = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
+        samples = batch_samples(batch)
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
@@ -119,9 +150,11 @@ class ForwardProgram:
 
             return forward
 
+        vocab = _VocabLoss(self.vocab_loss, outputs) if want_loss and self.vocab_loss else contextlib.nullcontext()
         with _patched(self.modules, proxy):
             try:
-                out = model(**{**self.constants, **batch})
+                with vocab:
+                    out = model(**{**self.constants, **batch})
             except _Stop:
                 return outputs, None
         if todo:
@@ -130,8 +163,56 @@ class ForwardProgram:
 
     def zeros(self, name: str, samples: int, device: torch.device) -> Any:
         spec = self.specs[name]
-        leaves = [torch.zeros((samples, *shape), dtype=dtype, device=device) for shape, dtype in spec.leaves]
+        leaves = [torch.zeros((samples * spec.rows_of(i), *shape), dtype=dtype, device=device)
+                  for i, (shape, dtype) in enumerate(spec.leaves)]
         return tree_unflatten(leaves, spec.tree)
+
+
+def _rows(block: str, rows: int, samples: int) -> int:
+    if rows % samples:
+        raise MmplanError(f"block {block}'s output has {rows} rows for {samples} samples: cannot tell which rows belong "
+                          "to which sample")
+    return rows // samples
+
+
+class _VocabLoss(TorchFunctionMode):
+    """The loss glue of a vocabulary-parallel head (runtime/vocab_parallel.py): its output is this tp rank's
+    logits slice (..., V/tp); shape-only glue reshaping to the full vocabulary V reshapes to V/tp, and
+    F.cross_entropy of the slice becomes the vocabulary-parallel cross-entropy. The data flow recorded that
+    nothing else reads the head's output (ForwardProgram.vocab_heads)."""
+
+    def __init__(self, heads: dict[str, Any], outputs: dict[str, Any]):
+        super().__init__()
+        self.heads, self.outputs = heads, outputs
+        self.logits: dict[int, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for head in self.heads:  # the head's output, once it ran
+            out = self.outputs.get(head)
+            if isinstance(out, torch.Tensor) and id(out) not in self.logits:
+                self.logits[id(out)] = head
+        head = self.logits.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+        if head is None:
+            return func(*args, **kwargs)
+        loss, vocab, tp = self.heads[head]
+        if func is torch.nn.functional.cross_entropy:
+            return loss(*args, **kwargs)
+        if getattr(func, "__name__", "") in ("view", "reshape"):
+            args = (args[0], *_local_shape(args[1:], vocab, tp))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            self.logits[id(out)] = head
+        return out
+
+
+def _local_shape(shape: tuple, vocab: int, tp: int) -> tuple:
+    """A view's shape arguments with a last dim of the full vocabulary replaced by this rank's slice."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        return (tuple(_local_shape(tuple(shape[0]), vocab, tp)),)
+    if shape and shape[-1] == vocab:
+        return (*shape[:-1], vocab // tp)
+    return shape
 
 
 class _Bare:
@@ -164,14 +245,21 @@ def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    in_blocks = {id(p) for m in blocks.values() for p in m.parameters()}
+    free = [n for n, p in model.named_parameters() if id(p) not in in_blocks and p.requires_grad]
     restore = fakify_module(model, mode)
     prov: dict[int, frozenset] = {}
     alive: list = []
+    for n in free:  # a trained parameter outside every block: its readers are found like a block output's
+        fake = model.get_parameter(n)
+        prov[id(fake)] = frozenset({PARAM + n})
+        alive.append(fake)
     inside: list[str] = []
     order: list[str] = []
     reads: dict[str, set[str]] = defaultdict(set)
     specs: dict[str, tuple] = {}
     handles = []
+    flow, heads = _Flow(prov, alive, inside), HeadPaths()
     try:
         fb = fake_batch(batch, mode)
         for name, m in blocks.items():
@@ -187,16 +275,17 @@ def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module
                 if inside:
                     return
                 flat, tree = tree_flatten(output)
-                specs.setdefault(name, (tree, tuple((tuple(t.shape[1:]), t.dtype) for t in flat if isinstance(t, torch.Tensor))))
+                specs.setdefault(name, (tree, tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))))
                 for leaf in flat:
                     if isinstance(leaf, torch.Tensor):
                         prov[id(leaf)] = frozenset({name})
                         alive.append(leaf)
+                heads.watch(name, module, output)
 
             handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(m.register_forward_hook(post, with_kwargs=True))
         try:
-            with static_fake(mode), _Flow(prov, alive, inside), torch.no_grad():
+            with static_fake(mode), flow, heads, torch.no_grad():
                 out = model(**fb)
         except MmplanError:
             raise
@@ -211,4 +300,4 @@ def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module
         for h in handles:
             h.remove()
         restore()
-    return order, {b: reads[b] for b in order}, set(loss_reads), specs
+    return order, {b: reads[b] for b in order}, set(loss_reads), specs, heads.found()

@@ -90,6 +90,11 @@ def _check_against(layout: Layout, program: Program) -> None:
     loss_blocks = program.loss_deps()
     loss_stage = stage_of[max(loss_blocks, key=list(program.blocks).index)] if loss_blocks else None
     traced |= {(b, loss_stage) for b in loss_blocks if stage_of[b] != loss_stage}
+    for param, readers in getattr(program, "free_consumers", {}).items():  # runtime/forward_program.py
+        where = {loss_stage if r == program.output else stage_of[r] for r in readers}
+        if len(where) > 1:
+            raise MmplanError(f"parameter {param} (outside every block) is read on stages {', '.join(sorted(where))}; "
+                              "mmplan trains it on one stage: place its readers ({}) together".format(", ".join(sorted(readers))))
     planned = {(r.block, r.dst) for r in layout.routes}
     if traced != planned or loss_stage != layout.loss_stage:
         if traced - planned:

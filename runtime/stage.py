@@ -1,7 +1,7 @@
 """This rank's part of the model: the traced program, its local blocks, and the shape of every block output."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from runtime.boundary import OutputSpec
 from runtime.program import Program, block_modules, trace_program
+from runtime.samples import rows_per_sample
 
 
 @dataclass
@@ -19,6 +20,7 @@ class RankModel:
     program: Program
     local: dict[str, nn.Module]  # this rank's blocks by name
     specs: dict[str, OutputSpec]  # every block's output structure (for receive buffers)
+    aliases: dict[str, str] = field(default_factory=dict)  # "block.local name" of an adopted parameter -> its model name
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -35,11 +37,14 @@ def output_specs(model: nn.Module, example: dict[str, Any]) -> dict[str, OutputS
     for name, m in block_modules(model).items():
         def hook(module, args, output, name=name):
             flat, tree = tree_flatten(output)
-            specs[name] = OutputSpec(tree, tuple((tuple(t.shape[1:]), t.dtype) for t in flat if isinstance(t, torch.Tensor)))
+            leaves = [t for t in flat if isinstance(t, torch.Tensor)]  # of one sample: k rows if packed (samples.py)
+            specs[name] = OutputSpec(tree, tuple((tuple(t.shape[1:]), t.dtype) for t in leaves),
+                                     tuple(t.shape[0] if t.dim() else 1 for t in leaves))
         handles.append(m.register_forward_hook(hook))
+    rows = rows_per_sample(example)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            batch = {k: mode.from_tensor(v[:1]) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+            batch = {k: mode.from_tensor(v[:rows.get(k, 1)]) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
             model(**batch)
     finally:
         for h in handles:
@@ -53,6 +58,7 @@ def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: se
     own_forward = hasattr(program, "run_stage")  # runtime/forward_program.py: the model's own forward runs
     specs = program.specs if own_forward else output_specs(model, example)
     blocks = block_modules(model)
+    aliases = adopt_free_parameters(model, blocks, getattr(program, "free_owner", {}))
     shared = _shared_across(blocks, local_blocks)
     if shared:
         raise ValueError(f"parameter shared between a local and a remote block ({shared}); tied weights across stages are not supported")
@@ -66,7 +72,24 @@ def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: se
             m.to(torch.device("meta"))
     if own_forward:
         model.to(device)  # the glue's own modules (rotary tables); hollow tensors are on `device` already
-    return RankModel(model, program, {n: blocks[n] for n in local_blocks}, specs)
+    return RankModel(model, program, {n: blocks[n] for n in local_blocks}, specs, aliases)
+
+
+FREE = "mmplan_free_"  # the prefix of a parameter a block adopted
+
+
+def adopt_free_parameters(model: nn.Module, blocks: dict[str, nn.Module], owner: dict[str, str]) -> dict[str, str]:
+    """Register each parameter outside every block (CLIP's logit_scale) in its owner block too — the block
+    that uses it, found from the data flow (runtime/forward_program.py) — so the owner's stage trains it,
+    its tiers hold it, its data-parallel group all-reduces it, like any of the block's own parameters. The
+    model's forward keeps reading it where it is (the same Parameter object). Returns the aliases:
+    "block.local name" -> the parameter's name in the model."""
+    aliases = {}
+    for name, block in owner.items():
+        local = FREE + name.replace(".", "__")
+        blocks[block].register_parameter(local, model.get_parameter(name))
+        aliases[f"{block}.{local}"] = name
+    return aliases
 
 
 def _hollow(module: nn.Module, device: torch.device) -> None:

@@ -11,9 +11,11 @@ without dim 0):
   convention, `labels` = `input_ids` with -100 on image / audio placeholders): the placeholders stay as in
   the example, the text positions are class c's fixed sequence (ids in [0, vocab), never a placeholder id);
   the labels repeat them (-100 where the example has -100), so the next token depends on the inputs;
-- integer token ids without labels (CLIP's captions: a key named *ids*) are class c's fixed sequence;
+- integer token ids without labels (CLIP's captions: a key named *ids*, not *type_ids* / *position_ids*) are
+  class c's fixed sequence;
 - any other integer tensor (attention masks, grids, lengths) is the example's, unchanged; non-tensor entries
   (`return_loss=True`) are passed along as they are.
+Packed inputs (Qwen2-VL's patches, runtime/samples.py) are per sample their first k rows, concatenated in a batch.
 Deterministic in the global sample index, like runtime/data.py's SyntheticDataset.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from plans.errors import MmplanError
+from runtime.samples import collate, rows_per_sample
 
 IGNORE = -100  # the label HF's losses skip
 
@@ -47,12 +50,15 @@ class DerivedDataset:
         self.constants = {k: v for k, v in example_batch.items() if not isinstance(v, torch.Tensor)}  # return_loss=True
         if not tensors or any(v.dim() == 0 for v in tensors.values()):
             raise MmplanError("a synthetic dataset needs an example batch of tensors with a batch dimension (dim 0)")
-        self.example = {k: v[:1].clone() for k, v in tensors.items()}
+        rows = rows_per_sample(tensors)  # packed inputs (Qwen2-VL's patches): sample 0 is their first k rows
+        self.packed = {k for k, r in rows.items() if r > 1}
+        self.example = {k: v[:rows[k]].clone()[None] if k in self.packed else v[:1].clone() for k, v in tensors.items()}
         self.vocab, self.seed, self.classes, self.noise = vocab, seed, classes, noise
         self.labels_of = self._pair_labels()  # token key -> its labels key
         labelled = set(self.labels_of) | set(self.labels_of.values())
         self.free_tokens = [k for k, v in self.example.items()  # token ids with no labels (CLIP's captions)
-                            if not v.is_floating_point() and "ids" in k.lower() and k not in labelled and v.dim() == 2]
+                            if not v.is_floating_point() and "ids" in k.lower() and not re.search(r"type_ids|position_ids", k.lower())
+                            and k not in labelled and v.dim() == 2]
         gen = _generator("prototypes", seed)
         self.prototypes: dict[str, torch.Tensor] = {}
         for k, v in self.example.items():
@@ -114,4 +120,4 @@ class DerivedDataset:
         samples = [self.sample(i) for i in indices]
         if not samples:
             raise MmplanError("sample_batch needs at least one index")
-        return {**{k: torch.stack([s[k] for s in samples]) for k in self.example}, **self.constants}
+        return {**collate(samples, self.packed), **self.constants}

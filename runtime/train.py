@@ -185,6 +185,12 @@ class RankTrainer:
             zero = self.plan.group(st.group).zero
             if zero:
                 offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
+                adopted = [a for a in self.rm.aliases if a.rsplit(".", 1)[0] in st.blocks]
+                if adopted:
+                    from plans.errors import MmplanError
+  # FSDP would replace the block's copy, not the one the model's forward reads
+                    raise MmplanError(f"ZeRO {zero} cannot shard {self.rm.aliases[adopted[0]]}, a parameter outside every "
+                                      f"block that stage {key} trains: use ZeRO 0 for group {st.group}")
                 for ck in self._chunks_of(key):
                     out[ck] = apply_zero({b: self.rm.local[b] for b in self.layout.stages[ck].blocks}, group, zero,
                                          self.ctx.device, offload)
@@ -399,7 +405,7 @@ class RankTrainer:
                     if value is not None:
                         full = self._unshard(st, shards, f"{b}.{name}", zero.full(value))
                         if st.tp_index(self.ctx.rank) == 0:
-                            out[f"{b}.{name}"] = full.detach().clone()
+                            out[self.rm.aliases.get(f"{b}.{name}", f"{b}.{name}")] = full.detach().clone()
         return out
 
     def save_checkpoint(self, done: int) -> None:

@@ -12,7 +12,9 @@ tp rank r of tp owns vocabulary rows [r*V/tp, (r+1)*V/tp):
                sum of exp — and one of the target logit, never gathering the (N, V) logits; the backward is
                softmax - one-hot on the local slice.
 The head's output is read only by the loss (checked on the traced program: the path from the head to
-F.cross_entropy may only reshape, slice or cast), so a sliced logit never leaves the stage.
+F.cross_entropy may only reshape, slice or cast), so a sliced logit never leaves the stage. For a model
+running its own forward (Hugging Face models, runtime/forward_program.py) the same path is checked on the
+recorded data flow, and the forward's loss glue is rewritten while it runs (views to V/tp, the loss).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from plans.errors import MmplanError
 
@@ -32,6 +36,8 @@ from .tensor_parallel import _LAYOUT_ATTR, ShardInfo, TPLayout, copy_to_tp_regio
 # glue allowed between the head and the loss: it must keep the vocabulary as the last dim
 _PASS_METHODS = {"flatten", "view", "reshape", "float", "to", "contiguous", "__getitem__", "type_as"}
 _PASS_FUNCTIONS = {operator.getitem, torch.flatten}
+# reading a tensor's metadata (properties such as .shape / .dtype / .device come as "__get__") reads no logit
+_METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "element_size", "get_device", "is_contiguous"}
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -113,6 +119,44 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, wei
     return loss.sum() / (target != ignore_index).sum()
 
 
+# --------------------------------------------------------------------------- which heads qualify (no fx graph)
+class HeadPaths(TorchFunctionMode):
+    """While a model's forward runs: which nn.Linear blocks' outputs reach F.cross_entropy (as its first
+    argument) through shape-only glue (_PASS_METHODS) and nothing else — the heads shard_head may make
+    vocabulary-parallel when there is no fx graph to check (runtime/forward_program.py), and the heads the
+    profile marks vocab_parallel="head" (planner/profile.py), so prediction and execution agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits: dict[int, str] = {}  # tensor id -> the head it is a shape-only view of
+        self.keep: list[torch.Tensor] = []  # ids stay unique while the forward runs
+        self.to_loss: set[str] = set()
+        self.other: set[str] = set()  # heads whose output other glue read
+
+    def watch(self, name: str, module: nn.Module, output: Any) -> None:
+        """A block's forward hook: an nn.Linear block's tensor output starts a path."""
+        if type(module) is nn.Linear and isinstance(output, torch.Tensor):
+            self.logits[id(output)] = name
+            self.keep.append(output)
+
+    def found(self) -> set[str]:
+        return self.to_loss - self.other
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        heads = {self.logits[id(x)] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and id(x) in self.logits}
+        if heads and getattr(func, "__name__", "") not in _METADATA:
+            first = self.logits.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+            if func is F.cross_entropy and heads == {first}:
+                self.to_loss.add(first)
+            elif getattr(func, "__name__", "") in _PASS_METHODS and heads == {first} and isinstance(out, torch.Tensor):
+                self.logits[id(out)] = first
+                self.keep.append(out)
+            else:
+                self.other |= heads
+        return out
+
+
 # ----------------------------------------------------------------------------------------------- apply
 def _shard_rows(p: nn.Parameter, tp_rank: int, tp: int) -> nn.Parameter:
     piece = p.detach().chunk(tp, dim=0)[tp_rank].clone(memory_format=torch.contiguous_format)
@@ -176,8 +220,9 @@ def shard_head(program: Any, name: str, block: nn.Module, group: Any, tp_rank: i
     column-parallel over the vocabulary and its loss vocabulary-parallel; False when it does not qualify."""
     if type(block) is not nn.Linear or block.out_features != vocab or vocab % tp or name in leaving:
         return False
-    loss = _loss_node(program, name)
-    if loss is None:
+    own = hasattr(program, "vocab_heads")  # a model running its own forward (runtime/forward_program.py)
+    loss = None if own else _loss_node(program, name)
+    if (name not in program.vocab_heads) if own else loss is None:
         return False
     shards = {"weight": ShardInfo("weight", 0, tp_rank, tp, tuple(block.weight.shape))}
     block.weight = shared.setdefault(id(block.weight), _shard_rows(block.weight, tp_rank, tp))
@@ -187,7 +232,10 @@ def shard_head(program: Any, name: str, block: nn.Module, group: Any, tp_rank: i
     block.out_features = block.weight.shape[0]
     block.__class__ = VocabParallelHead
     block.vocab_start, block.group = tp_rank * block.out_features, group
-    loss.target = functools.partial(vocab_parallel_cross_entropy, vocab_start=block.vocab_start, vocab=vocab,
-                                    group=group)
+    ce = functools.partial(vocab_parallel_cross_entropy, vocab_start=block.vocab_start, vocab=vocab, group=group)
+    if own:
+        program.vocab_loss[name] = (ce, vocab, tp)  # its forward's loss glue is rewritten while it runs
+    else:
+        loss.target = ce
     _record(block, tp, tp_rank, shards)
     return True

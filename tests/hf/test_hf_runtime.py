@@ -3,6 +3,7 @@ single-process reference under dp2, pp2, colocated and non-colocated plans, and 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -17,6 +18,9 @@ from tests.runtime.plan_builder import make_plan
 STEPS = 20
 VISION, PROJ, LLM = ["model.vision_tower"], ["model.multi_modal_projector"], ["model.language_model", "lm_head"]
 AUDIO = ["model.audio_tower"]
+QVISION, QVL = ["model.visual.patch_embed", "model.visual.blocks"], ["model.visual"]
+CLIP_IMAGE, CLIP_TEXT = ["vision_model", "visual_projection"], ["text_model", "text_projection"]
+CLIP_TEXT_FIRST = ["text_model.embeddings", "text_model.encoder.layers.0"]
 FIRST_LAYER = ["model.language_model.embed_tokens", "model.language_model.layers.0"]
 PLANS = {
     "llava-dp2": ("llava", [{"name": "all", "dp": 2, "stages": [(VISION + PROJ + LLM, [0, 1])]}], {}),
@@ -25,36 +29,78 @@ PLANS = {
                                       {"name": "llm", "stages": [(LLM, [1])]}], {}),
     "llava-colocated": ("llava", [{"name": "vision", "dp": 2, "stages": [(VISION + PROJ, [0, 1])]},
                                   {"name": "llm", "colocated_with": "vision", "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}], {}),
-    # tensor parallelism from the model's own base_model_tp_plan (q/k/v/gate/up colwise, o/down rowwise)
+    # tensor parallelism from the model's own base_model_tp_plan (q/k/v/gate/up colwise, o/down rowwise); the token
+    # embedding, lm_head and HF's cross-entropy vocabulary-parallel (runtime/vocab_parallel.py, as the profile prices)
     "llava-llm-tp2": ("llava", [{"name": "vision", "stages": [(VISION + PROJ, [0])]},
                                 {"name": "llm", "tp": 2, "stages": [(LLM, [1, 2])]}], {}),
     "qwen2-audio-non-colocated": ("qwen2_audio", [{"name": "audio", "stages": [(AUDIO + PROJ, [0])]},
                                                   {"name": "llm", "dp": 2, "stages": [(LLM, [1, 2])]}], {}),
+    "qwen2-audio-pp2": ("qwen2_audio", [{"name": "all", "stages": [(AUDIO + PROJ + FIRST_LAYER, [0]), (LLM, [1])]}],
+                        {"micro_batches": 4}),
+    "qwen2-audio-colocated": ("qwen2_audio", [{"name": "audio", "dp": 2, "stages": [(AUDIO + PROJ, [0, 1])]},
+                                              {"name": "llm", "colocated_with": "audio",
+                                               "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}], {}),
+    # Qwen2-VL: packed pixel_values (patches of all images x patch dim) and packed vision-block outputs
+    "qwen2-vl-dp2": ("qwen2_vl", [{"name": "all", "dp": 2, "stages": [(QVL + LLM, [0, 1])]}], {}),
+    "qwen2-vl-pp2": ("qwen2_vl", [{"name": "all", "stages": [(QVISION, [0]), (QVL + LLM, [1])]}], {"micro_batches": 4}),
+    "qwen2-vl-non-colocated": ("qwen2_vl", [{"name": "vision", "stages": [(QVL, [0])]},
+                                            {"name": "llm", "stages": [(LLM, [1])]}], {}),
+    "qwen2-vl-colocated": ("qwen2_vl", [{"name": "vision", "dp": 2, "stages": [(QVL, [0, 1])]},
+                                        {"name": "llm", "colocated_with": "vision", "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}], {}),
+    # the same in the default suite: 4 steps (parity of losses and of every gradient; learning is the case above's)
+    "qwen2-vl-colocated-4-steps": ("qwen2_vl", [{"name": "vision", "dp": 2, "stages": [(QVL, [0, 1])]},
+                                                {"name": "llm", "colocated_with": "vision",
+                                                 "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}], {"steps": 4}),
+    # CLIP / SigLIP: logit_scale (and logit_bias) lie outside every block; the block whose stage computes the
+    # loss adopts them. A contrastive loss couples the samples of a batch, so under dp2 each replica's loss is
+    # over its half of the micro-batch: the reference then runs twice as many micro-batches (same samples each).
+    "clip-dp2": ("clip", [{"name": "all", "dp": 2, "stages": [(CLIP_IMAGE + CLIP_TEXT, [0, 1])]}], {"reference_x": 2}),
+    "clip-pp2": ("clip", [{"name": "all", "stages": [(CLIP_IMAGE + ["text_model.embeddings"], [0]), (CLIP_TEXT, [1])]}],
+                 {"micro_batches": 4, "global_batch": 16}),
+    "clip-non-colocated": ("clip", [{"name": "image", "stages": [(CLIP_IMAGE, [0])]},
+                                    {"name": "text", "stages": [(CLIP_TEXT, [1])]}], {}),
+    "clip-non-colocated-4-steps": ("clip", [{"name": "image", "stages": [(CLIP_IMAGE, [0])]},
+                                            {"name": "text", "stages": [(CLIP_TEXT, [1])]}], {"steps": 4}),
+    "clip-colocated": ("clip", [{"name": "image", "dp": 2, "stages": [(CLIP_IMAGE, [0, 1])]},
+                                {"name": "text", "colocated_with": "image", "stages": [(CLIP_TEXT_FIRST, [0]), (CLIP_TEXT, [1])]}], {}),
+    # (a sigmoid loss over 2-sample halves learns slower: 1.44 -> 1.19 in 20 steps)
+    "siglip-dp2": ("siglip", [{"name": "all", "dp": 2, "stages": [(["vision_model", "text_model"], [0, 1])]}],
+                   {"reference_x": 2, "min_drop": 0.2}),
+    "siglip-pp2": ("siglip", [{"name": "all", "stages": [(["vision_model", "text_model.embeddings"], [0]), (["text_model"], [1])]}],
+                   {"micro_batches": 4, "global_batch": 16}),
+    "siglip-non-colocated": ("siglip", [{"name": "image", "stages": [(["vision_model"], [0])]},
+                                        {"name": "text", "stages": [(["text_model"], [1])]}], {}),
+    "siglip-colocated": ("siglip", [{"name": "image", "dp": 2, "stages": [(["vision_model"], [0, 1])]},
+                                    {"name": "text", "colocated_with": "image", "stages": [(CLIP_TEXT_FIRST, [0]), (["text_model"], [1])]}], {}),
 }
+KINDS = sorted({kind for kind, _, _ in PLANS.values()})
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: f"hf:{getattr(tiny_configs, name)(root / name)}" for name in ("llava", "qwen2_audio")}
+    return {name: f"hf:{getattr(tiny_configs, name)(root / name)}" for name in KINDS}
 
 
-FAST = {"llava-colocated"}  # the others take 40-110 s each on a loaded 2-core machine: python -m pytest -m slow tests/hf
+# the others take 10-110 s each on a loaded 2-core machine: python -m pytest -m slow tests/hf -p no:cacheprovider
+FAST = {"llava-colocated", "qwen2-vl-colocated-4-steps", "clip-non-colocated-4-steps"}
 
 
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in PLANS])
 def test_stock_hf_plan_matches_single_process_reference(case, models):
     kind, groups, training = PLANS[case]
     model = models[kind]
-    plan = make_plan(model, groups, **training)
-    job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True)
-    ref = reference_run(job)
+    x, drop, steps = training.get("reference_x", 1), training.get("min_drop", 0.3), training.get("steps", STEPS)
+    plan = make_plan(model, groups, **{k: v for k, v in training.items() if k not in ("reference_x", "min_drop", "steps")})
+    job = Job(plan=plan, model=model, steps=steps, seed=0, probe_grads=True)
+    ref = reference_run(replace(job, plan=replace(plan, training=replace(plan.training, micro_batches=x * plan.training.micro_batches))))
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
     losses = [m["loss"] for m in results[0]["metrics"]]
-    assert len(losses) == STEPS
+    assert len(losses) == steps
     for step, (got, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(got - want) <= 1e-4 * abs(want), (case, step, got, want)
-    assert losses[-1] < losses[0] - 0.3  # the synthetic data derived from the example batch is learnable
+    if steps == STEPS:
+        assert losses[-1] < losses[0] - drop  # the synthetic data derived from the example batch is learnable
     grads = {}
     for r in results:
         grads.update(r["grads"])
@@ -63,7 +109,8 @@ def test_stock_hf_plan_matches_single_process_reference(case, models):
         assert float(grads[name].abs().max()) == 0.0, name  # None in the reference, zeros after a dp all-reduce
     scale = max(float(g.abs().max()) for g in ref["grads"].values())
     for name, want in ref["grads"].items():
-        tol = 1e-5 * max(float(want.abs().max()), 1e-3 * scale)
+        # a gradient zero in exact arithmetic (a key bias under softmax) is float32 noise: 1e-7 of the largest
+        tol = 1e-5 * max(float(want.abs().max()), 1e-2 * scale)
         assert float((grads[name] - want).abs().max()) <= tol, (case, name)
 
 
@@ -104,3 +151,23 @@ def test_a_plan_from_a_group_override_profile_runs(models, tmp_path):
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["run", str(plan), "--steps", "2"])
     assert res.exit_code == 0, res.output
+
+
+def test_parameters_outside_blocks_join_the_block_that_reads_them(models):
+    """CLIP's logit_scale is read only by the loss: the block the loss stage is placed by adopts it, so that
+    stage trains it (the parity cases above check its gradient and the losses)."""
+    import torch
+
+    from runtime.source import call_factory, resolve
+    from runtime.stage import build_rank_model
+
+    torch.manual_seed(0)
+    model, example = call_factory(resolve(models["clip"]), 1)
+    rm = build_rank_model(model, example, {"text_projection"}, torch.device("cpu"))
+    assert rm.program.free_consumers == {"logit_scale": {"(loss)"}}
+    assert rm.aliases == {"text_projection.mmplan_free_logit_scale": "logit_scale"}
+    assert any(p is model.logit_scale for p in rm.parameters())  # trained with the stage's own parameters
+    from planner.profile import profile_model
+
+    priced = profile_model(resolve(models["clip"])).block("text_projection").params  # the profile counts it there too
+    assert priced == sum(p.numel() for p in rm.local["text_projection"].parameters()) == 16 * 32 + 1

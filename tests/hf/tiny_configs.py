@@ -69,3 +69,18 @@ def clip(directory: Path) -> Path:
     config.mmplan_inputs = {"text_tokens": 8}
     config.save_pretrained(directory)
     return directory
+
+
+def siglip(directory: Path) -> Path:
+    """SigLIP: a 2-layer vision tower and a 2-layer text tower, a sigmoid loss with logit_scale and logit_bias."""
+    from transformers import SiglipConfig
+
+    config = SiglipConfig(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "vocab_size": 64, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 16, "patch_size": 4},
+        architectures=["SiglipModel"])
+    config.mmplan_inputs = {"text_tokens": 8}
+    config.save_pretrained(directory)
+    return directory

@@ -23,7 +23,8 @@ class TinyGPT(nn.Module):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x).float().logsumexp(-1).mean()
+        # the runtime shards a head over the vocabulary when only F.cross_entropy reads it (vocab_parallel.HeadPaths)
+        return nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), ids.flatten())
 
 
 @pytest.fixture(scope="module")

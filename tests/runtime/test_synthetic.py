@@ -40,3 +40,25 @@ def test_text_and_float_targets_follow_the_hidden_class():
     assert isinstance(data, DerivedDataset)
     got = data.sample_batch(range(8))
     assert got["targets"].shape == (8,) and got["images"].shape == (8, 16, 48)
+
+
+def test_packed_inputs_split_by_sample():
+    """Qwen2-VL-style packed patches (rows of all images, with a per-image grid): rows per sample come from the
+    data, a batch of n samples concatenates n samples' rows, and the sample's rows follow its class."""
+    import pytest
+
+    from plans.errors import MmplanError
+    from runtime.samples import collate, rows_per_sample
+
+    example = {**hf_like_batch(), "pixel_values": torch.randn(6, 5), "grid": torch.tensor([[1, 2, 3]])}
+    del example["mask"]
+    assert rows_per_sample(example) == {"input_ids": 1, "labels": 1, "pixel_values": 6, "grid": 1}
+    ds = DerivedDataset(example, vocab=12, seed=1)
+    batch = ds.sample_batch([4, 5, 6])
+    assert batch["pixel_values"].shape == (18, 5) and batch["grid"].shape == (3, 3) and batch["input_ids"].shape == (3, 7)
+    assert torch.equal(batch["pixel_values"][6:12], ds.sample_batch([5])["pixel_values"])  # sample 5's rows
+    assert rows_per_sample(batch)["pixel_values"] == 6
+    with pytest.raises(MmplanError, match="different row counts"):
+        collate([{"x": torch.zeros(2, 3)}, {"x": torch.zeros(3, 3)}], {"x"})
+    with pytest.raises(MmplanError, match="not a multiple"):
+        rows_per_sample({"a": torch.zeros(2, 1), "b": torch.zeros(5, 1)})
