@@ -11,6 +11,7 @@ from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_b
 from cost_models.compute import OpTime, block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
+from cost_models.overhead import step_overhead
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
@@ -98,6 +99,7 @@ class Simulation:
     comm_bytes: float  # bytes sent by all ranks in one step
     bottleneck: str  # the busiest ranks' stages, "group/stage i" (+ ...)
     events: Callable[[], tuple[Event, ...]] = field(repr=False, compare=False)  # built once, on first use
+    overhead_s: float = 0.0  # the runtime's fixed per-step cost included in step_time_s (cost_models/overhead.py)
 
     @property
     def timeline(self) -> tuple[Event, ...]:
@@ -206,7 +208,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
             grad_sync_s=tail.grad_sync, optimizer_s=tail.optimizer, param_gather_s=tail.param_gather,
             downstream=max(graph.distance[cs[-1]], 0), warmup=sched.warmup[s], in_flight=sched.in_flight[s],
         ))
-    return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of)
+    return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of,
+                   overhead=step_overhead(cluster))
 
 
 # --- costs -------------------------------------------------------------------------------------------
@@ -367,8 +370,10 @@ class _Deadlock(Exception):
 # --- results -------------------------------------------------------------------------------------
 
 
-def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of) -> Simulation:
-    """Busy time, bubble, communication volume and bottleneck from the op times; the timeline lazily."""
+def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of,
+            overhead: float = 0.0) -> Simulation:
+    """Busy time, bubble, communication volume and bottleneck from the op times; the timeline lazily. `overhead`: the
+    runtime's fixed per-step seconds (cost_models/overhead.step_overhead), added to the step."""
     m, ncls = graph.micro_batches, len(graph.classes)
     size = [len(ranks) for ranks in graph.classes]
     compute, comm, transfer, pipe_busy = [0.0] * ncls, [0.0] * ncls, [0.0] * ncls, [0.0] * ncls
@@ -406,7 +411,8 @@ def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, 
                             for s, cs in enumerate(graph.stages) if any(c in graph.class_chunks[busiest] for c in cs))
     busy_cls = [Busy(compute[c], comm[c], transfer[c]) for c in range(ncls)]
     return Simulation(
-        step_time_s=max(end, default=0.0),
+        step_time_s=max(end, default=0.0) + overhead,
+        overhead_s=overhead,
         pipeline_time_s=pipeline_end,
         bubble_fraction=max(0.0, bubble),
         stages=tuple(stage_costs),

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.comm import all_gather_time, all_reduce_time, dp_link, reduce_scatter_time, ring_bytes_sent
-from cost_models.compute import optimizer_step_time
 from cost_models.memory import DTYPE_BYTES, StateTiers, zero_divisors
+from cost_models.overhead import optimizer_time
 from plans.cluster import Cluster, Link
 from plans.plan import Group, Training
 
@@ -65,5 +65,5 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer
-    opt = optimizer_step_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer)
+    opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer)
     return StageTail(sync, opt, gather, sent)

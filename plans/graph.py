@@ -94,6 +94,7 @@ class ProfileOptions:
     device: str = "meta"
     measure: bool = False
     freeze: tuple[str, ...] = field(default=(), metadata={OMIT_DEFAULT: True})  # --freeze patterns, in order
+    threads: int = field(default=0, metadata={OMIT_DEFAULT: True})  # torch threads the measurement ran with (0: not measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,8 @@ class Profile:
     loss: tuple[str, ...] = ()  # blocks whose outputs the loss reads
     options: ProfileOptions = field(default_factory=ProfileOptions)
     schema: str = PROFILE_SCHEMA
+    # relative spread (interquartile range / median) of the measured whole-model step at the micro-batch (0: not measured)
+    measure_spread: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
 
     @classmethod
     def build(cls, model: str, dtype: str, micro_batch: int, blocks: tuple[Block, ...], edges: tuple[Edge, ...],
