@@ -383,21 +383,24 @@ def _calibration_table(cal, cluster):
 @user_errors
 def demo(
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, both plans, run logs and traces.")] = Path("mmplan-demo"),
-    model: Annotated[str, typer.Option(help="The model (zoo name, .toml or package.module:factory).")] = "tiny-vlm-heavy",
-    cluster: Annotated[str, typer.Option(help="The local ranks to plan for and run on.")] = "2xlocal-cpu",
+    model: Annotated[Optional[str], typer.Option(help="The model (zoo name, .toml or package.module:factory); default: runtime/models/examples/demo-vlm.toml.")] = None,
+    cluster: Annotated[str, typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML).")] = "2xlocal-cpu",
     global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 16,
-    steps: Annotated[int, typer.Option(help="Training steps per plan.")] = 30,
+    steps: Annotated[int, typer.Option(help="Training steps per run.")] = 12,
+    runs: Annotated[int, typer.Option(help="Training runs per plan, alternating between the two; the measured step is the median of their median steps.")] = 3,
+    calibrate: Annotated[bool, typer.Option(help="Measure this machine first ([cyan]mmplan calibrate --quick[/]) and plan for the measured figures within --cluster's memory.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     """The whole loop on this machine: profile -> solve -> train the solved and the best homogeneous plan ->
     compare predicted with measured. Takes a couple of minutes on 2 CPU cores."""
-    from planner.demo import run_demo
+    from planner.demo import DEFAULT_MODEL, run_demo
     from planner.report import demo_json, render_demo
 
     if output.exists() and not output.is_dir():
         raise MmplanError(f"--output {output} is a file; give a directory")
     with console.progress("mmplan demo", enabled=not as_json) as note:
-        result = run_demo(output, model=model, cluster=cluster, global_batch=global_batch, steps=steps, progress=note)
+        result = run_demo(output, model=model or DEFAULT_MODEL, cluster=cluster, global_batch=global_batch, steps=steps,
+                          runs=runs, calibrate=calibrate, progress=note)
     if as_json:
         print(json.dumps(demo_json(result)))
     else:
