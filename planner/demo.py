@@ -14,9 +14,10 @@ from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
 
-# The default model: a compute-heavy, parameter-light ViT and a parameter-heavy, compute-light LLM (see the file).
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "runtime" / "models" / "examples" / "demo-vlm.toml")
-DEFAULT_CLUSTER = "2xlocal-cpu"
+# The default model and cluster: a convolutional encoder (no tensor parallelism, few parameters) and a
+# parameter-heavy, compute-light LLM, on 2 local ranks with a memory cap (see both files).
+DEFAULT_MODEL = "runtime.models.conv_vlm:factory"
+DEFAULT_CLUSTER = str(Path(__file__).resolve().parent / "demo_cluster.toml")
 RUNS = 3  # training runs per plan; the measured step is the median of their median steps
 
 
@@ -56,7 +57,7 @@ class DemoResult:
     load: tuple[float, ...] = ()  # 1-minute load average before each run (os.getloadavg), in the order they ran
 
 
-def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CLUSTER, global_batch: int = 16,
+def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CLUSTER, global_batch: int = 8,
              steps: int = 12, runs: int = RUNS, calibrate: bool = True,
              progress: Callable[[str, float], None] | None = None) -> DemoResult:
     from cost_models.hardware import parse_cluster
@@ -134,7 +135,9 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
         note(f"training the {name} plan for {steps} steps (run {i // 2 + 1} of {runs})", 0.25 + 0.7 * i / len(order))
         log = out / (f"run-{name}.jsonl" if name not in first else f"run-{name}-{i // 2 + 1}.jsonl")
         load.append(os.getloadavg()[0])
-        result = run_plan(paths[name], steps=steps, log=log, overwrite=True)  # the demo owns its output directory
+        # the demo owns its output directory; each rank is held to the cluster's device memory
+        result = run_plan(paths[name], steps=steps, model=source.name, log=log, overwrite=True,
+                          device_budget=float(cluster.device.memory_bytes))
         medians[name].append(_median_step(result.metrics))
         first.setdefault(name, (log, result.metrics))
     trained = {name: Trained(name, plans[name], paths[name], *first[name], runs_s=tuple(medians[name]))
