@@ -118,6 +118,7 @@ class _Cost:
 
     params: float = 0.0  # parameters on one rank (tp-parallel blocks divided by tp)
     trained: float = 0.0  # of them, those of blocks not frozen (synced and updated in the tail)
+    tensors: int = 0  # trained parameter tensors (Block.param_tensors): the optimizer's per-tensor work
     time: OpTime = field(default_factory=OpTime)
     fwd: float = 0.0  # task durations per micro-batch
     bwd: float = 0.0
@@ -175,6 +176,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> Si
         # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
         # chunk's, under the interleaved schedule)
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
+                                tensors=sum(costs[c].tensors for c in cs),
                                 overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) else 0.0))
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
@@ -240,6 +242,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
             out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
         params += b.params / t
         cost.trained += 0.0 if b.frozen else b.params / t
+        cost.tensors += 0 if b.frozen else b.param_tensors
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op

@@ -66,6 +66,8 @@ class Block:
     # not trained: `mmplan profile --freeze` matched it, or it has parameters and none requires grad (no gradients,
     # optimizer state or gradient sync; profiled with its parameters frozen)
     frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})
+    # trained parameter tensors: the optimizer's per-tensor work (cost_models/overhead.py); 0 when not recorded
+    param_tensors: int = field(default=0, metadata={OMIT_DEFAULT: True})
 
 
 @dataclass(frozen=True, slots=True)

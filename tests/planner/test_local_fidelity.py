@@ -23,7 +23,7 @@ RUNTIME_COSTS = dict(optimizer_tensor_s=2.5e-5, optimizer_byte_s=1.5e-9, step_ov
 def measured_chain(fwd_ms: float, cluster_name: str = "2xlocal-cpu") -> tuple[P.Plan, Profile]:
     """Two measured blocks on two pipeline stages of a local-cpu cluster."""
     blocks = tuple(Block(f"l.{i}", "llm", "Layer", 10**5, 4 * 10**5, 2e8, 4e8, 1e3, 1e3, supports_tp=True,
-                         fwd_ms=fwd_ms, bwd_ms=2 * fwd_ms) for i in range(2))
+                         fwd_ms=fwd_ms, bwd_ms=2 * fwd_ms, param_tensors=3) for i in range(2))
     profile = Profile.build("chain", "fp32", 1, blocks, (Edge("l.0", "l.1", 1e3),), measured_on="cpu")
     stages = tuple(P.Stage((f"l.{i}",), (i,), P.Memory()) for i in range(2))
     plan = P.Plan(P.ProfileRef("chain", profile.fingerprint), parse_cluster(cluster_name), P.Training(4, 4, dtype="fp32"),
@@ -50,8 +50,8 @@ def test_the_step_gains_exactly_the_measured_overhead_and_optimizer_time():
     before = evaluate(plan, profile)
     measured = dataclasses.replace(plan.cluster, **RUNTIME_COSTS)
     after = evaluate(dataclasses.replace(plan, cluster=measured), profile)
-    opt = optimizer_time(10**5, P.Memory(), measured, dtype="fp32")
-    assert opt == pytest.approx(10**5 * 4 * 1.5e-9)  # the measured update replaces the bandwidth model
+    opt = optimizer_time(10**5, P.Memory(), measured, dtype="fp32", tensors=3)
+    assert opt == pytest.approx(10**5 * 4 * 1.5e-9 + 3 * 2.5e-5)  # the measured update replaces the bandwidth model
     assert [s.optimizer_s for s in after.stages] == pytest.approx([opt, opt])
     old_opt = before.stages[1].optimizer_s  # the last stage's optimizer step ends the step
     assert after.predicted.step_time_s == pytest.approx(before.predicted.step_time_s - old_opt + opt + 4e-3)
