@@ -378,6 +378,9 @@ def _calibration_table(cal, cluster):
         ("disk write", link(cal.disk_write), ""),
         ("disk read", link(cal.disk_read), ""),
         ("nvme (slower of the two)", link(cluster.nvme), link(ref.nvme) if ref else ""),
+        ("Adam step, all ranks at once", f"{cluster.optimizer_tensor_s * 1e6:.3g} us per tensor + "
+                                         f"{cluster.optimizer_byte_s * 1e9:.3g} ns per parameter byte", ""),
+        ("runtime's fixed cost per step", f"{cluster.step_overhead_s * 1e3:.3g} ms", ""),
     ]
     for row in rows:
         table.add_row(*(row if ref else row[:2]))
