@@ -29,9 +29,16 @@ def optimizer_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype
     return measured if memory.optimizer == "gpu" else max(modelled, measured)
 
 
+def measured_compute_scale(cluster: Cluster) -> float:
+    """What block times measured in one process (`mmplan profile --measure`) are multiplied by when every rank of the
+    cluster computes at once (Cluster.compute_slowdown: the ranks share caches, memory bandwidth and, on a loaded
+    machine, the cores)."""
+    return cluster.compute_slowdown
+
+
 def step_overhead(cluster: Cluster) -> float:
     """The runtime's fixed seconds per step beyond forward, backward, communication and optimizer work."""
     return cluster.step_overhead_s
 
 
-__all__ = ["calibrated", "optimizer_time", "step_overhead"]
+__all__ = ["calibrated", "measured_compute_scale", "optimizer_time", "step_overhead"]

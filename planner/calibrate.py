@@ -49,6 +49,7 @@ class Settings:
     rounds: int  # sweeps over all sizes; each point keeps its best round (other jobs come and go)
     timeout_s: float  # process-group timeout: no single wait lasts longer
     deadline_s: float  # hard wall-clock limit of the whole multi-process part
+    probe_s: float = 1.0  # seconds of the compute_slowdown probe, alone and with every rank at once
 
     @staticmethod
     def for_run(quick: bool) -> Settings:
@@ -58,7 +59,7 @@ class Settings:
                 copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB),
                 message_bytes=tuple(4**k for k in range(1, 12)),  # 4 B .. 4 MiB
                 disk_bytes=(1 * MiB, 8 * MiB, 32 * MiB),
-                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60)
+                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60, probe_s=0.5)
         return Settings(
             matmul_sizes=(32, 64, 128, 256, 512, 1024, 2048), bf16_sizes=(256, 1024), fp16_sizes=(256,),
             copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB, 256 * MiB),
@@ -91,6 +92,7 @@ class Calibration:
     optimizer_tensor_s: float = 0.0  # Adam step per parameter tensor, all ranks stepping at once
     optimizer_byte_s: float = 0.0  # Adam step per byte of fp32 parameters, all ranks stepping at once
     step_overhead_s: float = 0.0  # the runtime's fixed per-step cost (a near-empty model's step, beyond its prediction)
+    compute_slowdown: float = 1.0  # matmul and memory copy with every rank busy vs one process alone (mean ratio)
     samples: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> (bytes, seconds)
 
 
@@ -193,6 +195,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     if not scratch.is_dir():
         raise MmplanError(f"scratch directory {scratch} for the disk measurement does not exist")
 
+    alone = _measure_alone(settings)
     ranks_out = _run_ranks(ranks, settings, report, start_method)
     samples: dict[str, tuple[tuple[float, float], ...]] = {}
 
@@ -213,6 +216,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     p2p_times = ranks_out[0]["p2p"]
     samples["p2p"] = tuple(zip(map(float, settings.message_bytes), p2p_times))
     p2p = fit_alpha_beta(settings.message_bytes, p2p_times)
+    compute_slowdown = max(1.0, statistics.fmean(r["probe"][0] for r in ranks_out) / alone)
     points = _OPTIMIZER_POINTS_QUICK if quick else _OPTIMIZER_POINTS
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
@@ -239,7 +243,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
         disk_read=fit_alpha_beta(settings.disk_bytes, read_times), host_memory_bytes=host_memory,
         device_memory_bytes=device_memory, disk_free_bytes=shutil.disk_usage(scratch).free,
         wall_s=time.perf_counter() - started, samples=samples, optimizer_tensor_s=optimizer_tensor_s,
-        optimizer_byte_s=optimizer_byte_s)
+        optimizer_byte_s=optimizer_byte_s, compute_slowdown=compute_slowdown)
     report("runtime step", 0.0)
     calibration = replace(calibration, step_overhead_s=measure_step_overhead(to_cluster(calibration), steps=6 if quick else 14),
                           wall_s=time.perf_counter() - started)
@@ -270,7 +274,8 @@ def to_cluster(cal: Calibration) -> Cluster:
                    host_to_device=_rounded(cal.host_to_device), nvme=nvme,
                    host_memory_bytes=cal.host_memory_bytes, nvme_bytes=max(1, cal.disk_free_bytes),
                    backend=cal.backend, optimizer_tensor_s=_round(cal.optimizer_tensor_s),
-                   optimizer_byte_s=_round(cal.optimizer_byte_s), step_overhead_s=_round(cal.step_overhead_s))
+                   optimizer_byte_s=_round(cal.optimizer_byte_s), step_overhead_s=_round(cal.step_overhead_s),
+                   compute_slowdown=_round(cal.compute_slowdown, 3))
 
 
 NEAR_EMPTY_MODEL = "planner.calibrate:near_empty_model"
@@ -313,6 +318,46 @@ def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
         metrics = run_plan(path, steps=steps, model=NEAR_EMPTY_MODEL, timeout_s=120, op_timeout_s=60).metrics
     measured = statistics.median(m["step_time_s"] for m in (metrics[2:] or metrics))
     return max(0.0, measured - evaluate(plan, profile, cluster).predicted.step_time_s)
+
+
+# compute_slowdown's probe: the forward and backward of a small MLP block (256 -> 1024 -> 256 on 128 tokens, GELU,
+# LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them), timed for Settings.probe_s
+# seconds (median), once by this process alone and once by every rank at once. Medians, not the lower quartiles of
+# the other points: the probe is to see the sharing of cores, caches and memory bandwidth.
+_PROBE_WIDTH, _PROBE_TOKENS = 256, 128
+
+
+def _probe(seconds: float) -> float:
+    """Median seconds of one probe over `seconds` of repetitions (at least 5)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(_PROBE_WIDTH), torch.nn.Linear(_PROBE_WIDTH, 4 * _PROBE_WIDTH),
+                                torch.nn.GELU(), torch.nn.Linear(4 * _PROBE_WIDTH, _PROBE_WIDTH))
+    x = torch.randn(_PROBE_TOKENS, _PROBE_WIDTH, requires_grad=True)
+
+    def step() -> None:
+        block(x).square().mean().backward()
+
+    step()  # warm-up
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < end:
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_alone(settings: Settings) -> float:
+    """The probe in this process alone, with the threads a rank gets (RANK_THREADS), as `mmplan profile --measure`
+    times blocks."""
+    from runtime.launch import RANK_THREADS
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        return _probe(settings.probe_s)
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Reporter:
@@ -449,6 +494,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     points += [("bf16", torch.bfloat16, j, n) for j, n in enumerate(settings.bf16_sizes)]
     points += [("fp16", torch.float16, j, n) for j, n in enumerate(settings.fp16_sizes)]
     dist.barrier()  # all ranks busy at once, as in training
+    out["probe"] = [_probe(settings.probe_s)]
     progress("matmul", 0.0)
     for r in rounds:
         for i, (key, dtype, j, n) in enumerate(points):

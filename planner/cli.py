@@ -381,6 +381,7 @@ def _calibration_table(cal, cluster):
         ("Adam step, all ranks at once", f"{cluster.optimizer_tensor_s * 1e6:.3g} us per tensor + "
                                          f"{cluster.optimizer_byte_s * 1e9:.3g} ns per parameter byte", ""),
         ("runtime's fixed cost per step", f"{cluster.step_overhead_s * 1e3:.3g} ms", ""),
+        ("compute, all ranks busy vs one alone", f"{cluster.compute_slowdown:.3g}x slower", ""),
     ]
     for row in rows:
         table.add_row(*(row if ref else row[:2]))

@@ -95,6 +95,9 @@ class Cluster:
     optimizer_tensor_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
     optimizer_byte_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
     step_overhead_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    # how much slower compute runs with every local rank busy than in one process alone (>= 1): what a profile
+    # measured in one process (`mmplan profile --measure`) is scaled by (1: not measured)
+    compute_slowdown: float = field(default=1.0, metadata={OMIT_DEFAULT: True})
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -107,6 +110,9 @@ class Cluster:
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise FormatError(f"cluster {self.name}: {what} must be a finite number >= 0, got {value!r}")
+        if isinstance(self.compute_slowdown, bool) or not isinstance(self.compute_slowdown, (int, float)) \
+                or not math.isfinite(self.compute_slowdown) or self.compute_slowdown < 1:
+            raise FormatError(f"cluster {self.name}: compute_slowdown must be a finite number >= 1, got {self.compute_slowdown!r}")
         if self.backend not in BACKENDS:
             raise FormatError(f"cluster {self.name}: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 

@@ -58,6 +58,18 @@ def test_the_step_gains_exactly_the_measured_overhead_and_optimizer_time():
     assert after.simulation.overhead_s == 4e-3
 
 
+def test_measured_block_times_scale_by_the_measured_slowdown_with_every_rank_busy():
+    plan, profile = measured_chain(5.0)
+    alone = evaluate(plan, profile)
+    busy = evaluate(dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, compute_slowdown=1.5)), profile)
+    for a, b in zip(alone.stages, busy.stages):
+        assert (b.fwd_s, b.bwd_s) == pytest.approx((1.5 * a.fwd_s, 1.5 * a.bwd_s))
+    slow = dataclasses.replace(parse_cluster("2xlocal-cpu"), compute_slowdown=1.5)
+    assert cluster_from_toml(cluster_to_toml(slow)) == slow
+    with pytest.raises(Exception, match="compute_slowdown"):
+        dataclasses.replace(slow, compute_slowdown=0.5)
+
+
 def test_fit_optimizer_separates_per_tensor_and_per_byte_costs():
     points = ((1, 1 << 22), (64, 1 << 10), (256, 1 << 8), (32, 1 << 16))
     times = [k * 3e-5 + k * n * 4 * 2e-9 for k, n in points]
