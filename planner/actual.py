@@ -24,12 +24,24 @@ class Actual:
 
 
 def actual_cluster(plan: Plan, backend: str) -> Cluster:
-    """This machine as the run uses it: with nccl, the plan's cluster on CUDA's device name (a GPU run keeps the
-    plan's figures: they are that GPU's, or the warning says otherwise); with gloo, local-cpu ranks, one per rank of
-    the plan, on the nodes of the plan."""
+    """This machine as the run uses it: with nccl, the plan's cluster when CUDA's device is the plan's kind, else the
+    catalog entry of that GPU on the plan's nodes (an unknown GPU: the plan's figures under CUDA's name, and the
+    warning says so); with gloo, local-cpu ranks, one per rank of the plan, on the nodes of the plan."""
+    from cost_models.hardware import CATALOG, catalog_cluster
+
     if backend == "nccl" and torch.cuda.is_available():
-        return replace(plan.cluster, device=replace(plan.cluster.device, name=torch.cuda.get_device_name(0)))
-    from cost_models.hardware import catalog_cluster
+        name = torch.cuda.get_device_name(0)
+        probe = Profile("", "", "fp32", 1, (), (), measured_on=name)
+        from cost_models.compute import measured_on
+
+        if measured_on(probe, plan.cluster):  # the plan's own kind of GPU: its figures
+            return plan.cluster
+        for entry, cluster in CATALOG.items():  # a catalog GPU of that name (its datasheet figures), same nodes
+            if cluster.backend == "nccl" and measured_on(probe, cluster):
+                found = catalog_cluster(entry)
+                return replace(found, name=f"{plan.cluster.world_size}x{entry}", nodes=plan.cluster.nodes,
+                               gpus_per_node=plan.cluster.gpus_per_node)
+        return replace(plan.cluster, device=replace(plan.cluster.device, name=name))  # unknown GPU: named only
 
     local = catalog_cluster(f"{plan.cluster.world_size}xlocal-cpu")
     return replace(local, nodes=plan.cluster.nodes, gpus_per_node=plan.cluster.gpus_per_node) \

@@ -155,3 +155,18 @@ def test_measure_model_repeats_until_the_median_is_stable():
     (median, spread), = measure_model(Loss(), [{"x": x}], torch.device("cpu"), reps=3)
     assert median > 0 and spread >= 0
     assert 2 * 3 + 2 <= len(calls) <= 2 + 3 * MAX_ROUNDS  # at least two rounds to compare, at most MAX_ROUNDS
+
+
+def test_a_gpu_plan_run_on_another_gpu_is_predicted_with_that_gpus_catalog_figures(monkeypatch):
+    import torch
+
+    from plans.plan import load_plan
+
+    plan = load_plan("plans/examples/llava-1.5-13b-solved-64xh100-sxm.json")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    other = on_actual_cluster(plan, None, "nccl")
+    assert not other.same and other.cluster.device.name == "h200" and other.cluster.world_size == 64
+    assert "h100-sxm" in other.warning and "h200" in other.warning
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert on_actual_cluster(plan, None, "nccl").same
