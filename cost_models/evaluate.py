@@ -8,6 +8,7 @@ from cost_models.hardware import peak_flops
 from cost_models.memory import TierBytes, block_input_bytes, stage_memory
 from cost_models.pipeline import Busy, Event, Simulation, StageCost, simulate
 from plans.cluster import Cluster
+from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, RankMemory
 
@@ -94,7 +95,25 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         memory=memory,
         bottleneck=sim.bottleneck,
     )
+    check_possible(predicted, sim, profile, cluster, training.dtype)
     return Evaluation(predicted=predicted, simulation=sim, stage_memory=tuple(per_stage))
+
+
+def check_possible(predicted: Predicted, sim: Simulation, profile: Profile, cluster: Cluster, dtype: str) -> None:
+    """Impossible figures are an error, never a prediction: a negative time anywhere in the step, or more FLOP/s
+    than the device's peak (MFU > 1), which only inconsistent inputs give (block times measured elsewhere or under
+    other settings than the FLOPs were counted for, a peak below the measured rate)."""
+    times = [sim.step_time_s, sim.pipeline_time_s] + [t for s in sim.stages for t in (
+        s.fwd_s, s.bwd_s, s.grad_sync_s, s.optimizer_s, s.param_gather_s)]
+    if any(not t >= 0 for t in times):  # also NaN
+        raise MmplanError(f"impossible prediction for {profile.model} on {cluster.name}: a negative or undefined time "
+                          f"({min(times, key=lambda t: t if t == t else -1.0):g} s); check the profile's measured times")
+    if predicted.mfu > 1 + 1e-9:
+        raise MmplanError(
+            f"impossible prediction for {profile.model} on {cluster.name}: {predicted.tflops_per_gpu * 1e3:.4g} GFLOP/s "
+            f"per rank is {predicted.mfu:.0%} of the {dtype} peak ({peak_flops(cluster.device, dtype) / 1e9:.4g} GFLOP/s); "
+            f"the profile's measured times (measured on {profile.measured_on or 'no device'}) or the cluster's peak are "
+            f"wrong: re-measure the profile on this device or calibrate the cluster")
 
 
 def fits(memory: tuple[RankMemory, ...], cluster: Cluster) -> bool:

@@ -365,7 +365,19 @@ def _cluster_from_data(data: dict[str, Any], source: str) -> Cluster:
     return Cluster(name=data.get("name", base_name or "cluster"), nodes=data.get("nodes", 1), gpus_per_node=gpus_per_node,
                    device=device, **links, host_memory_bytes=host_memory,
                    nvme_bytes=_bytes(data, "nvme_gb", base.nvme_bytes if base else None, source),
-                   backend=data.get("backend", base.backend if base else "nccl"))
+                   backend=data.get("backend", base.backend if base else "nccl"), **_runtime_costs(data, base, source))
+
+
+# The [runtime] table of a cluster TOML (`mmplan calibrate`'s measured runtime costs): TOML key -> (Cluster field, exponent)
+_RUNTIME = {"optimizer_us_per_tensor": ("optimizer_tensor_s", -6), "optimizer_ns_per_byte": ("optimizer_byte_s", -9),
+            "step_overhead_us": ("step_overhead_s", -6), "compute_slowdown": ("compute_slowdown", 0)}
+
+
+def _runtime_costs(data: dict[str, Any], base: Cluster | None, source: str) -> dict[str, float]:
+    table = data.get("runtime", {})
+    return {name: _scaled(table[key], exponent, f"[runtime] {key}", source) if key in table
+            else getattr(base, name) if base else Cluster.__dataclass_fields__[name].default
+            for key, (name, exponent) in _RUNTIME.items()}
 
 
 def _check_finite(value: Any, path: list, source: str) -> None:
@@ -556,6 +568,9 @@ def cluster_to_toml(cluster: Cluster) -> str:
         link: Link = getattr(cluster, key)
         lines += ["", f"[links.{key}]", f"bandwidth_gbps = {_number(link.bandwidth, -9)}",
                   f"latency_us = {_number(link.latency_s, 6)}"]
+    if any(getattr(cluster, name) != Cluster.__dataclass_fields__[name].default for name, _ in _RUNTIME.values()):
+        lines += ["", "[runtime]  # measured by mmplan calibrate"]
+        lines += [f"{key} = {_number(getattr(cluster, name), -exponent)}" for key, (name, exponent) in _RUNTIME.items()]
     return "\n".join(lines) + "\n"
 
 

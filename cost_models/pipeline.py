@@ -11,6 +11,7 @@ from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_b
 from cost_models.compute import OpTime, block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
+from cost_models.overhead import measured_compute_scale, step_overhead
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
@@ -98,6 +99,7 @@ class Simulation:
     comm_bytes: float  # bytes sent by all ranks in one step
     bottleneck: str  # the busiest ranks' stages, "group/stage i" (+ ...)
     events: Callable[[], tuple[Event, ...]] = field(repr=False, compare=False)  # built once, on first use
+    overhead_s: float = 0.0  # the runtime's fixed per-step cost included in step_time_s (cost_models/overhead.py)
 
     @property
     def timeline(self) -> tuple[Event, ...]:
@@ -116,6 +118,7 @@ class _Cost:
 
     params: float = 0.0  # parameters on one rank (tp-parallel blocks divided by tp)
     trained: float = 0.0  # of them, those of blocks not frozen (synced and updated in the tail)
+    tensors: int = 0  # trained parameter tensors (Block.param_tensors): the optimizer's per-tensor work
     time: OpTime = field(default_factory=OpTime)
     fwd: float = 0.0  # task durations per micro-batch
     bwd: float = 0.0
@@ -187,6 +190,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
         # chunk's, under the interleaved schedule)
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
+                                tensors=sum(costs[c].tensors for c in cs),
                                 overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0))
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
@@ -220,7 +224,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
             grad_sync_s=tail.grad_sync, optimizer_s=tail.optimizer, param_gather_s=tail.param_gather,
             downstream=max(graph.distance[cs[-1]], 0), warmup=sched.warmup[s], in_flight=sched.in_flight[s],
         ))
-    return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of)
+    return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of,
+                   overhead=step_overhead(cluster))
 
 
 # --- costs -------------------------------------------------------------------------------------------
@@ -235,13 +240,17 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     samples = training.micro_batch / g.dp  # samples of one micro-batch on one dp replica
     width = DTYPE_BYTES[training.dtype]
     time, tp_bytes, params = OpTime(), 0.0, 0.0
+    scale = measured_compute_scale(cluster)
     out_bytes = {"cpu": 0.0, "nvme": 0.0}  # activation bytes offloaded per micro-batch, by tier
     for name in ch.blocks:
         b = blocks[name]
         t = tp_shard(b, g.tp)
         tier = mem.activations.get(name, "keep")
-        time += block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
-                           sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0))
+        op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
+                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0))
+        if measured is not None and b.fwd_ms is not None and scale != 1.0:  # measured alone, run with every rank busy
+            op = OpTime(fwd=op.fwd * scale, fwd_comm=op.fwd_comm, bwd=op.bwd * scale, bwd_comm=op.bwd_comm)
+        time += op
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,
                                         t, all_reduce=True)
@@ -251,6 +260,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
             out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
         params += b.params / t
         cost.trained += 0.0 if b.frozen else b.params / t
+        cost.tensors += 0 if b.frozen else b.param_tensors
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op
@@ -381,8 +391,10 @@ class _Deadlock(Exception):
 # --- results -------------------------------------------------------------------------------------
 
 
-def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of) -> Simulation:
-    """Busy time, bubble, communication volume and bottleneck from the op times; the timeline lazily."""
+def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of,
+            overhead: float = 0.0) -> Simulation:
+    """Busy time, bubble, communication volume and bottleneck from the op times; the timeline lazily. `overhead`: the
+    runtime's fixed per-step seconds (cost_models/overhead.step_overhead), added to the step."""
     m, ncls = graph.micro_batches, len(graph.classes)
     size = [len(ranks) for ranks in graph.classes]
     compute, comm, transfer, pipe_busy = [0.0] * ncls, [0.0] * ncls, [0.0] * ncls, [0.0] * ncls
@@ -420,7 +432,8 @@ def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, 
                             for s, cs in enumerate(graph.stages) if any(c in graph.class_chunks[busiest] for c in cs))
     busy_cls = [Busy(compute[c], comm[c], transfer[c]) for c in range(ncls)]
     return Simulation(
-        step_time_s=max(end, default=0.0),
+        step_time_s=max(end, default=0.0) + overhead,
+        overhead_s=overhead,
         pipeline_time_s=pipeline_end,
         bubble_fraction=max(0.0, bubble),
         stages=tuple(stage_costs),

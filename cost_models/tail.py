@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.comm import all_gather_time, all_reduce_time, dp_link, reduce_scatter_time, ring_bytes_sent
-from cost_models.compute import optimizer_step_time
 from cost_models.memory import DTYPE_BYTES, StateTiers, zero_divisors
+from cost_models.overhead import optimizer_time
 from plans.cluster import Cluster, Link
 from plans.plan import Group, Training
 
@@ -32,17 +32,17 @@ BUCKET_BYTES = 25 * 2**20
 
 
 def stage_tail(group: Group, stage_index: int, params_per_rank: float, training: Training, cluster: Cluster,
-               *, overlap_s: float = 0.0) -> StageTail:
+               *, overlap_s: float = 0.0, tensors: int = 0) -> StageTail:
     """The tail of stage `stage_index` of `group` holding `params_per_rank` parameters on each rank (tp-parallel
     blocks divided by tp), its collectives over the link of its dp group (dp_link); see tail_over."""
     stage = group.stages[stage_index]
     return tail_over(params_per_rank, dp=group.dp, zero=group.zero, memory=stage.memory,
                      link=dp_link(cluster, stage.ranks, group.tp), cluster=cluster, dtype=training.dtype,
-                     optimizer=training.optimizer, overlap_s=overlap_s)
+                     optimizer=training.optimizer, overlap_s=overlap_s, tensors=tensors)
 
 
 def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers, link: Link, cluster: Cluster,
-              dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0) -> StageTail:
+              dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0, tensors: int = 0) -> StageTail:
     """The tail of a stage whose dp group communicates over `link` (stage_tail, for callers that know the link
     but not the ranks yet: the solver's candidates).
 
@@ -54,7 +54,8 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     The gradient sync (ZeRO 0-1) is bucketed (BUCKET_BYTES) and each bucket is reduced asynchronously as soon as
     the last micro-batch's backward has produced it (DDP's overlap, Li et al. 2020, section 3.2.3): it hides
     behind the `overlap_s` seconds of that backward, except the last bucket, which is ready only at its end.
-    `grad_sync` is the exposed part.
+    `grad_sync` is the exposed part. `tensors`: the stage's trained parameter tensors, for a cluster with a measured
+    per-tensor optimizer cost (cost_models/overhead.py; each rank steps every tensor's shard under ZeRO too).
     """
     nbytes = params_per_rank * DTYPE_BYTES[dtype]  # this rank's gradients (and parameters)
     sync, sent = 0.0, 0.0
@@ -65,5 +66,5 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer
-    opt = optimizer_step_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer)
+    opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors)
     return StageTail(sync, opt, gather, sent)

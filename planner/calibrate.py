@@ -8,7 +8,7 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -23,8 +23,14 @@ Progress = Callable[[str, float], None]
 KiB, MiB = 2**10, 2**20
 
 # Steps in the order they run, with their share of the progress bar (roughly their share of the wall time).
-_STEPS = {"start": 0.04, "matmul": 0.26, "memory": 0.12, "all-reduce": 0.2, "p2p": 0.16, "host-to-device": 0.06,
-          "disk": 0.16}
+_STEPS = {"start": 0.04, "matmul": 0.24, "memory": 0.1, "optimizer": 0.06, "all-reduce": 0.18, "p2p": 0.14,
+          "host-to-device": 0.04, "disk": 0.12, "runtime step": 0.08}
+
+# Optimizer measurement: (parameter tensors, elements per tensor) of fp32 Adam steps; the fit of time against
+# tensors and bytes separates the per-tensor cost (Python, kernel launches) from the per-byte one.
+# Sizes of 16 MiB and more per step are past the caches, as a model's parameters are.
+_OPTIMIZER_POINTS = ((1, 1 << 22), (1, 1 << 23), (64, 1 << 12), (256, 1 << 10), (32, 1 << 17))
+_OPTIMIZER_POINTS_QUICK = ((1, 1 << 22), (64, 1 << 10), (128, 1 << 8))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,7 @@ class Settings:
     rounds: int  # sweeps over all sizes; each point keeps its best round (other jobs come and go)
     timeout_s: float  # process-group timeout: no single wait lasts longer
     deadline_s: float  # hard wall-clock limit of the whole multi-process part
+    probe_s: float = 1.0  # seconds of the compute_slowdown probe, alone and with every rank at once
 
     @staticmethod
     def for_run(quick: bool) -> Settings:
@@ -52,7 +59,7 @@ class Settings:
                 copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB),
                 message_bytes=tuple(4**k for k in range(1, 12)),  # 4 B .. 4 MiB
                 disk_bytes=(1 * MiB, 8 * MiB, 32 * MiB),
-                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60)
+                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60, probe_s=0.5)
         return Settings(
             matmul_sizes=(32, 64, 128, 256, 512, 1024, 2048), bf16_sizes=(256, 1024), fp16_sizes=(256,),
             copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB, 256 * MiB),
@@ -82,6 +89,10 @@ class Calibration:
     device_memory_bytes: int  # per rank: CUDA device memory, else host memory / ranks
     disk_free_bytes: int  # free space where the temp file was written
     wall_s: float
+    optimizer_tensor_s: float = 0.0  # Adam step per parameter tensor, all ranks stepping at once
+    optimizer_byte_s: float = 0.0  # Adam step per byte of fp32 parameters, all ranks stepping at once
+    step_overhead_s: float = 0.0  # the runtime's fixed per-step cost (a near-empty model's step, beyond its prediction)
+    compute_slowdown: float = 1.0  # matmul and memory copy with every rank busy vs one process alone (mean ratio)
     samples: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> (bytes, seconds)
 
 
@@ -118,6 +129,24 @@ def _link_from_ring(fit: Link, ranks: int) -> Link:
     """
     hops = 2 * (ranks - 1)
     return Link(bandwidth=fit.bandwidth * hops / ranks, latency_s=fit.latency_s / hops)
+
+
+def fit_optimizer(points: Any, times: Any) -> tuple[float, float]:
+    """(seconds per tensor, seconds per byte) of t = a * tensors + b * bytes (fp32: 4 bytes per element) fitted to
+    optimizer steps of `points` = (tensors, elements per tensor), least squares relative to each time; both >= 0
+    (a negative one is dropped and the other refitted alone)."""
+    k = np.array([p[0] for p in points], dtype=float)
+    nbytes = np.array([p[0] * p[1] * 4 for p in points], dtype=float)
+    t = np.asarray(times, dtype=float)
+    if k.size < 2 or t.shape != k.shape or not np.all(t > 0):
+        raise ValueError(f"need >= 2 optimizer samples with time > 0, got {times}")
+    a = np.stack([k / t, nbytes / t], axis=1)
+    (per_tensor, per_byte), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if per_tensor < 0:
+        per_tensor, per_byte = 0.0, float(np.sum(nbytes / t) / np.sum((nbytes / t) ** 2))
+    elif per_byte < 0:
+        per_tensor, per_byte = float(np.sum(k / t) / np.sum((k / t) ** 2)), 0.0
+    return float(per_tensor), float(per_byte)
 
 
 def efficiency_curve(matmul: tuple[tuple[int, float], ...], peak: float) -> tuple[tuple[float, float], ...]:
@@ -166,6 +195,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     if not scratch.is_dir():
         raise MmplanError(f"scratch directory {scratch} for the disk measurement does not exist")
 
+    alone = _measure_alone(settings)
     ranks_out = _run_ranks(ranks, settings, report, start_method)
     samples: dict[str, tuple[tuple[float, float], ...]] = {}
 
@@ -186,6 +216,11 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     p2p_times = ranks_out[0]["p2p"]
     samples["p2p"] = tuple(zip(map(float, settings.message_bytes), p2p_times))
     p2p = fit_alpha_beta(settings.message_bytes, p2p_times)
+    compute_slowdown = max(1.0, statistics.fmean(r["probe"][0] for r in ranks_out) / alone)
+    points = _OPTIMIZER_POINTS_QUICK if quick else _OPTIMIZER_POINTS
+    opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
+    samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
+    optimizer_tensor_s, optimizer_byte_s = fit_optimizer(points, opt_times)
 
     host_memory = _mem_total()
     device_name, backend, gpus = _cpu_name(), "gloo", ranks
@@ -207,7 +242,11 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
         p2p=p2p, disk_write=fit_alpha_beta(settings.disk_bytes, write_times),
         disk_read=fit_alpha_beta(settings.disk_bytes, read_times), host_memory_bytes=host_memory,
         device_memory_bytes=device_memory, disk_free_bytes=shutil.disk_usage(scratch).free,
-        wall_s=time.perf_counter() - started, samples=samples)
+        wall_s=time.perf_counter() - started, samples=samples, optimizer_tensor_s=optimizer_tensor_s,
+        optimizer_byte_s=optimizer_byte_s, compute_slowdown=compute_slowdown)
+    report("runtime step", 0.0)
+    calibration = replace(calibration, step_overhead_s=measure_step_overhead(to_cluster(calibration), steps=6 if quick else 14),
+                          wall_s=time.perf_counter() - started)
     report("done", 1.0)
     return calibration
 
@@ -234,7 +273,91 @@ def to_cluster(cal: Calibration) -> Cluster:
                    device=device, intra_node=between_ranks, inter_node=between_ranks,
                    host_to_device=_rounded(cal.host_to_device), nvme=nvme,
                    host_memory_bytes=cal.host_memory_bytes, nvme_bytes=max(1, cal.disk_free_bytes),
-                   backend=cal.backend)
+                   backend=cal.backend, optimizer_tensor_s=_round(cal.optimizer_tensor_s),
+                   optimizer_byte_s=_round(cal.optimizer_byte_s), step_overhead_s=_round(cal.step_overhead_s),
+                   compute_slowdown=_round(cal.compute_slowdown, 3))
+
+
+NEAR_EMPTY_MODEL = "planner.calibrate:near_empty_model"
+
+
+class _NearEmpty(torch.nn.Module):
+    """Two 4 x 4 Linear layers and a mean as the loss: a training step with almost no work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def near_empty_model(micro_batch: int = 1):
+    """The model whose training step is the runtime's own cost (factory: model, example batch)."""
+    return _NearEmpty(), {"x": torch.randn(micro_batch, 4)}
+
+
+def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
+    """The runtime's fixed cost per step (Python, metrics, logging): train NEAR_EMPTY_MODEL with `mmplan run`'s own
+    path (dp over every rank of `cluster`, one sample per rank) and take its median step (the first two warm up)
+    minus what the cost model predicts for that plan on `cluster` (its gradient all-reduce and optimizer step)."""
+    from cost_models.evaluate import evaluate
+    from planner.baselines import homogeneous_plan
+    from planner.profile import profile_model
+    from planner.run import run_plan
+    from plans.plan import save_plan
+    from runtime.source import resolve
+
+    profile = profile_model(resolve(NEAR_EMPTY_MODEL), device="meta")
+    plan = homogeneous_plan(profile, cluster, cluster.world_size, f"tp=1,pp=1,dp={cluster.world_size}")
+    with tempfile.TemporaryDirectory(prefix="mmplan-calibrate-") as scratch:
+        path = Path(scratch) / "plan.json"
+        save_plan(plan, path)
+        metrics = run_plan(path, steps=steps, model=NEAR_EMPTY_MODEL, timeout_s=120, op_timeout_s=60).metrics
+    measured = statistics.median(m["step_time_s"] for m in (metrics[2:] or metrics))
+    return max(0.0, measured - evaluate(plan, profile, cluster).predicted.step_time_s)
+
+
+# compute_slowdown's probe: the forward and backward of a small MLP block (256 -> 1024 -> 256 on 128 tokens, GELU,
+# LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them), timed for Settings.probe_s
+# seconds (median), once by this process alone and once by every rank at once. Medians, not the lower quartiles of
+# the other points: the probe is to see the sharing of cores, caches and memory bandwidth.
+_PROBE_WIDTH, _PROBE_TOKENS = 256, 128
+
+
+def _probe(seconds: float) -> float:
+    """Median seconds of one probe over `seconds` of repetitions (at least 5)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(_PROBE_WIDTH), torch.nn.Linear(_PROBE_WIDTH, 4 * _PROBE_WIDTH),
+                                torch.nn.GELU(), torch.nn.Linear(4 * _PROBE_WIDTH, _PROBE_WIDTH))
+    x = torch.randn(_PROBE_TOKENS, _PROBE_WIDTH, requires_grad=True)
+
+    def step() -> None:
+        block(x).square().mean().backward()
+
+    step()  # warm-up
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < end:
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_alone(settings: Settings) -> float:
+    """The probe in this process alone, with the threads a rank gets (RANK_THREADS), as `mmplan profile --measure`
+    times blocks."""
+    from runtime.launch import RANK_THREADS
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        return _probe(settings.probe_s)
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Reporter:
@@ -371,6 +494,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     points += [("bf16", torch.bfloat16, j, n) for j, n in enumerate(settings.bf16_sizes)]
     points += [("fp16", torch.float16, j, n) for j, n in enumerate(settings.fp16_sizes)]
     dist.barrier()  # all ranks busy at once, as in training
+    out["probe"] = [_probe(settings.probe_s)]
     progress("matmul", 0.0)
     for r in rounds:
         for i, (key, dtype, j, n) in enumerate(points):
@@ -387,6 +511,18 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             keep("copy", i, _call_time(lambda: to.copy_(frm), budget / 2))
             progress("memory", (r * len(settings.copy_bytes) + i + 1) / (len(settings.copy_bytes) * len(rounds)))
     src = dst = to = frm = None  # free them before the collectives
+
+    dist.barrier()  # the optimizer step as `run` takes it: torch's Adam, every rank stepping at once
+    points = _OPTIMIZER_POINTS if budget > 0.1 else _OPTIMIZER_POINTS_QUICK
+    for r in rounds:
+        for i, (k, n) in enumerate(points):
+            params = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
+            for p in params:
+                p.grad = torch.randn(n)
+            adam = torch.optim.Adam(params, lr=1e-3)
+            keep("optimizer", i, _call_time(adam.step, budget / 2))
+            progress("optimizer", (r * len(points) + i + 1) / (len(points) * len(rounds)))
+    params = adam = None
 
     sizes = settings.message_bytes
     for r in rounds:

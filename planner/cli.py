@@ -250,7 +250,11 @@ def run(
     if trace:
         check_writable(trace)
     from planner.monitor import MonitorOptions
+    from planner.run import actual_prediction
 
+    actual = actual_prediction(plan_path, measured_profile, model)
+    if actual is not None and actual.warning and not quiet and int(os.environ.get("RANK", "0")) == 0:
+        console.err.print(actual.warning, soft_wrap=True)
     result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       op_timeout_s=op_timeout, monitor=MonitorOptions(show=not quiet, log_every=log_every, tensorboard=tensorboard),
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
@@ -260,7 +264,9 @@ def run(
     from cost_models.evaluate import evaluate
 
     if measured_profile:
-        evaluation = evaluate(result.plan, measured_profile)
+        evaluation = evaluate(result.plan, measured_profile, actual.cluster if actual is not None and not actual.same else None)
+    elif actual is not None and actual.predicted is not None:  # solved for another cluster: the prediction here
+        evaluation = actual.predicted
     else:  # the plan's own predictions (from the profile it was solved with)
         evaluation = result.plan.predicted
     predicted = getattr(evaluation, "predicted", evaluation)
@@ -372,6 +378,10 @@ def _calibration_table(cal, cluster):
         ("disk write", link(cal.disk_write), ""),
         ("disk read", link(cal.disk_read), ""),
         ("nvme (slower of the two)", link(cluster.nvme), link(ref.nvme) if ref else ""),
+        ("Adam step, all ranks at once", f"{cluster.optimizer_tensor_s * 1e6:.3g} us per tensor + "
+                                         f"{cluster.optimizer_byte_s * 1e9:.3g} ns per parameter byte", ""),
+        ("runtime's fixed cost per step", f"{cluster.step_overhead_s * 1e3:.3g} ms", ""),
+        ("compute, all ranks busy vs one alone", f"{cluster.compute_slowdown:.3g}x slower", ""),
     ]
     for row in rows:
         table.add_row(*(row if ref else row[:2]))
@@ -383,21 +393,24 @@ def _calibration_table(cal, cluster):
 @user_errors
 def demo(
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, both plans, run logs and traces.")] = Path("mmplan-demo"),
-    model: Annotated[str, typer.Option(help="The model (zoo name, .toml or package.module:factory).")] = "tiny-vlm-heavy",
-    cluster: Annotated[str, typer.Option(help="The local ranks to plan for and run on.")] = "2xlocal-cpu",
-    global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 16,
-    steps: Annotated[int, typer.Option(help="Training steps per plan.")] = 30,
+    model: Annotated[Optional[str], typer.Option(help="The model (zoo name, .toml or package.module:factory); default: runtime.models.conv_vlm:factory.")] = None,
+    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: planner/demo_cluster.toml (2 ranks, 120 MB each).")] = None,
+    global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 8,
+    steps: Annotated[int, typer.Option(help="Training steps per run.")] = 12,
+    runs: Annotated[int, typer.Option(help="Training runs per plan, alternating between the two; the measured step is the median of their median steps.")] = 3,
+    calibrate: Annotated[bool, typer.Option(help="Measure this machine first ([cyan]mmplan calibrate --quick[/]) and plan for the measured figures within --cluster's memory.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
     """The whole loop on this machine: profile -> solve -> train the solved and the best homogeneous plan ->
     compare predicted with measured. Takes a couple of minutes on 2 CPU cores."""
-    from planner.demo import run_demo
+    from planner.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
     from planner.report import demo_json, render_demo
 
     if output.exists() and not output.is_dir():
         raise MmplanError(f"--output {output} is a file; give a directory")
     with console.progress("mmplan demo", enabled=not as_json) as note:
-        result = run_demo(output, model=model, cluster=cluster, global_batch=global_batch, steps=steps, progress=note)
+        result = run_demo(output, model=model or DEFAULT_MODEL, cluster=cluster or DEFAULT_CLUSTER, global_batch=global_batch, steps=steps,
+                          runs=runs, calibrate=calibrate, progress=note)
     if as_json:
         print(json.dumps(demo_json(result)))
     else:

@@ -1,18 +1,24 @@
 """`mmplan demo`: profile -> solve -> run (solved and best homogeneous plans) -> compare, on this machine (printed by planner/report.py)."""
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
 
-DEFAULT_MODEL = "tiny-vlm-heavy"  # a vision encoder ~28x the LLM's FLOPs: the case heterogeneous layouts are for
+# The default model and cluster: a convolutional encoder (no tensor parallelism, few parameters) and a
+# parameter-heavy, compute-light LLM, on 2 local ranks with a memory cap (see both files).
+DEFAULT_MODEL = "runtime.models.conv_vlm:factory"
+DEFAULT_CLUSTER = str(Path(__file__).resolve().parent / "demo_cluster.toml")
+RUNS = 3  # training runs per plan; the measured step is the median of their median steps
 
 
 @dataclass(frozen=True)
@@ -20,13 +26,22 @@ class Trained:
     name: str
     plan: Plan
     path: Path
-    log: Path
-    metrics: list[dict[str, Any]]
+    log: Path  # the first run's log
+    metrics: list[dict[str, Any]]  # the first run's rows
+    runs_s: tuple[float, ...] = ()  # each run's median step after warm-up, in the order they ran
 
     @property
     def measured_step_s(self) -> float:
-        rows = self.metrics[2:] or self.metrics  # the first steps warm up
-        return statistics.median(r["step_time_s"] for r in rows)
+        return statistics.median(self.runs_s) if self.runs_s else _median_step(self.metrics)
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.plan.predicted.step_time_s
+
+
+def _median_step(metrics: list[dict[str, Any]]) -> float:
+    rows = metrics[2:] or metrics  # the first steps warm up
+    return statistics.median(r["step_time_s"] for r in rows)
 
 
 @dataclass(frozen=True)
@@ -34,13 +49,17 @@ class DemoResult:
     out: Path
     profile: Profile
     solved: Trained
-    baseline: Trained
+    baseline: Trained  # the fastest one-layout plan the solver compared with (its homogeneous or megatron baseline)
     solve_time_s: float
     wall_s: float
+    cluster: Cluster | None = None
+    baseline_kind: str = "homogeneous"
+    load: tuple[float, ...] = ()  # 1-minute load average before each run (os.getloadavg), in the order they ran
 
 
-def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = "2xlocal-cpu", global_batch: int = 16,
-             steps: int = 30, progress: Callable[[str, float], None] | None = None) -> DemoResult:
+def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CLUSTER, global_batch: int = 8,
+             steps: int = 12, runs: int = RUNS, calibrate: bool = True,
+             progress: Callable[[str, float], None] | None = None) -> DemoResult:
     from cost_models.hardware import parse_cluster
     from runtime.source import resolve
 
@@ -49,6 +68,8 @@ def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = "2xlocal-c
     # refuse bad options before anything is written, and leave no half-filled directory behind on a later refusal
     if steps < 1:
         raise MmplanError(f"--steps must be >= 1, got {steps}")
+    if runs < 1:
+        raise MmplanError(f"--runs must be >= 1, got {runs}")
     if global_batch < 1:
         raise MmplanError(f"--global-batch must be >= 1, got {global_batch}")
     source, spec = resolve(model), parse_cluster(cluster)
@@ -60,39 +81,69 @@ def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = "2xlocal-c
     except OSError as e:
         raise MmplanError(f"cannot create the output directory {out}: {e.strerror or e}") from None
     try:
-        return _run_demo(out, source, spec, global_batch, steps, note, started)
+        return _run_demo(out, source, spec, global_batch, steps, runs, calibrate, note, started)
     except MmplanError:
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
 
 
-def _run_demo(out: Path, source, spec, global_batch: int, steps: int, note: Callable[[str, float], None],
-              started: float) -> DemoResult:
+def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda step, fraction: None) -> Cluster:
+    """`spec` with this machine's measured device, links and runtime costs (`mmplan calibrate --quick` with its
+    ranks, all busy at once); its memory capacities (the cap the plans must respect) stay those of `spec`."""
+    from planner.calibrate import calibrate
+
+    if spec.world_size < 2:  # gloo collectives need two ranks to be measured
+        return spec
+    measured = calibrate(ranks=spec.world_size, quick=True, progress=lambda step, f: note(f"calibrating: {step}", 0.02 + 0.08 * f))
+    device = replace(measured.device, memory_bytes=spec.device.memory_bytes)
+    cluster = replace(measured, name=f"{spec.name} (measured)", device=device, host_memory_bytes=spec.host_memory_bytes,
+                      nvme_bytes=spec.nvme_bytes)
+    return cluster
+
+
+def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, runs: int, calibrate: bool,
+              note: Callable[[str, float], None], started: float) -> DemoResult:
+    from cost_models.hardware import cluster_to_toml
     from planner.compare import load_compared, write_traces
     from planner.profile import profile_model
     from planner.run import run_plan
     from planner.solve import solve
     from plans.graph import save_profile
     from plans.plan import save_plan
+    from plans.serial import write_atomic
 
-    note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.02)
-    profile = profile_model(source, micro_batch=4, device="cpu", measure=True, reps=5)
+    cluster = measured_cluster(spec, note) if calibrate else spec
+    write_atomic(out / "cluster.toml", cluster_to_toml(cluster))
+    note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.1)
+    profile = profile_model(source, micro_batch=4, device="cpu", measure=True, reps=3)
     save_profile(profile, out / "profile.json")
-    note("solving", 0.15)
-    solution = solve(profile, spec, global_batch)
-    baseline_plan = solution.baseline or solution.plan
+    note("solving", 0.2)
+    solution = solve(profile, cluster, global_batch)
+    # the best plan of one layout for the whole model that the solver compared with: never a weakened one
+    kind, baseline_plan = min(((k, p) for k, p in solution.baselines.items()), key=lambda kp: kp[1].predicted.step_time_s,
+                              default=("homogeneous", solution.plan))
     paths = {"solved": out / "plan.json", "homogeneous": out / "homogeneous.json"}
+    plans = {"solved": solution.plan, "homogeneous": baseline_plan}
     save_plan(solution.plan, paths["solved"])
     save_plan(baseline_plan, paths["homogeneous"])
-    trained = {}
-    for i, (name, plan) in enumerate((("solved", solution.plan), ("homogeneous", baseline_plan))):
-        note(f"training the {name} plan for {steps} steps", 0.25 + 0.35 * i)
-        log = out / f"run-{name}.jsonl"
-        result = run_plan(paths[name], steps=steps, log=log, overwrite=True)  # the demo owns its output directory
-        trained[name] = Trained(name, plan, paths[name], log, result.metrics)
-    note("comparing", 0.95)
+    medians: dict[str, list[float]] = {"solved": [], "homogeneous": []}
+    first: dict[str, tuple[Path, list]] = {}
+    load: list[float] = []
+    order = [name for _ in range(runs) for name in ("solved", "homogeneous")]  # alternated: load hits both alike
+    for i, name in enumerate(order):
+        note(f"training the {name} plan for {steps} steps (run {i // 2 + 1} of {runs})", 0.25 + 0.7 * i / len(order))
+        log = out / (f"run-{name}.jsonl" if name not in first else f"run-{name}-{i // 2 + 1}.jsonl")
+        load.append(os.getloadavg()[0])
+        # the demo owns its output directory; each rank is held to the cluster's device memory
+        result = run_plan(paths[name], steps=steps, model=source.name, log=log, overwrite=True,
+                          device_budget=float(cluster.device.memory_bytes))
+        medians[name].append(_median_step(result.metrics))
+        first.setdefault(name, (log, result.metrics))
+    trained = {name: Trained(name, plans[name], paths[name], *first[name], runs_s=tuple(medians[name]))
+               for name in plans}
+    note("comparing", 0.97)
     write_traces(load_compared(list(paths.values()), profile=profile), out / "traces")
     note("done", 1.0)
     return DemoResult(out, profile, trained["solved"], trained["homogeneous"], solution.solve_time_s,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, cluster, kind, tuple(load))

@@ -43,7 +43,8 @@ def breakdown(plan: Plan, evaluation: Evaluation) -> tuple[StageTime, ...]:
     colocated plans, counts all its work in each of them; its bubble is what is left of the step)."""
     step = evaluation.simulation.step_time_s
     m = plan.training.micro_batches
-    per_rank: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    fixed = evaluation.simulation.overhead_s  # the runtime's per-step cost: compute on every rank
+    per_rank: dict[int, list[float]] = defaultdict(lambda: [fixed, 0.0, 0.0])
     stage_ranks = {}
     for sc in evaluation.stages:
         ranks = plan.group(sc.group).stages[sc.index].ranks
@@ -63,7 +64,8 @@ def per_gpu(plan: Plan, evaluation: Evaluation) -> dict[str, float]:
     """The breakdown averaged over every rank of the plan: the four parts, which add up to the step time."""
     step = evaluation.simulation.step_time_s
     m = plan.training.micro_batches
-    per_rank: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    fixed = evaluation.simulation.overhead_s  # the runtime's per-step cost: compute on every rank
+    per_rank: dict[int, list[float]] = defaultdict(lambda: [fixed, 0.0, 0.0])
     for sc in evaluation.stages:
         for r in plan.group(sc.group).stages[sc.index].ranks:
             for i, v in enumerate(_work(sc, m)):

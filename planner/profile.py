@@ -28,7 +28,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Literal
@@ -640,14 +640,13 @@ def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: i
 
 
 def _in_context(timings: dict, records: list, model: nn.Module, batch: dict[str, Any], device: torch.device,
-                micro_batch: int, reps: int) -> dict:
+                micro_batch: int, reps: int) -> tuple[dict, float]:
     """Spread the whole model's measured forward + backward, at the micro-batch and at twice it (an affine fit
     in the batch), over the blocks in proportion to their isolated times (forward/backward split as measured).
     The isolated times give the proportions only: alone, small blocks run faster than in context, and their
-    batch slopes are too noisy to use."""
+    batch slopes are too noisy to use. Also returns the relative spread of the whole-model time (measure_model)."""
     doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
-    at_1 = measure_model(model, batch, device, reps)
-    at_2 = measure_model(model, doubled, device, reps)
+    (at_1, spread), (at_2, _) = measure_model(model, [batch, doubled], device, reps)
     slope = max(at_2 - at_1, 0.0) / micro_batch  # ms per extra sample, whole model
     total = sum(timings[r.signature][0] + timings[r.signature][1] for r in records)
     out = {}
@@ -656,24 +655,53 @@ def _in_context(timings: dict, records: list, model: nn.Module, batch: dict[str,
         fwd_part = f / (f + b) if f + b > 0 else 0.5
         out[key] = (share * at_1 * fwd_part, share * at_1 * (1 - fwd_part),
                     share * slope * fwd_part, share * slope * (1 - fwd_part))
-    return out
+    return out, spread
 
 
-def measure_model(model: nn.Module, batch: dict[str, Any], device: torch.device, reps: int = 5) -> float:
-    """Median milliseconds of one forward + backward of the whole model (glue, caches and all)."""
+# measure_model: repetitions per round, the most rounds, and the change of the median between two rounds below
+# which it counts as stable (other jobs on a shared machine come and go: a single short round can be off by 2x)
+ROUND_REPS, MAX_ROUNDS, STABLE = 3, 8, 0.03
+
+
+def measure_model(model: nn.Module, batches: list[dict[str, Any]], device: torch.device,
+                  reps: int = ROUND_REPS) -> list[tuple[float, float]]:
+    """(median milliseconds, relative spread) of one forward + backward of the whole model (glue, caches and all)
+    for each batch. The batches are timed in alternation, `reps` each per round, so that a change of load hits
+    them alike (their difference is the batch slope); rounds repeat until every batch's median over all rounds
+    moves by less than STABLE from one round to the next (at most MAX_ROUNDS). Spread = interquartile range /
+    median."""
     model = model.to(device)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(reps + 2):
+
+    def once(batch: dict[str, Any]) -> float:
         sync()
         t0 = time.perf_counter()
         _scalar_loss(model(**batch)).backward()
         sync()
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
         model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        return ms
+
+    for batch in batches:  # warm-up
+        once(batch)
+        once(batch)
+    times: list[list[float]] = [[] for _ in batches]
+    previous: list[float] | None = None
+    for _ in range(MAX_ROUNDS):
+        for _ in range(max(1, reps)):
+            for i, batch in enumerate(batches):
+                times[i].append(once(batch))
+        medians = [statistics.median(t) for t in times]
+        if previous is not None and all(abs(m - p) <= STABLE * p for m, p in zip(medians, previous)):
+            break
+        previous = medians
+    out = []
+    for t in times:
+        q = statistics.quantiles(t, n=4) if len(t) >= 2 else [t[0]] * 3
+        median = statistics.median(t)
+        out.append((median, (q[2] - q[0]) / median if median > 0 else 0.0))
+    return out
 
 
 def _device_name(device: torch.device) -> str:
@@ -717,30 +745,57 @@ def profile_model(
     except Exception as e:
         raise MmplanError(f"profiling {source.name} failed in its forward/backward: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     timings: dict[str, tuple[float, ...]] = {}
+    spread, threads = 0.0, 0
     if measure:
-        target = torch.device(device)
-        distinct = list({r.signature: r for r in records}.values())
-        for i, rec in enumerate(distinct):
-            note(f"measuring {rec.name}", 0.3 + 0.7 * i / len(distinct))
-            try:
-                f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
-            except Exception as e:  # one line naming the block, never a traceback
-                raise MmplanError(f"--measure: block {rec.name} ({type(rec.module).__name__}) fails alone on random inputs of "
-                                  f"its profiled shapes: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-            try:
-                f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
-            except Exception:  # integer inputs that describe the batch (cu_seqlens) do not double: proportional
-                f2, b2 = 2 * f1, 2 * b1
-            timings[rec.signature] = (f1, b1, (f2 - f1) / micro_batch, (b2 - b1) / micro_batch)
-        if not fake:  # the whole model is on the device: fit the block times to the in-context times
-            timings = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
+        with _rank_threads(device) as threads:
+            timings, spread = _measure(records, model, batch, device, micro_batch, reps, fake, note)
     note("done", 1.0)
-    options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure, freeze=tuple(freeze))
+    options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure, freeze=tuple(freeze),
+                             threads=threads)
     auto = _auto_groups(records, trace, batch)
     _check_overrides(groups, [r.name for r in records], auto)
-    return _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
-                     _device_name(torch.device(device)) if measure else None, options, auto,
-                     adopted=_adopted_parameters(model, batch, records))
+    profile = _assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
+                        _device_name(torch.device(device)) if measure else None, options, auto,
+                        adopted=_adopted_parameters(model, batch, records))
+    return replace(profile, measure_spread=round(spread, 4)) if measure else profile
+
+
+@contextmanager
+def _rank_threads(device: str):
+    """On the CPU, time with the torch threads `mmplan run` gives each rank (runtime.launch.RANK_THREADS); the
+    caller's setting is restored afterwards. Yields the number of threads the measurement runs with."""
+    from runtime.launch import RANK_THREADS
+
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(RANK_THREADS)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(records, model, batch, device, micro_batch, reps, fake, note) -> tuple[dict, float]:
+    """Block timings (profile_model's `measure`) and the relative spread of the whole-model time (0 on cuda)."""
+    timings: dict[str, tuple[float, ...]] = {}
+    spread = 0.0
+    target = torch.device(device)
+    distinct = list({r.signature: r for r in records}.values())
+    for i, rec in enumerate(distinct):
+        note(f"measuring {rec.name}", 0.3 + 0.7 * i / len(distinct))
+        try:
+            f1, b1 = measure_block(rec.module, rec.in_spec, target, reps)
+        except Exception as e:  # one line naming the block, never a traceback
+            raise MmplanError(f"--measure: block {rec.name} ({type(rec.module).__name__}) fails alone on random inputs of "
+                              f"its profiled shapes: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        try:
+            f2, b2 = measure_block(rec.module, rec.in_spec, target, reps, batch_scale=2)
+        except Exception:  # integer inputs that describe the batch (cu_seqlens) do not double: proportional
+            f2, b2 = 2 * f1, 2 * b1
+        timings[rec.signature] = (f1, b1, (f2 - f1) / micro_batch, (b2 - b1) / micro_batch)
+    if not fake:  # the whole model is on the device: fit the block times to the in-context times
+        timings, spread = _in_context(timings, records, model, batch, torch.device(device), micro_batch, reps)
+    return timings, spread
 
 
 def _adopted_parameters(model: nn.Module, batch: dict[str, Any], records) -> dict[str, list[nn.Parameter]]:
@@ -811,6 +866,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             supports_tp=supports_tp(rec.module), signature=rec.signature,
             structure=module_structure(rec.module),
             reduces_batch=rec.reduces_batch, frozen=is_frozen(rec.module),
+            param_tensors=sum(1 for p in own if p.requires_grad),
             fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_ms_per_sample=fwd_slope, bwd_ms_per_sample=bwd_slope,
             fwd_matmul_flops=_per_sample(rec.matmul_flops[0], mb), bwd_matmul_flops=_per_sample(rec.matmul_flops[1], mb),
             fwd_attention_flops=_per_sample(rec.attention_flops[0], mb),

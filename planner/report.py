@@ -322,7 +322,9 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
 
 def results_table(result: DemoResult) -> Table:
     """The demo's two trained plans: predicted and measured step, throughput, loss, peak device memory."""
-    table = Table(title="Predicted vs measured (median step after warm-up)", title_justify="left", header_style="bold")
+    runs = len(result.solved.runs_s)
+    table = Table(title=f"Predicted vs measured (median step after warm-up{f', median of {runs} runs' if runs > 1 else ''})",
+                  title_justify="left", header_style="bold")
     for col in ("plan", "predicted step", "measured step", "deviation", "samples/s measured", "loss first -> last",
                 "peak device memory"):
         table.add_column(col, justify="left" if col == "plan" else "right")
@@ -349,21 +351,29 @@ def render_demo(result: DemoResult) -> Stack:
     speedup = b.measured_step_s / s.measured_step_s
     predicted = b.plan.predicted.step_time_s / s.plan.predicted.step_time_s
     same = s.plan.groups == b.plan.groups and s.plan.training == b.plan.training
-    verdict = (f"measured speed-up of the solved plan over the best homogeneous one: [bold]{speedup:.2f}x[/] "
-               f"(predicted {predicted:.2f}x)" + (" — the solver chose the homogeneous layout itself" if same else ""))
-    files = (f"wrote {safe(result.out)}/: profile.json, plan.json, homogeneous.json, run-solved.jsonl, "
-             f"run-homogeneous.jsonl, traces/ (open in ui.perfetto.dev)")
+    verdict = (f"measured speed-up of the solved plan over the best homogeneous one ({result.baseline_kind} baseline): "
+               f"[bold]{speedup:.2f}x[/] (predicted {predicted:.2f}x)"
+               + (" — the solver chose the homogeneous layout itself" if same else "")
+               + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else ""))
+    files = (f"wrote {safe(result.out)}/: cluster.toml, profile.json, plan.json, homogeneous.json, run-solved*.jsonl, "
+             f"run-homogeneous*.jsonl, traces/ (open in ui.perfetto.dev)")
     return Stack(groups, plan_table([("solved", s.plan), ("homogeneous", b.plan)]), results_table(result),
                      Panel(Text.from_markup(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}"),
                            title="mmplan demo", title_align="left"))
 
 
 def demo_json(result: DemoResult) -> dict[str, Any]:
-    """The `mmplan demo --json` object."""
+    """The `mmplan demo --json` object: per plan its layout, predicted and measured step (the median of its runs'
+    median steps), each run's median, its losses; the speed-ups; the load average before each run."""
+    def plan(t) -> dict[str, Any]:
+        return {"layout": layout_text(t.plan), "predicted_step_s": t.predicted_step_s, "measured_step_s": t.measured_step_s,
+                "runs_s": list(t.runs_s), "first_loss": t.metrics[0]["loss"], "last_loss": t.metrics[-1]["loss"]}
+
+    s, b = result.solved, result.baseline
     return {
-        "out": str(result.out), "model": result.profile.model, "wall_s": result.wall_s, "solve_time_s": result.solve_time_s,
-        **{f"{t.name}_{k}": v for t in (result.solved, result.baseline) for k, v in (
-            ("predicted_step_s", t.plan.predicted.step_time_s), ("measured_step_s", t.measured_step_s),
-            ("first_loss", t.metrics[0]["loss"]), ("last_loss", t.metrics[-1]["loss"]))},
-        "measured_speedup": result.baseline.measured_step_s / result.solved.measured_step_s,
+        "solved": plan(s), "homogeneous": {**plan(b), "baseline": result.baseline_kind},
+        "predicted_speedup": b.predicted_step_s / s.predicted_step_s,
+        "measured_speedup": b.measured_step_s / s.measured_step_s,
+        "out": str(result.out), "model": result.profile.model, "cluster": result.cluster.name if result.cluster else None,
+        "load": list(result.load), "wall_s": result.wall_s, "solve_time_s": result.solve_time_s,
     }

@@ -189,6 +189,29 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     return RunResult(plan, profile, results[0]["metrics"], rank)
 
 
+def actual_prediction(plan_path: Path, profile: Profile | None, model: str | None):
+    """planner.actual.on_actual_cluster for the plan at `plan_path` (None when it cannot be read: run_plan then
+    refuses it in one line). Without `profile`, a plan solved for another cluster is evaluated with the model's
+    profile on the meta device (FLOPs, bytes: no measured times)."""
+    from planner.actual import on_actual_cluster
+
+    try:
+        plan = load_plan(plan_path)
+    except MmplanError:
+        return None
+    if profile is None and not on_actual_cluster(plan, None, _backend(plan)).same:
+        from planner.profile import profile_model
+        from runtime.source import resolve
+
+        try:
+            profile = profile_model(resolve(model or _plan_model(plan, plan_path)), device="meta")
+            if profile.fingerprint != plan.profile.fingerprint:
+                profile = None  # another model: run_plan refuses it in one line
+        except MmplanError:
+            profile = None
+    return on_actual_cluster(plan, profile, _backend(plan))
+
+
 def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, Any]]) -> None:
     """The last step's measured timeline of every rank, in the format and with the event names of
     `mmplan compare --trace` (plans/trace.py)."""

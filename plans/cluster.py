@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plans.errors import FormatError
+from plans.serial import OMIT_DEFAULT
 
 # Compute dtypes a device may list a peak for (plan.json's Training.dtype is one of fp32 | bf16 | fp16).
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -88,6 +89,15 @@ class Cluster:
     host_memory_bytes: int  # per node
     nvme_bytes: int  # per node
     backend: str = "nccl"  # torch.distributed backend the runtime uses there ("nccl" | "gloo")
+    # The runtime's own costs, measured by `mmplan calibrate` (0: not measured; cost_models/overhead.py applies them):
+    # the optimizer step per parameter tensor and per byte of parameters it updates, and the fixed cost of a step
+    # (Python, metrics, logging) beyond its forward, backward, communication and optimizer work.
+    optimizer_tensor_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    optimizer_byte_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    step_overhead_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    # how much slower compute runs with every local rank busy than in one process alone (>= 1): what a profile
+    # measured in one process (`mmplan profile --measure`) is scaled by (1: not measured)
+    compute_slowdown: float = field(default=1.0, metadata={OMIT_DEFAULT: True})
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -96,6 +106,13 @@ class Cluster:
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FormatError(f"cluster {self.name}: {what} must be an integer > 0, got {value!r}")
+        for what in ("optimizer_tensor_s", "optimizer_byte_s", "step_overhead_s"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise FormatError(f"cluster {self.name}: {what} must be a finite number >= 0, got {value!r}")
+        if isinstance(self.compute_slowdown, bool) or not isinstance(self.compute_slowdown, (int, float)) \
+                or not math.isfinite(self.compute_slowdown) or self.compute_slowdown < 1:
+            raise FormatError(f"cluster {self.name}: compute_slowdown must be a finite number >= 1, got {self.compute_slowdown!r}")
         if self.backend not in BACKENDS:
             raise FormatError(f"cluster {self.name}: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 

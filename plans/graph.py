@@ -66,6 +66,8 @@ class Block:
     # not trained: `mmplan profile --freeze` matched it, or it has parameters and none requires grad (no gradients,
     # optimizer state or gradient sync; profiled with its parameters frozen)
     frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})
+    # trained parameter tensors: the optimizer's per-tensor work (cost_models/overhead.py); 0 when not recorded
+    param_tensors: int = field(default=0, metadata={OMIT_DEFAULT: True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class ProfileOptions:
     device: str = "meta"
     measure: bool = False
     freeze: tuple[str, ...] = field(default=(), metadata={OMIT_DEFAULT: True})  # --freeze patterns, in order
+    threads: int = field(default=0, metadata={OMIT_DEFAULT: True})  # torch threads the measurement ran with (0: not measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,8 @@ class Profile:
     loss: tuple[str, ...] = ()  # blocks whose outputs the loss reads
     options: ProfileOptions = field(default_factory=ProfileOptions)
     schema: str = PROFILE_SCHEMA
+    # relative spread (interquartile range / median) of the measured whole-model step at the micro-batch (0: not measured)
+    measure_spread: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
 
     @classmethod
     def build(cls, model: str, dtype: str, micro_batch: int, blocks: tuple[Block, ...], edges: tuple[Edge, ...],

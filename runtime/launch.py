@@ -38,6 +38,10 @@ _SECONDARY = re.compile(
     re.IGNORECASE,
 )
 
+# torch threads per local rank: one rank per core (PLATFORM-NOTES.md: 4 ranks x 2 threads ran 5x slower on 2 cores);
+# `mmplan profile --measure` and `mmplan calibrate` time with the same number.
+RANK_THREADS = 1
+
 
 @dataclass(frozen=True, slots=True)
 class RankContext:
@@ -170,7 +174,7 @@ def _child_main(
     os.setpgid(0, 0)
     default_in_child()
     _die_with_parent(parent)
-    torch.set_num_threads(1)
+    torch.set_num_threads(RANK_THREADS)
     run = Path(run_dir)
     code = 0
     try:

@@ -1,0 +1,44 @@
+"""The runtime's own costs that `mmplan calibrate` measures (Cluster.optimizer_tensor_s, optimizer_byte_s,
+step_overhead_s), applied to the simulated step here and nowhere else: the optimizer step's update and the fixed
+per-step cost of the runtime (Python, metrics, logging). Clusters without them (0) are timed as before."""
+from __future__ import annotations
+
+from cost_models.compute import optimizer_step_time
+from cost_models.memory import DTYPE_BYTES, StateTiers
+from plans.cluster import Cluster
+
+
+def calibrated(cluster: Cluster) -> bool:
+    """Whether the cluster carries measured optimizer costs."""
+    return cluster.optimizer_byte_s > 0 or cluster.optimizer_tensor_s > 0
+
+
+def optimizer_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16",
+                   optimizer: str = "adam", tensors: float = 0.0) -> float:
+    """Seconds of one rank's optimizer step over `params` parameters in `tensors` tensors.
+
+    Without measured costs: the memory-bandwidth model (compute.optimizer_step_time). With them, the measured
+    update (tensors x per-tensor + parameter bytes x per-byte: torch's Adam makes several elementwise passes over
+    every state tensor, so a CPU rank updates ~10x slower than one pass at the memory bandwidth) replaces the
+    modelled one when the state is in the device tier; in the cpu/nvme tiers the slower of the two is taken (the
+    transfers there are modelled, the update measured)."""
+    modelled = optimizer_step_time(params, memory, cluster, dtype=dtype, optimizer=optimizer)
+    if not calibrated(cluster):
+        return modelled
+    measured = params * DTYPE_BYTES[dtype] * cluster.optimizer_byte_s + tensors * cluster.optimizer_tensor_s
+    return measured if memory.optimizer == "gpu" else max(modelled, measured)
+
+
+def measured_compute_scale(cluster: Cluster) -> float:
+    """What block times measured in one process (`mmplan profile --measure`) are multiplied by when every rank of the
+    cluster computes at once (Cluster.compute_slowdown: the ranks share caches, memory bandwidth and, on a loaded
+    machine, the cores)."""
+    return cluster.compute_slowdown
+
+
+def step_overhead(cluster: Cluster) -> float:
+    """The runtime's fixed seconds per step beyond forward, backward, communication and optimizer work."""
+    return cluster.step_overhead_s
+
+
+__all__ = ["calibrated", "measured_compute_scale", "optimizer_time", "step_overhead"]

@@ -1,0 +1,75 @@
+"""A VLM with a convolutional image encoder (pre-activation residual blocks, He et al. 2016, "Identity Mappings in
+Deep Residual Networks"; Flamingo's vision encoder is likewise convolutional, an NFNet) feeding a LLaMA decoder: the
+default model of `mmplan demo` (`runtime.models.conv_vlm:factory`).
+
+Convolutions have no Megatron-style tensor parallelism (only transformer layers shard), so a tp > 1 layout for
+the whole model would repeat the encoder's work on every tp rank; data parallelism suits the encoder (2.4 M
+parameters, ~0.7 GFLOP per image). The LLM is the opposite: a 32k vocabulary makes 8.4 M of its 8.9 M parameters
+embedding and head, used by 4 image + 4 text tokens per sample, so replicating it costs a gradient all-reduce and an
+optimizer step over all of it on every rank, while sharding it (tp, pipeline stages) does not."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .build import build_decoder
+from .configs import DecoderConfig
+from .multimodal import MultimodalLM
+from .projector import Projector
+
+IMAGE, PATCH, CHANNELS, BLOCKS = 32, 4, 128, 6  # 32 x 32 images -> 8 x 8 feature maps of 128 channels
+DECODER = DecoderConfig(type="llama", hidden=128, layers=2, heads=4, vocab=32768, text_seq=4)
+MERGE = 16  # 64 feature-map positions -> 4 LLM tokens
+
+
+class ConvStem(nn.Module):
+    """Non-overlapping PATCH x PATCH convolution: (B, 3, H, W) -> (B, C, H / PATCH, W / PATCH)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, CHANNELS, PATCH, stride=PATCH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class ConvBlock(nn.Module):
+    """x + conv(gelu(norm(conv(gelu(norm(x)))))): two 3 x 3 convolutions, group norm (Wu & He 2018)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(8, CHANNELS), nn.GroupNorm(8, CHANNELS)
+        self.conv1 = nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1)
+        self.conv2 = nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(nn.functional.gelu(self.norm1(x)))
+        return x + self.conv2(nn.functional.gelu(self.norm2(h)))
+
+
+class ConvEncoder(nn.Module):
+    """Images (B, 3, H, W) -> tokens (B, H W / PATCH^2, C), one per feature-map position."""
+
+    num_class_tokens = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = ConvStem()
+        self.layers = nn.ModuleList(ConvBlock() for _ in range(BLOCKS))
+        self.norm = nn.GroupNorm(8, CHANNELS)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.stem(images)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x).flatten(2).transpose(1, 2)
+
+
+def factory(micro_batch: int = 1):
+    """(model, example batch): model(**batch) is the scalar loss."""
+    model = MultimodalLM(build_decoder(DECODER), vision=ConvEncoder(),
+                         vision_proj=Projector(CHANNELS, DECODER.hidden, merge=MERGE))
+    batch = {"tokens": torch.randint(DECODER.vocab, (micro_batch, DECODER.text_seq)),
+             "targets": torch.randint(DECODER.vocab, (micro_batch, DECODER.text_seq)),
+             "images": torch.randn(micro_batch, 3, IMAGE, IMAGE)}
+    return model, batch
