@@ -1,6 +1,7 @@
 """The runtime's own costs that `mmplan calibrate` measures (Cluster.optimizer_tensor_s, optimizer_byte_s,
-step_overhead_s), applied to the simulated step here and nowhere else: the optimizer step's update and the fixed
-per-step cost of the runtime (Python, metrics, logging). Clusters without them (0) are timed as before."""
+step_overhead_s, zero_block_s, zero_tensor_s), applied to the simulated step here and nowhere else: the optimizer
+step's update, the fixed per-step cost of the runtime (Python, metrics, logging) and what ZeRO's FSDP2 costs beyond
+its collectives. Clusters without them (0) are timed as before."""
 from __future__ import annotations
 
 from cost_models.compute import optimizer_step_time
@@ -36,9 +37,23 @@ def measured_compute_scale(cluster: Cluster) -> float:
     return cluster.compute_slowdown
 
 
+def zero_block_time(blocks: int, zero: int, cluster: Cluster) -> float:
+    """Seconds per micro-batch (forward + backward) that ZeRO's FSDP2 costs a rank beyond its collectives for
+    `blocks` sharded blocks (runtime/zero.py: one fully_shard unit per block with parameters): the hooks, the
+    DTensor views, the copy-in / copy-out of the flat buffers (Cluster.zero_block_s)."""
+    return blocks * cluster.zero_block_s if zero else 0.0
+
+
+def zero_optimizer_time(tensors: float, zero: int, cluster: Cluster) -> float:
+    """What the optimizer step costs a rank beyond optimizer_time when its `tensors` parameter tensors are ZeRO
+    shards (DTensors: each elementwise op is dispatched through DTensor; Cluster.zero_tensor_s)."""
+    return tensors * cluster.zero_tensor_s if zero else 0.0
+
+
 def step_overhead(cluster: Cluster) -> float:
     """The runtime's fixed seconds per step beyond forward, backward, communication and optimizer work."""
     return cluster.step_overhead_s
 
 
-__all__ = ["calibrated", "measured_compute_scale", "optimizer_time", "step_overhead"]
+__all__ = ["calibrated", "measured_compute_scale", "optimizer_time", "step_overhead", "zero_block_time",
+           "zero_optimizer_time"]

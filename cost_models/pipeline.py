@@ -11,7 +11,7 @@ from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_b
 from cost_models.compute import OpTime, block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
-from cost_models.overhead import measured_compute_scale, step_overhead
+from cost_models.overhead import measured_compute_scale, step_overhead, zero_block_time
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
@@ -261,6 +261,8 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         params += b.params / t
         cost.trained += 0.0 if b.frozen else b.params / t
         cost.tensors += 0 if b.frozen else b.param_tensors
+    sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster) / 2  # hooks, both ways
+    time += OpTime(fwd=sharded, bwd=sharded)
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op

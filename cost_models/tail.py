@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from cost_models.comm import all_gather_time, all_reduce_time, dp_link, reduce_scatter_time, ring_bytes_sent
 from cost_models.memory import DTYPE_BYTES, StateTiers, zero_divisors
-from cost_models.overhead import optimizer_time
+from cost_models.overhead import optimizer_time, zero_optimizer_time
 from plans.cluster import Cluster, Link
 from plans.plan import Group, Training
 
@@ -66,5 +66,6 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer
-    opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors)
+    opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors) \
+        + zero_optimizer_time(tensors, zero, cluster)
     return StageTail(sync, opt, gather, sent)

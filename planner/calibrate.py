@@ -23,7 +23,7 @@ Progress = Callable[[str, float], None]
 KiB, MiB = 2**10, 2**20
 
 # Steps in the order they run, with their share of the progress bar (roughly their share of the wall time).
-_STEPS = {"start": 0.04, "matmul": 0.24, "memory": 0.1, "optimizer": 0.06, "all-reduce": 0.18, "p2p": 0.14,
+_STEPS = {"start": 0.04, "matmul": 0.24, "memory": 0.1, "optimizer": 0.04, "zero": 0.02, "all-reduce": 0.18, "p2p": 0.14,
           "host-to-device": 0.04, "disk": 0.12, "runtime step": 0.08}
 
 # Optimizer measurement: (parameter tensors, elements per tensor) of fp32 Adam steps; the fit of time against
@@ -93,6 +93,8 @@ class Calibration:
     optimizer_byte_s: float = 0.0  # Adam step per byte of fp32 parameters, all ranks stepping at once
     step_overhead_s: float = 0.0  # the runtime's fixed per-step cost (a near-empty model's step, beyond its prediction)
     compute_slowdown: float = 1.0  # matmul and memory copy with every rank busy vs one process alone (mean ratio)
+    zero_block_s: float = 0.0  # FSDP2 per sharded block and micro-batch (forward + backward) beyond its collectives
+    zero_tensor_s: float = 0.0  # FSDP2's extra Adam time per sharded parameter tensor
     samples: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> (bytes, seconds)
 
 
@@ -221,6 +223,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
     optimizer_tensor_s, optimizer_byte_s = fit_optimizer(points, opt_times)
+    zero_block_s, zero_tensor_s = zero_costs([r["zero"] for r in ranks_out])
 
     host_memory = _mem_total()
     device_name, backend, gpus = _cpu_name(), "gloo", ranks
@@ -243,7 +246,8 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
         disk_read=fit_alpha_beta(settings.disk_bytes, read_times), host_memory_bytes=host_memory,
         device_memory_bytes=device_memory, disk_free_bytes=shutil.disk_usage(scratch).free,
         wall_s=time.perf_counter() - started, samples=samples, optimizer_tensor_s=optimizer_tensor_s,
-        optimizer_byte_s=optimizer_byte_s, compute_slowdown=compute_slowdown)
+        optimizer_byte_s=optimizer_byte_s, compute_slowdown=compute_slowdown, zero_block_s=zero_block_s,
+        zero_tensor_s=zero_tensor_s)
     report("runtime step", 0.0)
     calibration = replace(calibration, step_overhead_s=measure_step_overhead(to_cluster(calibration), steps=6 if quick else 14),
                           wall_s=time.perf_counter() - started)
@@ -275,7 +279,8 @@ def to_cluster(cal: Calibration) -> Cluster:
                    host_memory_bytes=cal.host_memory_bytes, nvme_bytes=max(1, cal.disk_free_bytes),
                    backend=cal.backend, optimizer_tensor_s=_round(cal.optimizer_tensor_s),
                    optimizer_byte_s=_round(cal.optimizer_byte_s), step_overhead_s=_round(cal.step_overhead_s),
-                   compute_slowdown=_round(cal.compute_slowdown, 3))
+                   compute_slowdown=_round(cal.compute_slowdown, 3), zero_block_s=_round(cal.zero_block_s),
+                   zero_tensor_s=_round(cal.zero_tensor_s))
 
 
 NEAR_EMPTY_MODEL = "planner.calibrate:near_empty_model"
@@ -524,6 +529,10 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             progress("optimizer", (r * len(points) + i + 1) / (len(points) * len(rounds)))
     params = adam = None
 
+    dist.barrier()  # ZeRO's FSDP2 beyond its collectives, every rank at once
+    out["zero"] = _zero_probe(rank, world, budget)
+    progress("zero", 1.0)
+
     sizes = settings.message_bytes
     for r in rounds:
         for i, nbytes in enumerate(sizes):
@@ -559,6 +568,44 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             progress("p2p", (r * len(sizes) + i + 1) / (len(sizes) * len(rounds)))
     dist.barrier()
     return out
+
+
+# ZeRO's probe: ZERO_BLOCKS blocks (Linear 64 -> 64 + LayerNorm: 4 parameter tensors each) on 16 rows, trained
+# plain and sharded by the runtime's own FSDP2 path (runtime/zero.apply_zero, ZeRO-1) over a one-rank group, so
+# the difference is FSDP2's own work (hooks, DTensor dispatch, copy-in / copy-out), not communication, which the
+# cost model prices from the measured links.
+ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK = 8, 4
+
+
+def _zero_probe(rank: int, world: int, budget: float) -> list[float]:
+    """[fwd+bwd plain, fwd+bwd sharded, Adam plain, Adam sharded] seconds for the probe model on this rank."""
+    from runtime.zero import apply_zero
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(world)]  # every rank creates every group
+    torch.manual_seed(0)
+    plain = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)) for _ in range(ZERO_BLOCKS)]
+    sharded = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)) for _ in range(ZERO_BLOCKS)]
+    apply_zero({str(i): m for i, m in enumerate(sharded)}, singles[rank], 1, torch.device("cpu"))
+    x = torch.randn(16, 64)
+    out = []
+    for blocks in (plain, sharded):
+        def step(blocks=blocks) -> None:
+            y = x
+            for m in blocks:
+                y = m(y)
+            y.sum().backward()
+        out.append(_call_time(step, budget))
+    for blocks in (plain, sharded):
+        adam = torch.optim.Adam([p for m in blocks for p in m.parameters()], lr=1e-6)
+        out.append(_call_time(adam.step, budget / 2))
+    return out
+
+
+def zero_costs(per_rank: list[list[float]]) -> tuple[float, float]:
+    """(zero_block_s, zero_tensor_s) from the ranks' _zero_probe results (medians over the ranks; never < 0)."""
+    fwd_plain, fwd_sharded, adam_plain, adam_sharded = (statistics.median(r[i] for r in per_rank) for i in range(4))
+    return (max(0.0, (fwd_sharded - fwd_plain) / ZERO_BLOCKS),
+            max(0.0, (adam_sharded - adam_plain) / (ZERO_BLOCKS * ZERO_TENSORS_PER_BLOCK)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
