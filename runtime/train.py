@@ -112,6 +112,7 @@ class RankTrainer:
         self.dp_groups, tp_groups = self._process_groups()
         self.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
+        self.zero_replicated: dict[str, list] = {}  # stage key -> adopted parameters ZeRO leaves whole
         self.zero_blocks = self._apply_zero()  # stage key -> its blocks sharded by FSDP2 (ZeRO 1-3)
         self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind != "F"}  # ZeRO syncs, buckets armed there
         self.params = self.rm.parameters()
@@ -174,6 +175,15 @@ class RankTrainer:
         keys = self.layout.stages if everywhere else self.layout.keys_on(self.ctx.rank)
         return [ck for ck in keys if self.layout.stages[ck].key == key]
 
+    def _adopted(self, blocks) -> list:
+        """The adopted parameters (runtime/stage.adopt_free_parameters) of these blocks on this rank."""
+        out = []
+        for alias in self.rm.aliases:
+            block, local = alias.rsplit(".", 1)
+            if block in blocks and block in self.rm.local:
+                out.append(self.rm.local[block].get_parameter(local))
+        return out
+
     def _apply_zero(self) -> dict[str, list]:
         """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py); keyed
         by chunk, since each chunk's last backward of the step is when its gradients are final."""
@@ -185,15 +195,13 @@ class RankTrainer:
             zero = self.plan.group(st.group).zero
             if zero:
                 offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
-                adopted = [a for a in self.rm.aliases if a.rsplit(".", 1)[0] in st.blocks]
-                if adopted:
-                    from plans.errors import MmplanError
-  # FSDP would replace the block's copy, not the one the model's forward reads
-                    raise MmplanError(f"ZeRO {zero} cannot shard {self.rm.aliases[adopted[0]]}, a parameter outside every "
-                                      f"block that stage {key} trains: use ZeRO 0 for group {st.group}")
                 for ck in self._chunks_of(key):
-                    out[ck] = apply_zero({b: self.rm.local[b] for b in self.layout.stages[ck].blocks}, group, zero,
-                                         self.ctx.device, offload)
+                    blocks = self.layout.stages[ck].blocks
+                    adopted = self._adopted(blocks)  # read outside their block: left whole, all-reduced
+                    if adopted:
+                        self.zero_replicated[key] = self.zero_replicated.get(key, []) + adopted
+                    out[ck] = apply_zero({b: self.rm.local[b] for b in blocks}, group, zero, self.ctx.device, offload,
+                                         replicated=adopted)
         return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
@@ -487,7 +495,14 @@ class RankTrainer:
         'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
             st = self._stage(key)
-            if self.plan.group(st.group).zero or st.dp == 1:  # FSDP2 reduce-scattered them in the backward
+            if st.dp == 1:
+                continue
+            if self.plan.group(st.group).zero:  # FSDP2 reduce-scattered them in the backward, except those it left whole
+                replicated = [p for p in self.zero_replicated.get(key, []) if p.grad is not None]
+                if replicated:
+                    c0 = time.perf_counter()
+                    all_reduce_grads(replicated, group)
+                    events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
                 continue
             c0 = time.perf_counter()
             chunks = [ck for ck in self._chunks_of(key) if ck in self.buckets]

@@ -43,19 +43,23 @@ def zero_runs_with(params: str, grads: str, optimizer: str) -> bool:
 
 
 def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: torch.device,
-               offload: bool = False) -> list[FSDPModule]:
+               offload: bool = False, replicated: Iterable[nn.Parameter] = ()) -> list[FSDPModule]:
     """Shard each block with parameters over `group` (this rank's data-parallel group of the stage), in place;
     returns the sharded blocks. Apply after tensor parallelism (the shards are of the tp-local tensors).
-    `offload`: FSDP2's CPU offload (sharded parameters and gradients on the host, gathered to the device for use)."""
+    `offload`: FSDP2's CPU offload (sharded parameters and gradients on the host, gathered to the device for use).
+    `replicated`: parameters left whole (FSDP2's ignored_params) -- a block's adopted parameter that the model's
+    forward reads outside the block (CLIP's logit_scale): FSDP2 only gathers a parameter around its own module's
+    forward. Their gradients are the caller's to all-reduce."""
     if zero not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3 here, got {zero}")
     mesh = DeviceMesh.from_group(group, device.type)
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    sharded = []
+    sharded, keep = [], {id(p) for p in replicated}
     for m in modules.values():
-        if not any(True for _ in m.parameters()):
+        ignored = {p for p in m.parameters() if id(p) in keep}
+        if not any(id(p) not in keep for p in m.parameters()):
             continue
-        fully_shard(m, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy)
+        fully_shard(m, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy, ignored_params=ignored or None)
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
         sharded.append(m)

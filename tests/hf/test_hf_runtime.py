@@ -55,6 +55,9 @@ PLANS = {
     # loss adopts them. A contrastive loss couples the samples of a batch, so under dp2 each replica's loss is
     # over its half of the micro-batch: the reference then runs twice as many micro-batches (same samples each).
     "clip-dp2": ("clip", [{"name": "all", "dp": 2, "stages": [(CLIP_IMAGE + CLIP_TEXT, [0, 1])]}], {"reference_x": 2}),
+    # ZeRO shards the blocks; the adopted logit_scale stays whole (read outside its block) and is all-reduced
+    "clip-dp2-zero2-4-steps": ("clip", [{"name": "all", "dp": 2, "zero": 2, "stages": [(CLIP_IMAGE + CLIP_TEXT, [0, 1])]}],
+                               {"reference_x": 2, "steps": 4}),
     "clip-pp2": ("clip", [{"name": "all", "stages": [(CLIP_IMAGE + ["text_model.embeddings"], [0]), (CLIP_TEXT, [1])]}],
                  {"micro_batches": 4, "global_batch": 16}),
     "clip-non-colocated": ("clip", [{"name": "image", "stages": [(CLIP_IMAGE, [0])]},
@@ -83,7 +86,7 @@ def models(tmp_path_factory):
 
 
 # the others take 10-110 s each on a loaded 2-core machine: python -m pytest -m slow tests/hf -p no:cacheprovider
-FAST = {"llava-colocated", "qwen2-vl-colocated-4-steps", "clip-non-colocated-4-steps"}
+FAST = {"llava-colocated", "qwen2-vl-colocated-4-steps", "clip-non-colocated-4-steps", "clip-dp2-zero2-4-steps"}
 
 
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in PLANS])
