@@ -42,6 +42,8 @@ apply_tp replaces the sharded parameters with new, smaller ones.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -259,17 +261,31 @@ def check_tp(block: nn.Module, tp: int) -> None:
         extra = [n for n, _ in region.named_parameters() if n.split(".")[0] not in plan]
         if extra:
             raise MmplanError(f"{cls}.{path}: parameters {extra} would be neither sharded nor replicated correctly")
+    for path, what, size in _divided_sizes(block):
+        if size % tp:
+            raise MmplanError(f"{cls}: tp={tp} does not divide {path}'s {what}={size}; pick a tp that divides {size}")
+    _check_replicated(block, regions)
+
+
+def _divided_sizes(block: nn.Module) -> list[tuple[str, str, int]]:
+    """(region path, what, size) of every size tensor parallelism must divide in the block."""
+    out, plans = [], _region_plans(block)
+    for path, region in _regions(block).items():
         if isinstance(region, SwiGLU) or isinstance(region, GeluMLP):
             first = region.w1 if isinstance(region, SwiGLU) else region.fc1
             sizes = {"mlp width": first.out_features}
         else:
-            sizes = _region_sizes(region, plan)
-        for what, size in sizes.items():
-            if size % tp:
-                raise MmplanError(
-                    f"{cls}: tp={tp} does not divide {path}'s {what}={size}; pick a tp that divides {size}"
-                )
-    _check_replicated(block, regions)
+            sizes = _region_sizes(region, plans[path])
+        out += [(path, what, size) for what, size in sizes.items()]
+    return out
+
+
+def tp_divisor(block: nn.Module) -> int:
+    """The greatest common divisor of the sizes tensor parallelism must divide (heads, kv heads, widths): a tp
+    degree shards the block exactly only if it divides this (check_tp). 0 when the block has no such size."""
+    if not supports_tp(block):
+        return 0
+    return math.gcd(*(size for _, _, size in _divided_sizes(block)))
 
 
 def _check_replicated(block: nn.Module, regions: dict[str, nn.Module]) -> None:
