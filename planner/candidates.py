@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,14 +40,20 @@ class Policy:
     optimizer: Tier = "gpu"
     activations: ActivationTier = "keep"
 
-    def memory(self, blocks: Iterable[str]) -> Memory:
-        acts = {b: self.activations for b in blocks} if self.activations != "keep" else {}
+    def memory(self, blocks: Iterable[str], cores: Collection[str] | None = None) -> Memory:
+        """The plan's Memory of a stage of `blocks`; "selective" goes to the blocks with an attention core (`cores`,
+        default all) and the others keep theirs (the runtime would recompute a core-less block whole)."""
+        if self.activations == "selective":
+            acts = {b: "selective" for b in blocks if cores is None or b in cores}
+        else:
+            acts = {b: self.activations for b in blocks} if self.activations != "keep" else {}
         return Memory(self.params, self.grads, self.optimizer, acts)
 
 
 KEEP = Policy()
+SELECTIVE = Policy(activations="selective")  # the attention core recomputed (Korthikanti et al. 2022, section 5)
 RECOMPUTE = Policy(activations="recompute")
-GPU_ONLY = (KEEP, RECOMPUTE)
+GPU_ONLY = (KEEP, SELECTIVE, RECOMPUTE)
 # With memory tiers: ZeRO-Offload (optimizer state on the host), then the model states streamed from host
 # memory or NVMe (ZeRO-Infinity), activations recomputed or offloaded.
 OFFLOAD = (
@@ -102,6 +108,9 @@ class Setting:
     # Policy once segments.py prices it) and per-layout ZeRO stages.
     policies: tuple[Policy, ...] = GPU_ONLY
     zeros: tuple[int, ...] = (0, 1, 2, 3)
+    # sequence parallelism of tp > 1 layouts (Group.sequence_parallel); where it costs no more in every stage figure
+    # (BlockTimes.sp_dominates: always, with this cost model) only the layouts with it are built
+    sequence_parallel: tuple[bool, ...] = (False, True)
 
     @property
     def host_share(self) -> float:
@@ -140,6 +149,7 @@ class Layout:
     out_bytes: float  # bytes per sample of the unit's smallest edge to another unit (sources)
     entries: tuple[int, ...] = ()  # per feed of the unit: the stage holding its first fed block
     slowest: float = 0.0  # the DP's objective
+    sequence_parallel: bool = False
     bound: Bound = field(init=False, compare=False, repr=False)  # planner/bounds.py
 
     def __post_init__(self) -> None:
@@ -155,12 +165,13 @@ class Layout:
 
     @property
     def key(self) -> tuple:
-        return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies)
+        return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies,
+                self.sequence_parallel)
 
-    def memories(self, blocks: Sequence[str]) -> tuple[Memory, ...]:
-        """Per-stage plan Memory of the layout (blocks: the unit's block names)."""
+    def memories(self, blocks: Sequence[str], cores: Collection[str] | None = None) -> tuple[Memory, ...]:
+        """Per-stage plan Memory of the layout (blocks: the unit's block names; cores: those with an attention core)."""
         bounds = (0, *self.cuts, len(blocks))
-        return tuple(pol.memory(blocks[a:b]) for pol, a, b in zip(self.policies, bounds, bounds[1:]))
+        return tuple(pol.memory(blocks[a:b], cores) for pol, a, b in zip(self.policies, bounds, bounds[1:]))
 
 
 # --- the search space --------------------------------------------------------------------------------
@@ -273,6 +284,7 @@ def unit_layouts(
     limit: float = math.inf,
     times: BlockTimes | None = None,
     deadline: float = math.inf,
+    prune_dominated: bool = True,
 ) -> list[Layout]:
     """Every layout of `unit` at m = micro_batches with at most max_gpus ranks: for each (tp, dp, ZeRO) one DP
     table gives the cut points of every pp at once.
@@ -284,22 +296,38 @@ def unit_layouts(
     stage_ranks: only layouts with dp * tp equal to it (colocated encoders); max_pp caps the depth.
     limit: skip every (tp, dp) whose layouts' bounds are all >= limit (run_bound), e.g. the best simulated step.
     deadline: a time.perf_counter() value after which no more (tp, dp) runs are tried (solve --time-limit).
+    prune_dominated: build only the sequence-parallel layouts of a tp > 1 run where they dominate
+    (BlockTimes.sp_dominates); False builds both (the brute force of the tests).
     """
     cl = setting.cluster
     times = times or BlockTimes(setting)
     out: list[Layout] = []
     for tp, dp, depth in unit_runs(unit, setting, micro_batches, max_gpus=max_gpus, stage_ranks=stage_ranks, max_pp=max_pp):
-        work = times.work(unit, tp, setting.global_batch / micro_batches / dp)
+        samples = setting.global_batch / micro_batches / dp
+        sps = sp_values(unit, setting, tp, samples, times, prune_dominated)
+        work = min(times.work(unit, tp, samples, sp) for sp in sps)
         if run_bound(work, micro_batches, depth) >= limit:
             continue
         if time.perf_counter() > deadline:
             break
-        for zero in zero_stages(cl, dp, setting.zeros):
-            if time.perf_counter() > deadline:
-                break
-            seg = Segments(unit, setting, tp, dp, zero, micro_batches, times)
-            out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
+        for sp in sps:
+            for zero in zero_stages(cl, dp, setting.zeros):
+                if time.perf_counter() > deadline:
+                    break
+                seg = Segments(unit, setting, tp, dp, zero, micro_batches, times, sequence_parallel=sp)
+                out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
     return out
+
+
+def sp_values(unit: Unit, setting: Setting, tp: int, samples: float, times: BlockTimes, prune: bool = True) -> tuple[bool, ...]:
+    """Sequence parallelism settings worth trying for a (tp, samples) run: off alone at tp = 1 (nothing to shard),
+    on alone where it dominates (BlockTimes.sp_dominates) and `prune`, else Setting.sequence_parallel."""
+    allowed = tuple(dict.fromkeys(setting.sequence_parallel)) or (False,)
+    if tp <= 1 or not unit.supports_tp:
+        return (False,)
+    if prune and True in allowed and False in allowed and times.sp_dominates(unit, tp, samples):
+        return (True,)
+    return allowed
 
 
 ZERO_STAGES = (0, 1, 2, 3)  # every ZeRO stage the cost model prices and runtime/ trains (issue 13)
@@ -417,7 +445,7 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
         fwd=tuple(fwd.tolist()), bwd=tuple(bwd.tolist()), lag=lag, tail=tuple(tail.tolist()), optimizer=tuple(opt.tolist()),
         gather=tuple(gather.tolist()), gpu_bytes=tuple((g0 + flights * g1).tolist()), cpu_bytes=tuple((c0 + flights * c1).tolist()),
         nvme_bytes=tuple((n0 + flights * n1).tolist()), samples=seg.samples, out_bytes=seg.unit.out_bytes, entries=entries,
-        slowest=slowest,
+        slowest=slowest, sequence_parallel=seg.sequence_parallel,
     )
 
 

@@ -27,6 +27,7 @@ class GroupLayout:
     zero: int = 0
     colocated_with: str | None = None
     memory: tuple[Memory, ...] = ()  # one per stage; empty = everything on the GPU
+    sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence (Group's field)
 
     @property
     def pp(self) -> int:
@@ -47,7 +48,7 @@ def to_group(layout: GroupLayout) -> Group:
         for i, blocks in enumerate(layout.stage_blocks())
     )
     return Group(name=layout.name, dp=layout.dp, tp=layout.tp, pp=layout.pp, stages=stages, zero=layout.zero,
-                 colocated_with=layout.colocated_with)
+                 colocated_with=layout.colocated_with, sequence_parallel=layout.sequence_parallel and layout.tp > 1)
 
 
 def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],

@@ -32,8 +32,16 @@ def random_instance(seed: int, *, max_gpus: int = 8) -> tuple[Profile, Cluster, 
         for i in range(n):
             flops = 10 ** rng.uniform(9, 12)
             params = int(10 ** rng.uniform(6, 8.5))
+            act = 10 ** rng.uniform(5, 8)
+            extra = {}
+            if rng.random() < 0.5:  # split by op class, with an attention core and activations outside the TP regions
+                attn = rng.uniform(0, 0.3) * flops
+                extra = dict(fwd_matmul_flops=flops - attn, bwd_matmul_flops=2 * (flops - attn), fwd_attention_flops=attn,
+                             bwd_attention_flops=2 * attn, fwd_memory_bytes=act * rng.uniform(1, 4),
+                             bwd_memory_bytes=act * rng.uniform(1, 6), replicated_memory_fraction=rng.uniform(0, 0.5), matmuls=4,
+                             activation_replicated_bytes=act * rng.uniform(0, 0.3), attention_core_bytes=act * rng.uniform(0, 0.6))
             blocks.append(Block(f"{group}.{i}", group, "Layer", params, 2 * params, flops, 2 * flops,
-                                10 ** rng.uniform(5, 8), 10 ** rng.uniform(4, 7), supports_tp=tp, signature=f"{group}{i}"))
+                                act, 10 ** rng.uniform(4, 7), supports_tp=tp, signature=f"{group}{i}", **extra))
             if i:
                 edges.append(Edge(f"{group}.{i - 1}", f"{group}.{i}", blocks[-2].output_bytes))
     for g in range(sources):
@@ -59,7 +67,8 @@ STRUCTURES = {"auto": ("chain", "non-colocated", "colocated"), "non-colocated": 
 def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule: str = "1f1b",
                 placement: str = "auto") -> float | None:
     """The fastest fitting plan of the solver's space, by simulating every combination: every structure, number of
-    micro-batches and candidate layout of every unit (cut points by the partition DP), every GPU split."""
+    micro-batches and candidate layout of every unit (cut points by the partition DP; tier policies keep / selective /
+    recompute; sequence parallelism on and off at tp > 1, none pruned as dominated), every GPU split."""
     setting = Setting(cluster, global_batch, schedule, "bf16", "adam", None, GPU_ONLY)
     n = cluster.world_size
     best = math.inf
@@ -70,18 +79,20 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
         sink = next((i for i, u in enumerate(units) if u.feeds), 0)
         for m in divisors(global_batch):
             if structure == "chain":
-                options = [unit_layouts(units[0], setting, m, max_gpus=n)]
+                options = [unit_layouts(units[0], setting, m, max_gpus=n, prune_dominated=False)]
             else:
-                sink_layouts = unit_layouts(units[sink], setting, m, max_gpus=n - (len(units) - 1 if structure == "non-colocated" else 0))
+                sink_layouts = unit_layouts(units[sink], setting, m, max_gpus=n - (len(units) - 1 if structure == "non-colocated" else 0),
+                                            prune_dominated=False)
                 depths = sorted({lay.pp for lay in sink_layouts})
                 options = []
                 for u, unit in enumerate(units):
                     if u == sink:
                         options.append(sink_layouts)
                     elif structure == "non-colocated":
-                        options.append(unit_layouts(unit, setting, m, max_gpus=n - 1, downstream=depths))
+                        options.append(unit_layouts(unit, setting, m, max_gpus=n - 1, downstream=depths, prune_dominated=False))
                     else:
-                        options.append(unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False, max_pp=1))
+                        options.append(unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False, max_pp=1,
+                                                    prune_dominated=False))
             for combo in itertools.product(*options):
                 if structure == "non-colocated" and sum(lay.gpus for lay in combo) > n:
                     continue
