@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 # and Down_k). And the schedule's forward of micro-batch j + q comes after the backward of j, so every q
 # micro-batches cost at least a round trip R_k = f + Down_k + b (1F1B's in-flight limit, which is where
 # the p2p sends cost time):  In_k + j0 f + ((m - 1 - j0) / q + 1) R_k + Up_k,  j0 = (m - 1) mod q.
+# When r < m both waits happen on one lane (the warm-up's and the cool-down's bubble): backward 0 starts
+# no earlier than max(r f, f + Down_k); between it and the end of forward m-1 the lane runs forwards r..m-1
+# and backwards 0..m-r-1 (at most r forwards precede backward 0, at least m - r backwards precede forward
+# m-1, the same two facts the terms above use); after forward m-1 it runs the remaining r backwards, the
+# last no earlier than Down_k + b later. So the body is at least
+#   max(m f, (m - r + 1) f + Down_k) + max(m b, (m - r + 1) b + Down_k)
+# (fewer forwards before backward 0 or more backwards before forward m-1 only lengthen it). On a 1F1B
+# pipeline whose first stage is the slowest this is the simulated step (the 5-9 % gap of the terms above).
 # The tests check bound <= simulated step time on random plans.
 
 
@@ -54,14 +62,16 @@ def layout_bound(lay: Layout) -> Bound:
     """The bound terms of a layout (computed once, when the Layout is made)."""
     into, up, down = _paths(lay)
     body = _body(lay, down)
-    p, f, b, lag, m = lay.pp, lay.fwd, lay.bwd, lay.lag, lay.micro_batches
+    p, f, b, m = lay.pp, lay.fwd, lay.bwd, lay.micro_batches
+    preds, lag = _dag(lay)
     ninf = -math.inf
     fpath, bpath = [], []  # per feed: forward / backward path from its entry stage to stage k
     for j in lay.entries:
         fp, bp = [ninf] * p, [ninf] * p
-        for k in range(j, p):
-            fp[k] = 0.0 if k == j else fp[k - 1] + f[k - 1] + lag[k - 1]
-            bp[k] = 0.0 if k == j else bp[k - 1] + b[k - 1] + lag[k - 1]
+        fp[j] = bp[j] = 0.0
+        for k in range(j + 1, p):
+            fp[k] = max((fp[i] + f[i] + w for i, w in zip(preds[k], lag[k])), default=ninf)
+            bp[k] = max((bp[i] + b[i] + w for i, w in zip(preds[k], lag[k])), default=ninf)
         fpath.append(fp)
         bpath.append(bp)
     own = max(into[k] + body[k] + up[k] for k in range(p))
@@ -77,18 +87,28 @@ def layout_bound(lay: Layout) -> Bound:
     )
 
 
+def _dag(lay: Layout) -> tuple[list[tuple[int, ...]], list[tuple[float, ...]]]:
+    """The stages each stage waits for and the send on each such edge: stage k - 1 and the p2p lag of a linear
+    pipeline; else the stages its blocks read (Layout.preds), with no send counted (the lag is the route into the
+    stage's first block, which then may come from any earlier stage)."""
+    if not lay.preds:
+        return [()] + [(k - 1,) for k in range(1, lay.pp)], [()] + [(lay.lag[k - 1],) for k in range(1, lay.pp)]
+    return list(lay.preds), [(0.0,) * len(ps) for ps in lay.preds]
+
+
 def _paths(lay: Layout) -> tuple[list[float], list[float], list[float]]:
-    """In_k, Up_k, Down_k of the module comment (inside the unit)."""
-    p, f, b, lag, tail = lay.pp, lay.fwd, lay.bwd, lay.lag, lay.tail
+    """In_k, Up_k, Down_k of the module comment (inside the unit), along the stages' data flow (_dag)."""
+    p, f, b, tail = lay.pp, lay.fwd, lay.bwd, lay.tail
+    preds, lag = _dag(lay)
     into = [0.0] * p
-    for k in range(1, p):
-        into[k] = into[k - 1] + f[k - 1] + lag[k - 1]
     up = [0.0] * p
     for k in range(p):
-        up[k] = tail[k] if k == 0 else max(tail[k], b[k - 1] + lag[k - 1] + up[k - 1])
+        into[k] = max((into[i] + f[i] + w for i, w in zip(preds[k], lag[k])), default=0.0)
+        up[k] = max([tail[k], *(b[i] + w + up[i] for i, w in zip(preds[k], lag[k]))])
     down = [0.0] * p
-    for k in range(p - 2, -1, -1):
-        down[k] = down[k + 1] + f[k + 1] + b[k + 1] + 2 * lag[k]
+    for k in range(p - 1, -1, -1):
+        for i, w in zip(preds[k], lag[k]):
+            down[i] = max(down[i], down[k] + f[k] + b[k] + 2 * w)
     return into, up, down
 
 def _body(lay: Layout, down: list[float]) -> list[float]:
@@ -99,8 +119,11 @@ def _body(lay: Layout, down: list[float]) -> list[float]:
         f, b = lay.fwd[k], lay.bwd[k]
         r = min(warmup_forwards(lay.schedule, m, p - 1 - k + lay.assumed_downstream) + 1, m)
         j0 = (m - 1) % r
-        out.append(max(m * (f + b) + max(0.0, down[k] + b - r * b), m * b + max(m * f, (m - r + 1) * f + down[k]),
-                       j0 * f + ((m - 1 - j0) // r + 1) * (f + down[k] + b)))
+        terms = [m * (f + b) + max(0.0, down[k] + b - r * b), m * b + max(m * f, (m - r + 1) * f + down[k]),
+                 j0 * f + ((m - 1 - j0) // r + 1) * (f + down[k] + b)]
+        if r < m:  # both waits at once: micro-batch 0's backward, then m - 1's (the module comment's last term)
+            terms.append(max(m * f, (m - r + 1) * f + down[k]) + max(m * b, (m - r + 1) * b + down[k]))
+        out.append(max(terms))
     return out
 
 

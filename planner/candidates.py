@@ -87,6 +87,7 @@ class Unit:
     out_bytes: float = 0.0  # bytes per sample of the smallest edge to another unit (sources)
     input_bytes: tuple[float, ...] = ()  # per block: bytes per sample of its inputs (its recompute checkpoint)
     cross_bytes: tuple[float, ...] = ()  # per cut j = 1..L-1 (index j): per-sample bytes of the largest route a cut before block j needs
+    reads: tuple[tuple[int, ...], ...] = ()  # per block: the earlier blocks of the unit whose outputs it reads
 
     @property
     def supports_tp(self) -> bool:
@@ -150,6 +151,9 @@ class Layout:
     entries: tuple[int, ...] = ()  # per feed of the unit: the stage holding its first fed block
     slowest: float = 0.0  # the DP's objective
     sequence_parallel: bool = False
+    # the stages each stage reads from, when that is not just the one before it (() = a linear pipeline: a unit
+    # holding two encoders side by side, or a block reading past a cut, is not); planner/bounds.py follows it
+    preds: tuple[tuple[int, ...], ...] = ()
     bound: Bound = field(init=False, compare=False, repr=False)  # planner/bounds.py
 
     def __post_init__(self) -> None:
@@ -439,14 +443,29 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
     lag = tuple(hand_over_time(seg.unit.cross_bytes[c] * seg.samples, seg.tp, links[k], _tp_link(seg))
                 for k, c in enumerate(cuts))
     entries = tuple(int(np.searchsorted(starts, f.block, side="right")) - 1 for f in seg.unit.feeds)
+    preds = _stage_preds(seg.unit, starts)
     return Layout(
         unit=seg.unit.name, schedule=st.schedule, micro_batches=seg.micro_batches, tp=seg.tp, dp=seg.dp, zero=seg.zero,
         cuts=tuple(cuts), policies=policies, downstream=downstream, assumed_downstream=stages.downstream,
         fwd=tuple(fwd.tolist()), bwd=tuple(bwd.tolist()), lag=lag, tail=tuple(tail.tolist()), optimizer=tuple(opt.tolist()),
         gather=tuple(gather.tolist()), gpu_bytes=tuple((g0 + flights * g1).tolist()), cpu_bytes=tuple((c0 + flights * c1).tolist()),
         nvme_bytes=tuple((n0 + flights * n1).tolist()), samples=seg.samples, out_bytes=seg.unit.out_bytes, entries=entries,
-        slowest=slowest, sequence_parallel=seg.sequence_parallel,
+        slowest=slowest, sequence_parallel=seg.sequence_parallel, preds=preds,
     )
+
+
+def _stage_preds(unit: Unit, starts: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the stages whose blocks its blocks read (Layout.preds); () when each stage reads exactly the one
+    before it (or a unit without recorded reads: a linear pipeline)."""
+    if not unit.reads or len(starts) == 1:
+        return ()
+    stage = np.searchsorted(starts, np.arange(len(unit.blocks)), side="right") - 1
+    preds: list[set[int]] = [set() for _ in starts]
+    for b, reads in enumerate(unit.reads):
+        preds[stage[b]].update(int(stage[a]) for a in reads if stage[a] != stage[b])
+    if all(p == {k - 1} for k, p in enumerate(preds) if k > 0):
+        return ()
+    return tuple(tuple(sorted(p)) for p in preds)
 
 
 # --- units: which blocks get one layout ----------------------------------------------------------------
@@ -541,8 +560,11 @@ def _unit(name: str, indices: list[int], profile: Profile, index: dict[str, int]
     # A cut before block j: the chunk starting at j receives, as parallel routes (plans/stage_graph.py), the
     # whole output of every earlier block it reads; the largest one read by block j itself bounds the wait.
     cross = [0.0] * (n + 1)
+    reads: list[set[int]] = [set() for _ in range(n)]
     for e in profile.edges:
         a, b = index[e.src] - first, index[e.dst] - first
         if 0 <= a < b < n:
             cross[b] = max(cross[b], blocks[a].output_bytes)
-    return Unit(name, blocks, feeds, out_bytes, tuple(inputs[b.name] for b in blocks), tuple(cross))
+            reads[b].add(a)
+    return Unit(name, blocks, feeds, out_bytes, tuple(inputs[b.name] for b in blocks), tuple(cross),
+                tuple(tuple(sorted(r)) for r in reads))

@@ -370,3 +370,27 @@ def test_solve_with_the_interleaved_schedule_emits_the_faster_plan(zoo_profiles)
     plain = solve(zoo_profiles("tiny-vlm"), cluster, 8)
     assert got.step_time_s <= plain.step_time_s * (1 + 1e-9)
     assert got.plan.training.schedule in ("1f1b", "interleaved")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_no_pipelined_layout_bound_exceeds_its_simulated_step(schedule):
+    """The layout bound (planner/bounds.py, with its combined warm-up + cool-down term) on many pipelined chain
+    layouts of random instances: never above the simulated step."""
+    checked, tight = 0, 0
+    for seed in range(40):
+        profile, cluster, batch = random_instance(100 + seed, max_gpus=8)
+        setting = Setting(cluster, batch, schedule, "bf16")
+        units = profile_units(profile, "chain")
+        rng = random.Random(seed)
+        for m in divisors(batch):
+            lays = [lay for lay in unit_layouts(units[0], setting, m, max_gpus=cluster.world_size, prune_dominated=False) if lay.pp > 1]
+            for lay in rng.sample(lays, min(4, len(lays))):
+                plan = build_layouts(profile, cluster, batch, schedule, "chain", units, (lay,))
+                if plan is None:
+                    continue
+                step = plan.predicted.step_time_s
+                assert lay.bound.own <= step * (1 + 1e-9), (seed, m, lay.tp, lay.dp, lay.pp, lay.bound.own, step)
+                checked += 1
+                tight += lay.bound.own >= step * 0.99
+    assert checked >= 200
+    assert tight >= checked // 2  # most bounds are within 1 % of the step (the combined term)
