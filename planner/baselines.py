@@ -24,7 +24,7 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 # planner/candidates.py, is something else: the blocks that get one layout.)
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "layers", "full"]
 Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
 Split = Literal["layers", "megatron"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -32,9 +32,10 @@ RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 BASELINES: tuple[str, ...] = get_args(Baseline)
 GROUP = "model"  # the one group of a homogeneous plan: every block in one pipeline
 
-_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero")
-_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch"}
-_EXAMPLE = "tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1]"
+_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero", "sequence-parallel")
+_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch", "sp": "sequence-parallel", "sequence_parallel": "sequence-parallel"}
+_EXAMPLE = ("tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full]"
+            "[,zero=1][,sequence-parallel=true]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class LayoutSpec:
     recompute: Recompute = "none"
     zero: int = 0
     split: Split = "layers"  # layers: every transformer layer counts; megatron: encoders on stage 0, LLM layers even
+    sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
@@ -74,11 +76,11 @@ class LayoutSpec:
         """Canonical text that parse_layout reads back to an equal spec."""
         schedule = f"interleaved:{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         return (f"tp={self.tp},pp={self.pp},dp={self.dp},micro-batch={self.micro_batch},schedule={schedule},"
-                f"recompute={self.recompute},zero={self.zero}")
+                f"recompute={self.recompute},zero={self.zero}" + (",sequence-parallel=true" if self.sequence_parallel else ""))
 
 
 def parse_layout(text: str) -> LayoutSpec:
-    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1]`.
+    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full][,zero=1][,sequence-parallel=true]`.
 
     Bare `interleaved` means 2 model chunks per rank. Every problem is one MmplanError naming the item."""
     if not isinstance(text, str) or not text.strip():
@@ -106,9 +108,13 @@ def parse_layout(text: str) -> LayoutSpec:
     zero = _positive_int(values.get("zero", "0"), "zero", allow_zero=True)
     if zero > 3:
         raise MmplanError(f"zero must be 0, 1, 2 or 3, got {values['zero']!r}")
+    sp = values.get("sequence-parallel", "false").lower()
+    if sp not in ("true", "false", "on", "off", "1", "0"):
+        raise MmplanError(f"sequence-parallel must be true or false, got {values['sequence-parallel']!r}")
     return LayoutSpec(tp=_positive_int(values["tp"], "tp"), pp=_positive_int(values["pp"], "pp"),
                       dp=_positive_int(values["dp"], "dp"), micro_batch=_positive_int(values.get("micro-batch", "1"), "micro-batch"),
-                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero)  # type: ignore[arg-type]
+                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero,  # type: ignore[arg-type]
+                      sequence_parallel=sp in ("true", "on", "1"))
 
 
 def _positive_int(value: str, key: str, *, allow_zero: bool = False) -> int:
@@ -186,15 +192,14 @@ def _stage_blocks(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
 
 
 def _recomputed(profile: Profile, blocks: Iterable[str], recompute: Recompute) -> dict[str, str]:
-    """Activation tiers for `recompute`: full = every block; selective = the transformer layers only.
-
-    Simplification: Megatron's selective recomputation re-runs only the attention core inside each layer
-    (Korthikanti et al. 2022, section 5); plans place activations per block, so here it recomputes whole
-    transformer layers and keeps the activations of embeddings, norms, projector and head.
-    """
+    """Activation tiers for `recompute`: full = every block recomputed; layers = the transformer layers recomputed
+    whole (DeepSpeed-style activation checkpointing); selective = Megatron's selective recomputation, the attention
+    core of every block that has one (Korthikanti et al. 2022, section 5; the runtime's "selective" tier)."""
     if recompute == "none":
         return {}
     by_name = {b.name: b for b in profile.blocks}
+    if recompute == "selective":
+        return {b: "selective" for b in blocks if by_name[b].attention_core_bytes > 0}
     return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
 
 
@@ -248,12 +253,13 @@ def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
     if spec.virtual_stages == 1:
         names = tuple(b for s in stages for b in s)
         cuts = tuple(sum(len(s) for s in stages[:i]) for i in range(1, spec.pp))
-        layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory)
+        layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory,
+                             sequence_parallel=spec.sequence_parallel)
         return build_plan(profile, cluster, training, [layout], solver, predict=predict, schema=schema)
     # GroupLayout describes contiguous stages only; an interleaved stage holds v chunks, so build the Group here
     # and finish as build_plan does (check with the profile, then attach predictions).
     per = spec.dp * spec.tp
-    group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, stages=tuple(
+    group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, sequence_parallel=spec.sequence_parallel and spec.tp > 1, stages=tuple(
         Stage(blocks, ranks[i * per:(i + 1) * per], memory[i]) for i, blocks in enumerate(stages)))
     plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile,
                       schema=schema)
@@ -269,12 +275,14 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
-                 recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers") -> list[LayoutSpec]:
+                 recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers",
+                 sequence_parallels: Sequence[bool] = (False,)) -> list[LayoutSpec]:
     """Every valid homogeneous layout: tp a power of two dividing gpus_per_node (1 only when no block supports
     tp), pp dividing the layer count (Megatron's uniform split) with tp*pp dividing the world, dp = world/(tp*pp),
     micro-batch sizes `micro_batches` (default 1, 2, 4, ...) with dp*micro-batch dividing the global batch,
     each ZeRO stage of `zeros` (0 and 1 are the same plan at dp = 1) and recompute option; schedules are
-    `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count)."""
+    `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count); sequence parallelism
+    each of `sequence_parallels` where tp > 1 (off at tp = 1)."""
     _check_batch(global_batch)
     world = cluster.world_size
     spans = (llm_layer_count(profile) or len(profile.blocks) - llm_start(profile)) if split == "megatron" else \
@@ -296,7 +304,8 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
                         continue
                     for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
                         for rec in recomputes:
-                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split))
+                            for sp in dict.fromkeys(sp and tp > 1 for sp in sequence_parallels):
+                                specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split, sp))
     return specs
 
 
@@ -330,14 +339,15 @@ ALL_ZEROS = (0, 1, 2, 3)
 
 def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = MEGATRON_SCHEDULES,
                   micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = ALL_ZEROS,
-                  recomputes: Sequence[Recompute] = ("none", "full"), per_step_micro_batch: int | None = None,
-                  deadline: float = math.inf) -> Plan:
+                  recomputes: Sequence[Recompute] = ("none", "selective", "full"), per_step_micro_batch: int | None = None,
+                  deadline: float = math.inf, sequence_parallels: Sequence[bool] = (False, True)) -> Plan:
     """The fastest Megatron-style plan (Megatron-LM's MIMO recipe): encoders and projectors on the first pipeline
-    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage / recompute / micro-batch / schedule
-    for all -- searched over every such layout the runtime runs. per_step_micro_batch: only layouts whose
+    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage / recompute (none, selective: the
+    attention core, full) / sequence parallelism / micro-batch / schedule for all -- searched over every such layout
+    the runtime runs. per_step_micro_batch: only layouts whose
     micro-batch over all replicas (dp x micro-batch) is this (solve --micro-batch)."""
     specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches, zeros=zeros,
-                         recomputes=recomputes, split="megatron")
+                         recomputes=recomputes, split="megatron", sequence_parallels=sequence_parallels)
     if per_step_micro_batch is not None:
         specs = [s for s in specs if s.dp * s.micro_batch == per_step_micro_batch]
     from plans.limits import MAX_MICRO_BATCHES  # the solver's own limit on micro-batches per step
@@ -459,7 +469,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
             break
         if best is not None and bound * (1 - 1e-9) >= best[0].predicted.step_time_s:
             break
-        if peak(spec) > cap or (spec.recompute != "none" and peak(replace(spec, recompute="none")) <= cap):
+        if peak(spec) > cap or any(peak(replace(spec, recompute=cheaper)) <= cap for cheaper in _cheaper(spec.recompute)):
             continue
         try:
             plan = _build(profile, cluster, global_batch, spec, SolverInfo(method), schema=False)  # checked when saved
@@ -482,6 +492,12 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
                                            candidates=len(specs), notes=note))
 
 
+def _cheaper(recompute: Recompute) -> tuple[Recompute, ...]:
+    """Recompute options that only add less compute than `recompute` (none < selective <= layers <= full: each reruns a
+    subset of the next one's forward), so a layout is skipped when one of these fits."""
+    return {"none": (), "selective": ("none",), "layers": ("none", "selective"), "full": ("none", "selective", "layers")}[recompute]
+
+
 def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, *, costs: _Costs | None = None) -> Screened:
     """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan."""
     costs = costs or _Costs(profile, cluster)
@@ -501,7 +517,8 @@ def _peak_gpu_bytes(profile: Profile, global_batch: int, spec: LayoutSpec, costs
         mem = stage_memory(stage, samples=float(spec.micro_batch), tp=spec.tp, dp=spec.dp, zero=spec.zero,
                            memory=Memory(activations=acts),
                            in_flight_micro_batches=in_flight(spec.schedule, m, warmup, spec.virtual_stages),
-                           input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer)
+                           input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer,
+                           sequence_parallel=spec.sequence_parallel and spec.tp > 1)
         gpu.append(mem.gpu)
     return max(gpu)
 
@@ -520,7 +537,8 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
     dtype = training.dtype
-    key = ("bound", spec.tp, spec.pp, spec.dp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.zero, spec.split)
+    key = ("bound", spec.tp, spec.pp, spec.dp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.zero, spec.split,
+           spec.sequence_parallel)
     if key not in costs.memo:
         per = spec.dp * spec.tp
         samples = float(spec.micro_batch)
@@ -530,7 +548,8 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
             acts = _recomputed(profile, names, spec.recompute)
             f = b = 0.0
             for blk in stage:
-                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, blk.name in acts)
+                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, acts.get(blk.name, False),
+                                          spec.sequence_parallel and spec.tp > 1)
                 f += bf
                 b += bb
             fwd.append(f)
@@ -569,11 +588,12 @@ class _Costs:
             self._stages[key] = _stage_blocks(profile, spec)
         return self._stages[key]
 
-    def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool) -> tuple[float, float]:
+    def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool | str,
+                   sequence_parallel: bool = False) -> tuple[float, float]:
         """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""
-        key = (block.name, samples, tp, dtype, recompute)
+        key = (block.name, samples, tp, dtype, recompute, sequence_parallel)
         if key not in self._times:
             t = block_time(block, samples, tp, self.cluster, dtype=dtype, measured_micro_batch=self.measured,
-                           recompute=recompute)
+                           recompute=recompute, sequence_parallel=sequence_parallel)
             self._times[key] = (t.fwd + t.fwd_comm, t.bwd + t.bwd_comm)
         return self._times[key]

@@ -64,7 +64,7 @@ def test_parse_layout_reads_every_key_and_defaults():
     ("tp=1,pp=2,dp", "layout item 'dp' is not key=value"),
     ("tp=1,pp=2,dp=4,schedule=zigzag", "schedule must be 1f1b, gpipe or interleaved:V, got 'zigzag'"),
     ("tp=1,pp=2,dp=4,schedule=interleaved:1", "needs V >= 2"),
-    ("tp=1,pp=2,dp=4,recompute=most", "recompute must be one of none, selective, full, got 'most'"),
+    ("tp=1,pp=2,dp=4,recompute=most", "recompute must be one of none, selective, layers, full, got 'most'"),
     ("tp=1,pp=2,dp=4,zero=4", "zero must be 0, 1, 2 or 3, got '4'"),
     ("   ", "empty layout"),
 ])
