@@ -56,13 +56,14 @@ class Bound:
     k3: tuple[float, ...]
     k4: tuple[tuple[float, ...], ...]
     busy: float
+    trained: bool = True  # the unit's last stage runs backwards (a frozen source gets no gradient: no boundary back)
 
 
 def layout_bound(lay: Layout) -> Bound:
     """The bound terms of a layout (computed once, when the Layout is made)."""
     into, up, down = _paths(lay)
     body = _body(lay, down)
-    p, f, b, m = lay.pp, lay.fwd, lay.bwd, lay.micro_batches
+    p, f, b, m = lay.pp, lay.fwd, counted_bwd(lay), lay.micro_batches
     preds, lag = _dag(lay)
     ninf = -math.inf
     fpath, bpath = [], []  # per feed: forward / backward path from its entry stage to stage k
@@ -84,6 +85,7 @@ def layout_bound(lay: Layout) -> Bound:
         k3=tuple(max(fp[k] + body[k] + up[k] for k in range(p)) for fp in fpath),
         k4=tuple(tuple(max(fp[k] + body[k] + bp[k] for k in range(p)) for bp in bpath) for fp in fpath),
         busy=max(m * (x + y) + o for x, y, o in zip(f, b, lay.optimizer)),
+        trained=not lay.backward or lay.backward[-1],
     )
 
 
@@ -96,15 +98,22 @@ def _dag(lay: Layout) -> tuple[list[tuple[int, ...]], list[tuple[float, ...]]]:
     return list(lay.preds), [(0.0,) * len(ps) for ps in lay.preds]
 
 
+def counted_bwd(lay: Layout) -> tuple[float, ...]:
+    """Per stage, the backward op the bounds count: none on a stage that runs forwards only (Layout.backward)."""
+    return lay.bwd if not lay.backward else tuple(x if has else 0.0 for x, has in zip(lay.bwd, lay.backward))
+
+
 def _paths(lay: Layout) -> tuple[list[float], list[float], list[float]]:
     """In_k, Up_k, Down_k of the module comment (inside the unit), along the stages' data flow (_dag)."""
-    p, f, b, tail = lay.pp, lay.fwd, lay.bwd, lay.tail
+    p, f, b, tail = lay.pp, lay.fwd, counted_bwd(lay), lay.tail
     preds, lag = _dag(lay)
     into = [0.0] * p
     up = [0.0] * p
+    back = lay.backward or (True,) * p
     for k in range(p):
         into[k] = max((into[i] + f[i] + w for i, w in zip(preds[k], lag[k])), default=0.0)
-        up[k] = max([tail[k], *(b[i] + w + up[i] for i, w in zip(preds[k], lag[k]))])
+        # gradients go back only to stages that run backwards
+        up[k] = max([tail[k], *(b[i] + w + up[i] for i, w in zip(preds[k], lag[k]) if back[i])])
     down = [0.0] * p
     for k in range(p - 1, -1, -1):
         for i, w in zip(preds[k], lag[k]):
@@ -117,6 +126,9 @@ def _body(lay: Layout, down: list[float]) -> list[float]:
     out = []
     for k in range(p):
         f, b = lay.fwd[k], lay.bwd[k]
+        if lay.backward and not lay.backward[k]:
+            out.append(m * f)  # forwards only: no in-flight limit, no round trip
+            continue
         r = min(warmup_forwards(lay.schedule, m, p - 1 - k + lay.assumed_downstream) + 1, m)
         j0 = (m - 1) % r
         terms = [m * (f + b) + max(0.0, down[k] + b - r * b), m * b + max(m * f, (m - r + 1) * f + down[k]),

@@ -154,6 +154,9 @@ class Layout:
     # the stages each stage reads from, when that is not just the one before it (() = a linear pipeline: a unit
     # holding two encoders side by side, or a block reading past a cut, is not); planner/bounds.py follows it
     preds: tuple[tuple[int, ...], ...] = ()
+    # per stage, whether the bounds may count on it running backwards (() = every stage): a stage of frozen blocks
+    # fed by no training stage runs forwards only (plans/stage_graph.StageGraph.trains)
+    backward: tuple[bool, ...] = ()
     bound: Bound = field(init=False, compare=False, repr=False)  # planner/bounds.py
 
     def __post_init__(self) -> None:
@@ -444,13 +447,17 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
                 for k, c in enumerate(cuts))
     entries = tuple(int(np.searchsorted(starts, f.block, side="right")) - 1 for f in seg.unit.feeds)
     preds = _stage_preds(seg.unit, starts)
+    trains = [not b.frozen for b in seg.unit.blocks]
+    backward: list[bool] = []
+    for k, (a, b) in enumerate(zip(starts, ends)):  # conservative: upstream stages count only in a linear pipeline
+        backward.append(any(trains[a:b]) or (not preds and k > 0 and backward[-1]))
     return Layout(
         unit=seg.unit.name, schedule=st.schedule, micro_batches=seg.micro_batches, tp=seg.tp, dp=seg.dp, zero=seg.zero,
         cuts=tuple(cuts), policies=policies, downstream=downstream, assumed_downstream=stages.downstream,
         fwd=tuple(fwd.tolist()), bwd=tuple(bwd.tolist()), lag=lag, tail=tuple(tail.tolist()), optimizer=tuple(opt.tolist()),
         gather=tuple(gather.tolist()), gpu_bytes=tuple((g0 + flights * g1).tolist()), cpu_bytes=tuple((c0 + flights * c1).tolist()),
         nvme_bytes=tuple((n0 + flights * n1).tolist()), samples=seg.samples, out_bytes=seg.unit.out_bytes, entries=entries,
-        slowest=slowest, sequence_parallel=seg.sequence_parallel, preds=preds,
+        slowest=slowest, sequence_parallel=seg.sequence_parallel, preds=preds, backward=() if all(backward) else tuple(backward),
     )
 
 

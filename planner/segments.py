@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,6 +13,7 @@ from cost_models.memory import DTYPE_BYTES, activation_residency, activation_tra
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.cluster import Link
+from plans.graph import Block
 
 if TYPE_CHECKING:
     from planner.candidates import Policy, Setting, Unit
@@ -62,6 +63,9 @@ class BlockTimes:
         self.setting = setting
         self._cache: dict[tuple, list] = {}
         self._arrays: dict[tuple, dict] = {}
+        self._blocks: dict[tuple, object] = {}
+        self._kinds: dict[str, int] = {}  # block name -> the number of its content (equal blocks, equal number)
+        self._contents: dict[Block, int] = {}
         self.coefficients: dict[tuple, tuple[float, float]] = {}  # _affine's, shared by every Segments of a search
 
     def arrays(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> dict:
@@ -82,10 +86,8 @@ class BlockTimes:
             act_sel = np.where(cores, [kept_activation_bytes(b, tp, sequence_parallel=sp, tier="selective") for b in blocks],
                                act / samples) * samples
             core_bytes = np.where(cores, [b.attention_core_bytes / tp_shard(b, tp) for b in blocks], 0.0) * samples
-            core_time = np.array([
-                block_time(b, samples, tp, st.cluster, dtype=st.dtype, measured_micro_batch=st.measured_micro_batch,
-                           recompute="selective", sequence_parallel=sp).bwd - o.bwd if c else 0.0
-                for b, o, c in zip(blocks, ops, cores)])
+            core_time = np.array([self.block(b, tp, samples, sp, "selective").bwd - o.bwd if c else 0.0
+                                  for b, o, c in zip(blocks, ops, cores)])
             # checkpoints: whole without sequence parallelism, split over the tp ranks with it
             inp = np.array(unit.input_bytes, dtype=float) * samples / (shard if sp else 1.0)
             trained = params * np.array([not b.frozen for b in blocks], dtype=float)  # frozen: no grads / optimizer / sync
@@ -101,11 +103,25 @@ class BlockTimes:
     def of(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> list:
         key = (unit.name, tp, samples, sp)
         if key not in self._cache:
-            st = self.setting
-            self._cache[key] = [block_time(b, samples, tp, st.cluster, dtype=st.dtype, measured_micro_batch=st.measured_micro_batch,
-                                           sequence_parallel=sp)
-                                for b in unit.blocks]
+            self._cache[key] = [self.block(b, tp, samples, sp) for b in unit.blocks]
         return self._cache[key]
+
+    def kind(self, b: Block) -> int:
+        """A number equal for blocks of equal content but their name and group (a model's identical layers cost the
+        same), so per-block cost calls are made once per distinct block."""
+        k = self._kinds.get(b.name)
+        if k is None:
+            k = self._kinds[b.name] = self._contents.setdefault(replace(b, name="", group=""), len(self._contents))
+        return k
+
+    def block(self, b: Block, tp: int, samples: float, sp: bool = False, recompute: bool | str = False):
+        """block_time of one block, shared by the blocks of equal content (a model's identical layers)."""
+        key = (self.kind(b), tp, samples, sp, recompute)
+        if key not in self._blocks:
+            st = self.setting
+            self._blocks[key] = block_time(b, samples, tp, st.cluster, dtype=st.dtype, measured_micro_batch=st.measured_micro_batch,
+                                           sequence_parallel=sp, recompute=recompute)
+        return self._blocks[key]
 
     def work(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> float:
         """Seconds of one micro-batch's forward and backward through every block (no recompute, no transfers)."""

@@ -154,8 +154,13 @@ def test_every_candidate_bound_is_below_its_simulated_step():
     """The branch and bound is exact only if no bound exceeds the simulated step of its plan."""
     from planner.allocate import combined_bound
 
-    for seed in range(6):
-        profile, cluster, batch = random_instance(seed, max_gpus=4)
+    from dataclasses import replace
+
+    for seed in range(10):
+        profile, cluster, batch = random_instance(seed % 5, max_gpus=4)
+        if seed >= 5:  # a frozen encoder: it runs forwards only and gets no gradient back
+            profile = Profile.build(profile.model, "bf16", 1, tuple(replace(b, frozen=b.group == "enc0") for b in profile.blocks),
+                                    profile.edges)
         setting = Setting(cluster, batch, "1f1b" if seed % 2 else "gpipe", "bf16")
         rng = random.Random(seed)
         for structure in ("chain", "non-colocated", "colocated"):
@@ -379,6 +384,11 @@ def test_no_pipelined_layout_bound_exceeds_its_simulated_step(schedule):
     checked, tight = 0, 0
     for seed in range(40):
         profile, cluster, batch = random_instance(100 + seed, max_gpus=8)
+        if seed % 3 == 0:  # a frozen encoder: its stages run forwards only
+            from dataclasses import replace
+
+            blocks = tuple(replace(b, frozen=b.group == "enc0") for b in profile.blocks)
+            profile = Profile.build(profile.model, "bf16", 1, blocks, profile.edges)
         setting = Setting(cluster, batch, schedule, "bf16")
         units = profile_units(profile, "chain")
         rng = random.Random(seed)
