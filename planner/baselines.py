@@ -11,6 +11,7 @@ from cost_models.comm import dp_link
 from cost_models.compute import block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
+from planner.bounds import stage_body
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -311,11 +312,12 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
 
 def homogeneous_grid(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
                      micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
-                     recomputes: Sequence[Recompute] = ("none", "full")) -> list[Plan]:
+                     recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers",
+                     sequence_parallels: Sequence[bool] = (False,)) -> list[Plan]:
     """Every layout of grid_layouts as a plan with predictions (fitting or not, in grid order). Evaluates them all:
     use best_homogeneous for large clusters."""
     specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches,
-                         zeros=zeros, recomputes=recomputes)
+                         zeros=zeros, recomputes=recomputes, split=split, sequence_parallels=sequence_parallels)
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
     return [_build(profile, cluster, global_batch, s, SolverInfo("baseline:homogeneous", notes=f"layout {s}")) for s in specs]
@@ -537,36 +539,51 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
     dtype = training.dtype
-    key = ("bound", spec.tp, spec.pp, spec.dp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.zero, spec.split,
-           spec.sequence_parallel)
-    if key not in costs.memo:
-        per = spec.dp * spec.tp
+    sp = spec.sequence_parallel and spec.tp > 1
+    # per stage: forward and backward op sums and trained parameters (shared by every dp and ZeRO stage), then tails
+    ops_key = ("ops", spec.tp, spec.pp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.split, sp)
+    if ops_key not in costs.memo:
         samples = float(spec.micro_batch)
-        fwd, bwd, tail = [], [], []
-        for i, names in enumerate(costs.stage_blocks(profile, spec)):
+        fwd, bwd, trained = [], [], []
+        for names in costs.stage_blocks(profile, spec):
             stage = [costs.blocks[n] for n in names]
             acts = _recomputed(profile, names, spec.recompute)
             f = b = 0.0
             for blk in stage:
-                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, acts.get(blk.name, False),
-                                          spec.sequence_parallel and spec.tp > 1)
+                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, acts.get(blk.name, False), sp)
                 f += bf
                 b += bb
             fwd.append(f)
             bwd.append(b)
-            params = sum(blk.params / tp_shard(blk, spec.tp) for blk in stage if not blk.frozen)  # frozen: no sync / update
+            trained.append(sum(blk.params / tp_shard(blk, spec.tp) for blk in stage if not blk.frozen))  # frozen: no sync / update
+        costs.memo[ops_key] = (fwd, bwd, trained)
+    fwd, bwd, trained = costs.memo[ops_key]
+    key = ("tail", *ops_key, spec.dp, spec.zero)
+    if key not in costs.memo:
+        per = spec.dp * spec.tp
+        tail = []
+        for i, (params, b) in enumerate(zip(trained, bwd)):
             link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
             # the gradient buckets hide behind at most the stage's last backward (the simulator's overlap_s)
             tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
                                   dtype=dtype, optimizer=training.optimizer, overlap_s=b).total)
-        costs.memo[key] = (fwd, bwd, tail)
-    fwd, bwd, tail = costs.memo[key]
+        costs.memo[key] = tail
+    tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
-    if spec.virtual_stages == 1:
-        fill = [sum(fwd[:i]) for i in range(spec.pp)]
-        drain = [sum(bwd[:i]) for i in range(spec.pp)]
-        busy = [fill[i] + m * (fwd[i] + bwd[i]) for i in range(spec.pp)]
-        bound = max(bound, max(x + t for x, t in zip(busy, tail)), max(x + d for x, d in zip(busy, drain)) + tail[0])
+    if spec.virtual_stages == 1 and costs.linear(profile, spec):
+        # a linear pipeline (each stage reads only the one before it): planner/bounds.py's per-stage terms, sends and
+        # transfers left out -- In_k (micro-batch 0's forwards before stage k), the body (stage_body: its 2m ops and
+        # the warm-up and cool-down waits), Up_k (the gradient's path back to an earlier stage, then that stage's tail)
+        p = spec.pp
+        back = costs.backward(profile, spec)  # stages running backwards: a frozen first stage may not
+        b_ = [b if has else 0.0 for b, has in zip(bwd, back)]
+        into = [sum(fwd[:k]) for k in range(p)]
+        down = [sum(fwd[j] + b_[j] for j in range(k + 1, p)) for k in range(p)]
+        up = [max([tail[k], *(sum(b_[i:k]) + tail[i] for i in range(k) if all(back[i:k]))]) for k in range(p)]
+        for k in range(p):
+            r = min(warmup_forwards(spec.schedule, m, p - 1 - k) + 1, m)
+            body = stage_body(fwd[k], b_[k], m, r, down[k]) if back[k] else m * fwd[k]
+            bound = max(bound, into[k] + body + up[k])
     return bound
 
 
@@ -581,6 +598,26 @@ class _Costs:
         self._times: dict[tuple, tuple[float, float]] = {}
         self.memo: dict[tuple, object] = {}  # per-layout figures shared by layouts that differ in schedule or ZeRO only
         self._stages: dict[tuple, list[tuple[str, ...]]] = {}
+        self._kinds: dict[str, int] = {}
+        self._contents: dict[Block, int] = {}
+
+    def linear(self, profile: Profile, spec: LayoutSpec) -> bool:
+        """Whether each stage of the split reads only its own blocks and the stage before it (a pipeline, not a DAG)."""
+        key = ("linear", spec.pp, spec.virtual_stages, spec.split)
+        if key not in self.memo:
+            stage = {b: i for i, names in enumerate(self.stage_blocks(profile, spec)) for b in names}
+            self.memo[key] = all(stage[e.dst] - stage[e.src] in (0, 1) for e in profile.edges)
+        return self.memo[key]
+
+    def backward(self, profile: Profile, spec: LayoutSpec) -> list[bool]:
+        """Per stage of a linear split, whether it runs backwards: it or a stage before it trains."""
+        key = ("backward", spec.pp, spec.virtual_stages, spec.split)
+        if key not in self.memo:
+            out: list[bool] = []
+            for names in self.stage_blocks(profile, spec):
+                out.append(bool(out and out[-1]) or any(not self.blocks[n].frozen for n in names))
+            self.memo[key] = out
+        return self.memo[key]
 
     def stage_blocks(self, profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
         key = (spec.pp, spec.virtual_stages, spec.split)
@@ -588,10 +625,17 @@ class _Costs:
             self._stages[key] = _stage_blocks(profile, spec)
         return self._stages[key]
 
+    def kind(self, block: Block) -> int:
+        """A number equal for blocks of equal content but name and group (a model's identical layers)."""
+        k = self._kinds.get(block.name)
+        if k is None:
+            k = self._kinds[block.name] = self._contents.setdefault(replace(block, name="", group=""), len(self._contents))
+        return k
+
     def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool | str,
                    sequence_parallel: bool = False) -> tuple[float, float]:
         """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""
-        key = (block.name, samples, tp, dtype, recompute, sequence_parallel)
+        key = (self.kind(block), samples, tp, dtype, recompute, sequence_parallel)
         if key not in self._times:
             t = block_time(block, samples, tp, self.cluster, dtype=dtype, measured_micro_batch=self.measured,
                            recompute=recompute, sequence_parallel=sequence_parallel)

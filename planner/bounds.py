@@ -125,18 +125,23 @@ def _body(lay: Layout, down: list[float]) -> list[float]:
     m, p = lay.micro_batches, lay.pp
     out = []
     for k in range(p):
-        f, b = lay.fwd[k], lay.bwd[k]
         if lay.backward and not lay.backward[k]:
-            out.append(m * f)  # forwards only: no in-flight limit, no round trip
+            out.append(m * lay.fwd[k])  # forwards only: no in-flight limit, no round trip
             continue
         r = min(warmup_forwards(lay.schedule, m, p - 1 - k + lay.assumed_downstream) + 1, m)
-        j0 = (m - 1) % r
-        terms = [m * (f + b) + max(0.0, down[k] + b - r * b), m * b + max(m * f, (m - r + 1) * f + down[k]),
-                 j0 * f + ((m - 1 - j0) // r + 1) * (f + down[k] + b)]
-        if r < m:  # both waits at once: micro-batch 0's backward, then m - 1's (the module comment's last term)
-            terms.append(max(m * f, (m - r + 1) * f + down[k]) + max(m * b, (m - r + 1) * b + down[k]))
-        out.append(max(terms))
+        out.append(stage_body(lay.fwd[k], lay.bwd[k], m, r, down[k]))
     return out
+
+
+def stage_body(f: float, b: float, m: int, r: int, down: float) -> float:
+    """The middle term of the bound of a stage with forward f, backward b, m micro-batches, at most r forwards before
+    its first backward (r = min(warm-up + 1, m)) and round trip `down` through the later stages (module comment)."""
+    j0 = (m - 1) % r
+    terms = [m * (f + b) + max(0.0, down + b - r * b), m * b + max(m * f, (m - r + 1) * f + down),
+             j0 * f + ((m - 1 - j0) // r + 1) * (f + down + b)]
+    if r < m:  # both waits at once: micro-batch 0's backward, then m - 1's (the module comment's last term)
+        terms.append(max(m * f, (m - r + 1) * f + down) + max(m * b, (m - r + 1) * b + down))
+    return max(terms)
 
 
 def run_bound(work: float, micro_batches: int, depth: int) -> float:
