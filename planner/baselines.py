@@ -7,7 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from cost_models.comm import dp_link
+from cost_models.comm import dp_link, zero_collectives
+from cost_models.offload import exposed, overlaps_compute
 from cost_models.compute import block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
@@ -544,31 +545,36 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
     ops_key = ("ops", spec.tp, spec.pp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.split, sp)
     if ops_key not in costs.memo:
         samples = float(spec.micro_batch)
-        fwd, bwd, trained = [], [], []
+        ops, trained, params = [], [], []
         for names in costs.stage_blocks(profile, spec):
             stage = [costs.blocks[n] for n in names]
             acts = _recomputed(profile, names, spec.recompute)
-            f = b = 0.0
+            t = [0.0] * 4  # forward compute, forward with its TP comm, backward compute, backward with its TP comm
             for blk in stage:
-                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, acts.get(blk.name, False), sp)
-                f += bf
-                b += bb
-            fwd.append(f)
-            bwd.append(b)
+                for j, x in enumerate(costs.block_time(blk, samples, spec.tp, dtype, acts.get(blk.name, False), sp)):
+                    t[j] += x
+            ops.append(t)
             trained.append(sum(blk.params / tp_shard(blk, spec.tp) for blk in stage if not blk.frozen))  # frozen: no sync / update
-        costs.memo[ops_key] = (fwd, bwd, trained)
-    fwd, bwd, trained = costs.memo[ops_key]
+            params.append(sum(blk.params / tp_shard(blk, spec.tp) for blk in stage))
+        costs.memo[ops_key] = (ops, trained, params)
+    ops, trained, params = costs.memo[ops_key]
     key = ("tail", *ops_key, spec.dp, spec.zero)
     if key not in costs.memo:
         per = spec.dp * spec.tp
-        tail = []
-        for i, (params, b) in enumerate(zip(trained, bwd)):
+        fwd, bwd, tail = [], [], []
+        hides = overlaps_compute(cluster)
+        for i, ((fc, f, bc, b), tr, pa) in enumerate(zip(ops, trained, params)):
             link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
-            # the gradient buckets hide behind at most the stage's last backward (the simulator's overlap_s)
-            tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
-                                  dtype=dtype, optimizer=training.optimizer, overlap_s=b).total)
-        costs.memo[key] = tail
-    tail = costs.memo[key]
+            # ZeRO's gathers / reduce-scatters as the simulator charges them (pipeline._cost_chunk): hidden behind the
+            # op's compute on GPUs; with v chunks per rank, over the stage's sums (a lower bound of the chunks' sum)
+            z = zero_collectives(pa * DTYPE_BYTES[dtype], dp=spec.dp, zero=spec.zero, link=link)
+            fwd.append(f + (exposed(z.gather, fc) if hides else z.gather))
+            bwd.append(b + (exposed(z.gather + z.scatter, bc) if hides else z.gather + z.scatter))
+            # the gradient buckets hide behind at most the stage's last backward compute (the simulator's overlap_s)
+            tail.append(tail_over(tr, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
+                                  dtype=dtype, optimizer=training.optimizer, overlap_s=bc).total)
+        costs.memo[key] = fwd, bwd, tail
+    fwd, bwd, tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
     if spec.virtual_stages == 1 and costs.linear(profile, spec):
         # a linear pipeline (each stage reads only the one before it): planner/bounds.py's per-stage terms, sends and
@@ -633,11 +639,12 @@ class _Costs:
         return k
 
     def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool | str,
-                   sequence_parallel: bool = False) -> tuple[float, float]:
-        """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""
+                   sequence_parallel: bool = False) -> tuple[float, float, float, float]:
+        """(forward compute, forward op, backward compute, backward op) seconds of a block as the simulator charges
+        them (an op: compute and its blocking TP communication), without exposed transfers."""
         key = (self.kind(block), samples, tp, dtype, recompute, sequence_parallel)
         if key not in self._times:
             t = block_time(block, samples, tp, self.cluster, dtype=dtype, measured_micro_batch=self.measured,
                            recompute=recompute, sequence_parallel=sequence_parallel)
-            self._times[key] = (t.fwd + t.fwd_comm, t.bwd + t.bwd_comm)
+            self._times[key] = (t.fwd, t.fwd + t.fwd_comm, t.bwd, t.bwd + t.bwd_comm)
         return self._times[key]
