@@ -10,7 +10,7 @@ from typing import Literal, get_args
 from cost_models.comm import dp_link, zero_collectives
 from cost_models.offload import exposed, overlaps_compute
 from cost_models.compute import block_time, measured_on, tp_shard
-from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
+from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, kept_activation_bytes, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
 from planner.bounds import stage_body
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
@@ -358,7 +358,12 @@ def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, sche
     specs = [s for s in specs if global_batch // (s.dp * s.micro_batch) <= MAX_MICRO_BATCHES]
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
-    return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline)
+    costs = _Costs(profile, cluster)
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+    present = set(specs)
+    specs = [s for s in specs if s.sequence_parallel or s.tp == 1 or replace(s, sequence_parallel=True) not in present
+             or not costs.sp_dominates(s.tp, float(s.micro_batch), dtype)]
+    return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline, costs=costs)
 
 
 def _no_layout(profile: Profile, cluster: Cluster, global_batch: int) -> MmplanError:
@@ -438,7 +443,7 @@ class Screened:
 
 
 def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str,
-           deadline: float = math.inf) -> Plan:
+           deadline: float = math.inf, costs: _Costs | None = None) -> Plan:
     """The fastest fitting plan among `specs`, exactly as evaluating every one would find it, simulating few.
 
     1. Every layout's step-time lower bound (see screen; cheap: block times and tails, cached) orders them.
@@ -452,7 +457,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
     notes say by how much.
     """
     started = time.perf_counter()
-    costs = _Costs(profile, cluster)
+    costs = costs or _Costs(profile, cluster)
     order = sorted(((_step_bound(profile, cluster, global_batch, s, costs), i) for i, s in enumerate(specs)))
     memory: dict[LayoutSpec, float] = {}
 
@@ -606,6 +611,22 @@ class _Costs:
         self._stages: dict[tuple, list[tuple[str, ...]]] = {}
         self._kinds: dict[str, int] = {}
         self._contents: dict[Block, int] = {}
+
+    def sp_dominates(self, tp: int, samples: float, dtype: str) -> bool:
+        """Whether sequence parallelism at (tp, samples) costs no more than without it for every block: op times
+        under every recompute option and saved activations (as the solver's BlockTimes.sp_dominates); then a layout
+        without it is never faster than the same layout with it and is left out of the grid."""
+        key = ("sp", tp, samples, dtype)
+        if key not in self.memo:
+            ok = True
+            for blk in {self.kind(b): b for b in self.blocks.values()}.values():
+                for rec in (False, "selective", "recompute"):
+                    on, off = (self.block_time(blk, samples, tp, dtype, rec, sp) for sp in (True, False))
+                    ok = ok and all(a <= b for a, b in zip(on, off))
+                ok = ok and all(kept_activation_bytes(blk, tp, sequence_parallel=True, tier=t)
+                                <= kept_activation_bytes(blk, tp, sequence_parallel=False, tier=t) for t in ("keep", "selective"))
+            self.memo[key] = ok
+        return self.memo[key]
 
     def linear(self, profile: Profile, spec: LayoutSpec) -> bool:
         """Whether each stage of the split reads only its own blocks and the stage before it (a pipeline, not a DAG)."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _BIG = 2.0**31  # bytes at which the affine fits of alpha-beta costs are taken (well-conditioned)
 
 
-def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = None, key: tuple = ()) -> np.ndarray:
+def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = None, key: tuple = ()) -> np.ndarray | float:
     """fn (an alpha-beta cost, affine in bytes for bytes > 0 and 0 at 0) applied to an array; its two
     coefficients are kept in `cache` under `key` when given (they depend on the link and options, not on bytes)."""
     if cache is not None and key in cache:
@@ -38,6 +38,8 @@ def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = No
         a = fn(_BIG) - b * _BIG
         if cache is not None:
             cache[key] = (a, b)
+    if a == 0.0 and b == 0.0:
+        return 0.0  # a cost these options never pay (no ZeRO gather, GPU-resident state ...)
     return np.where(x > 0, a + b * x, 0.0)
 
 
@@ -227,7 +229,8 @@ class Segments:
         sync = np.maximum(bucket, full - bwd) if overlaps_compute(cl) else full
         opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k))
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
-        out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
+        zeros = np.zeros_like(self.params)
+        out = tuple(zeros + x for x in (fwd_op, bwd_op, sync + opt + gathered, opt, gathered))
         self._cache[key] = out
         return out
 
@@ -268,6 +271,8 @@ class Segments:
         room = np.where(self.valid, np.inf, -np.inf)
         with np.errstate(divide="ignore", invalid="ignore"):
             for base, per, cap in ((g0, g1, st.cluster.device.memory_bytes), (c0, c1, st.host_share), (n0, n1, st.nvme_share)):
+                if cap >= 0 and not base.any() and not per.any():
+                    continue  # nothing in this tier
                 limit = np.where(per > 0, (cap - base) / np.where(per > 0, per, 1.0), np.where(base <= cap, np.inf, -np.inf))
                 limit = np.where(base > cap, -np.inf, limit)
                 room = np.minimum(room, limit)
