@@ -61,6 +61,8 @@ class Bound:
 
 def layout_bound(lay: Layout) -> Bound:
     """The bound terms of a layout (computed once, when the Layout is made)."""
+    if lay.chunks > 1:
+        return _interleaved_bound(lay)
     into, up, down = _paths(lay)
     body = _body(lay, down)
     p, f, b, m = lay.pp, lay.fwd, counted_bwd(lay), lay.micro_batches
@@ -87,6 +89,24 @@ def layout_bound(lay: Layout) -> Bound:
         busy=max(m * (x + y) + o for x, y, o in zip(f, b, lay.optimizer)),
         trained=not lay.backward or lay.backward[-1],
     )
+
+
+def _interleaved_bound(lay: Layout) -> Bound:
+    """An interleaved layout (a chain unit's linear pipeline of pp * v chunks, stage k holding chunks k, k + pp, ...;
+    sends not counted): stage k's lane runs its m v forwards and m v backwards after micro-batch 0's forwards through
+    chunks 0..k-1 reach it (In_k), and none of its backwards can start before micro-batch 0 went forward through every
+    chunk and backward through every chunk after its last one, (v - 1) pp + k (W_k); its optimizer step follows its
+    last backward. So the step is at least max(In_k + m (F_k + B_k), W_k + m B_k) + optimizer_k."""
+    p, m, v = lay.pp, lay.micro_batches, lay.chunks
+    cf, cb = lay.chunk_fwd, lay.chunk_bwd
+    total_f = sum(cf)
+    own = 0.0
+    for k in range(p):
+        into = sum(cf[:k])
+        wait = total_f + sum(cb[(v - 1) * p + k + 1:])
+        own = max(own, max(into + m * (lay.fwd[k] + lay.bwd[k]), wait + m * lay.bwd[k]) + lay.optimizer[k])
+    busy = max(m * (x + y) + o for x, y, o in zip(lay.fwd, lay.bwd, lay.optimizer))
+    return Bound(own=own, fwd_out=total_f, bwd_in=sum(cb), k1=own, k2=(), k3=(), k4=(), busy=busy)
 
 
 def _dag(lay: Layout) -> tuple[list[tuple[int, ...]], list[tuple[float, ...]]]:

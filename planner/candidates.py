@@ -112,6 +112,9 @@ class Setting:
     # sequence parallelism of tp > 1 layouts (Group.sequence_parallel); where it costs no more in every stage figure
     # (BlockTimes.sp_dominates: always, with this cost model) only the layouts with it are built
     sequence_parallel: tuple[bool, ...] = (False, True)
+    # interleaved 1F1B layouts of the chain unit with these model chunks per rank (solve --schedule interleaved), besides
+    # the 1F1B ones: chunk cut points balance the chunks' op time (_interleaved)
+    virtual_stages: tuple[int, ...] = ()
 
     @property
     def host_share(self) -> float:
@@ -157,6 +160,11 @@ class Layout:
     # per stage, whether the bounds may count on it running backwards (() = every stage): a stage of frozen blocks
     # fed by no training stage runs forwards only (plans/stage_graph.StageGraph.trains)
     backward: tuple[bool, ...] = ()
+    # interleaved 1F1B: model chunks per rank (cuts are then the pp * chunks - 1 chunk cut points, stage k holding chunks
+    # k, k + pp, ...; fwd / bwd / tail / bytes are per stage, chunk_fwd / chunk_bwd per chunk)
+    chunks: int = 1
+    chunk_fwd: tuple[float, ...] = ()
+    chunk_bwd: tuple[float, ...] = ()
     bound: Bound = field(init=False, compare=False, repr=False)  # planner/bounds.py
 
     def __post_init__(self) -> None:
@@ -164,7 +172,7 @@ class Layout:
 
     @property
     def pp(self) -> int:
-        return len(self.cuts) + 1
+        return (len(self.cuts) + 1) // self.chunks
 
     @property
     def gpus(self) -> int:
@@ -173,12 +181,17 @@ class Layout:
     @property
     def key(self) -> tuple:
         return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies,
-                self.sequence_parallel)
+                self.sequence_parallel, self.chunks)
+
+    def stage_blocks(self, blocks: Sequence[str]) -> list[tuple[str, ...]]:
+        """Per stage, its blocks in execution order (with chunks > 1: chunks k, k + pp, ... of stage k)."""
+        bounds = (0, *self.cuts, len(blocks))
+        parts = [tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [tuple(x for c in parts[k::self.pp] for x in c) for k in range(self.pp)]
 
     def memories(self, blocks: Sequence[str], cores: Collection[str] | None = None) -> tuple[Memory, ...]:
         """Per-stage plan Memory of the layout (blocks: the unit's block names; cores: those with an attention core)."""
-        bounds = (0, *self.cuts, len(blocks))
-        return tuple(pol.memory(blocks[a:b], cores) for pol, a, b in zip(self.policies, bounds, bounds[1:]))
+        return tuple(pol.memory(names, cores) for pol, names in zip(self.policies, self.stage_blocks(blocks)))
 
 
 # --- the search space --------------------------------------------------------------------------------
@@ -406,6 +419,76 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
             # whose m (slowest - largest send) reaches `limit` cannot beat it and is not built
             if part is not None and m * (part.slowest - send_max) < limit:
                 out.append(_layout(seg, stages, part.cuts, part.slowest, recorded, links))
+    if st.virtual_stages and st.schedule == "1f1b" and not depths and not seg.unit.feeds and not seg.unit.out_bytes:
+        out += _interleaved(seg, depth, limit)
+    return out
+
+
+def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
+    """Interleaved 1F1B layouts of a chain unit at one (tp, dp, ZeRO, m): for each v of Setting.virtual_stages and pp
+    of 2..depth, the unit cut into pp * v chunks of balanced op time (prefix sums of the fastest policy's per-block
+    forward + backward; not the DP's min-max: an approximation of the best cuts), stage k holding chunks k, k + pp,
+    ...; per stage the fastest policy whose memory fits (its chunks' bytes added up, with the interleaved schedule's
+    micro-batches in flight, memory.in_flight). Only where the chunks form a linear pipeline and nothing is frozen
+    (planner/bounds.py's interleaved bound assumes both)."""
+    st, m, n, cl = seg.setting, seg.micro_batches, seg.n, seg.setting.cluster
+    if any(b.frozen for b in seg.unit.blocks):
+        return []
+    usable = [pol for pol in st.policies if runs_with(pol, seg.zero)]
+    if not usable:
+        return []
+    times = {pol: seg.time(pol) for pol in usable}
+    mems = {pol: seg.memory(pol) for pol in usable}
+    per_block = np.array([min(times[p][0][i, i + 1] + times[p][1][i, i + 1] for p in usable) for i in range(n)])
+    prefix = np.concatenate(([0.0], np.cumsum(per_block)))
+    caps = (cl.device.memory_bytes, st.host_share, st.nvme_share)
+    out = []
+    for v in st.virtual_stages:
+        for pp in range(2, depth + 1):
+            chunks = pp * v
+            if chunks > n:
+                break
+            if not allowed_gpus(seg.tp * seg.dp * pp, cl):
+                continue
+            raw = np.searchsorted(prefix, prefix[-1] * np.arange(1, chunks) / chunks, side="left")
+            cuts = tuple(min(max(int(c), i + 1), n - chunks + i + 1) for i, c in enumerate(raw))
+            if any(b <= a for a, b in zip(cuts, cuts[1:])):
+                continue
+            starts, ends = np.array((0, *cuts)), np.array((*cuts, n))
+            if _stage_preds(seg.unit, starts):
+                continue  # not a linear pipeline of chunks
+            figures = []
+            for k in range(pp):
+                a, b = starts[k::pp], ends[k::pp]
+                flight = in_flight("interleaved", m, warmup_forwards("interleaved", m, pp - 1 - k, v, pp), v)
+                best = None
+                for pol in usable:
+                    fwd, bwd, tail, opt, gather = (float(x[a, b].sum()) for x in times[pol])
+                    g0, g1, c0, c1, n0, n1 = (float(x[a, b].sum()) for x in mems[pol])
+                    used = (g0 + flight * g1, c0 + flight * c1, n0 + flight * n1)
+                    if any(u > cap for u, cap in zip(used, caps)):
+                        continue
+                    if best is None or fwd + bwd < best[1][0] + best[1][1]:
+                        best = (pol, (fwd, bwd, tail, opt, gather, *used), times[pol][0][a, b], times[pol][1][a, b])
+                if best is None:
+                    break
+                figures.append(best)
+            if len(figures) < pp:
+                continue
+            slowest = max(f[1][0] + f[1][1] for f in figures)
+            if m * slowest >= limit:
+                continue
+            chunk_fwd, chunk_bwd = [0.0] * chunks, [0.0] * chunks
+            for k, fig in enumerate(figures):
+                for j, (x, y) in enumerate(zip(fig[2], fig[3])):
+                    chunk_fwd[k + j * pp], chunk_bwd[k + j * pp] = float(x), float(y)
+            rows = list(zip(*(f[1] for f in figures)))
+            out.append(Layout(
+                unit=seg.unit.name, schedule="1f1b", micro_batches=m, tp=seg.tp, dp=seg.dp, zero=seg.zero, cuts=cuts,
+                policies=tuple(f[0] for f in figures), downstream=None, assumed_downstream=0, fwd=rows[0], bwd=rows[1],
+                lag=(0.0,) * (pp - 1), tail=rows[2], optimizer=rows[3], gather=rows[4], gpu_bytes=rows[5], cpu_bytes=rows[6],
+                nvme_bytes=rows[7], samples=seg.samples, out_bytes=seg.unit.out_bytes, slowest=slowest,
+                sequence_parallel=seg.sequence_parallel, chunks=v, chunk_fwd=tuple(chunk_fwd), chunk_bwd=tuple(chunk_bwd)))
     return out
 
 

@@ -28,14 +28,16 @@ class GroupLayout:
     colocated_with: str | None = None
     memory: tuple[Memory, ...] = ()  # one per stage; empty = everything on the GPU
     sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence (Group's field)
+    chunks: int = 1  # interleaved schedule: model chunks per stage; cuts then split pp * chunks chunks, stage k holding k, k + pp, ...
 
     @property
     def pp(self) -> int:
-        return len(self.cuts) + 1
+        return (len(self.cuts) + 1) // self.chunks
 
     def stage_blocks(self) -> list[tuple[str, ...]]:
         bounds = [0, *self.cuts, len(self.blocks)]
-        return [self.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+        parts = [self.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+        return [tuple(x for c in parts[k::self.pp] for x in c) for k in range(self.pp)]
 
 
 def to_group(layout: GroupLayout) -> Group:

@@ -44,7 +44,8 @@ from plans.plan import Plan, SolverInfo
 
 Placement = Literal["auto", "colocated", "non-colocated"]
 PLACEMENTS: tuple[str, ...] = ("auto", "colocated", "non-colocated")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f1b layouts and homogeneous interleaved ones
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+VIRTUAL_STAGES = (2, 4)  # model chunks per rank of the interleaved chain layouts (--schedule interleaved)  # interleaved: 1f1b layouts and homogeneous interleaved ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +139,9 @@ def solve(
     usable = usable_cluster(cluster, memory_reserve)
     solver = pick_solver(solver)
     deadline = started + (time_limit - _write_reserve(time_limit, cluster) if time_limit is not None else math.inf)
-    # --schedule interleaved: the heterogeneous search lays out 1f1b pipelines (its cut-point DP is per contiguous
-    # stage); the Megatron-style baseline's grid holds interleaved 1F1B layouts, emitted where faster
+    # --schedule interleaved: 1F1B layouts and, for the chain structure (one layout for the whole model), interleaved 1F1B
+    # ones with VIRTUAL_STAGES model chunks per rank (candidates._interleaved); the heterogeneous structures lay out 1F1B
+    # pipelines; the Megatron-style baseline's grid holds interleaved 1F1B layouts too
     searched = "1f1b" if schedule == "interleaved" else schedule
     search = Search(profile, usable, global_batch, searched, deadline, note, solver=solver, started=started,
                     time_limit=time_limit)
@@ -147,7 +149,8 @@ def solve(
     ms = micro_batch_counts(global_batch, micro_batch)
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     measured = profile.micro_batch if measured_on(profile, usable) else None
-    setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros))
+    setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros),
+                      virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else ())
     # 1. the homogeneous baseline: the chain structure alone (one layout for every block, cut points by the DP),
     #    searched first so that its step prunes the heterogeneous structures
     chain = [(s, u) for s, u in structures if s == "chain"]

@@ -69,7 +69,8 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
     """The fastest fitting plan of the solver's space, by simulating every combination: every structure, number of
     micro-batches and candidate layout of every unit (cut points by the partition DP; tier policies keep / selective /
     recompute; sequence parallelism on and off at tp > 1, none pruned as dominated), every GPU split."""
-    setting = Setting(cluster, global_batch, schedule, "bf16", "adam", None, GPU_ONLY)
+    setting = Setting(cluster, global_batch, "1f1b" if schedule == "interleaved" else schedule, "bf16", "adam", None, GPU_ONLY,
+                      virtual_stages=(2, 4) if schedule == "interleaved" else ())
     n = cluster.world_size
     best = math.inf
     structures = [s for s in STRUCTURES[placement]
@@ -100,7 +101,7 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
                     continue
                 if any(lay.downstream is not None and lay.downstream != combo[sink].pp for i, lay in enumerate(combo) if i != sink):
                     continue
-                plan = build_layouts(profile, cluster, global_batch, schedule, structure, units, combo)
+                plan = build_layouts(profile, cluster, global_batch, setting.schedule, structure, units, combo)
                 if plan is not None and plan.predicted.fits:
                     best = min(best, plan.predicted.step_time_s)
     return None if best == math.inf else best
@@ -141,6 +142,12 @@ def test_allocation_ilp_matches_brute_force_colocated(seed):
 @pytest.mark.parametrize("seed", [4, 6])
 def test_solver_matches_brute_force_gpipe(seed):
     check_optimal(seed, "gpipe")
+
+
+@pytest.mark.parametrize("seed", [0, 2, 5, 11])
+def test_solver_matches_brute_force_interleaved(seed):
+    # --schedule interleaved: 1F1B layouts and interleaved 1F1B chain layouts (2 and 4 chunks per rank), in both
+    check_optimal(seed, "interleaved")
 
 
 @pytest.mark.slow
@@ -404,3 +411,22 @@ def test_no_pipelined_layout_bound_exceeds_its_simulated_step(schedule):
                 tight += lay.bound.own >= step * 0.99
     assert checked >= 200
     assert tight >= checked // 2  # most bounds are within 1 % of the step (the combined term)
+
+
+def test_interleaved_layout_bound_never_exceeds_its_simulated_step():
+    """planner/bounds.py's interleaved bound on every interleaved chain layout of random instances."""
+    checked = 0
+    for seed in range(30):
+        profile, cluster, batch = random_instance(300 + seed, max_gpus=8)
+        setting = Setting(cluster, batch, "1f1b", "bf16", virtual_stages=(2, 4))
+        units = profile_units(profile, "chain")
+        for m in divisors(batch):
+            for lay in unit_layouts(units[0], setting, m, max_gpus=cluster.world_size, prune_dominated=False):
+                if lay.chunks == 1:
+                    continue
+                plan = build_layouts(profile, cluster, batch, "1f1b", "chain", units, (lay,))
+                assert plan is not None and plan.training.schedule == "interleaved" and plan.training.virtual_stages == lay.chunks
+                assert [len(s.blocks) for s in plan.groups[0].stages] == [len(b) for b in lay.stage_blocks([b.name for b in profile.blocks])]
+                assert lay.bound.own <= plan.predicted.step_time_s * (1 + 1e-9), (seed, m, lay.pp, lay.chunks)
+                checked += 1
+    assert checked >= 50
