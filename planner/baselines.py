@@ -13,6 +13,7 @@ from cost_models.compute import block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, kept_activation_bytes, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
 from planner.bounds import stage_body
+from planner.candidates import sp_divides
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -306,7 +307,7 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
                         continue
                     for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
                         for rec in recomputes:
-                            for sp in dict.fromkeys(sp and tp > 1 for sp in sequence_parallels):
+                            for sp in dict.fromkeys(sp and tp > 1 and sp_divides(profile.blocks, tp) for sp in sequence_parallels):
                                 specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split, sp))
     return specs
 

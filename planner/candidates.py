@@ -242,19 +242,20 @@ class _Stages:
 
     def __init__(self, seg: Segments, downstream: int, send: np.ndarray):
         self.seg, self.downstream, self.send = seg, downstream, send
-        self._by_flight: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self._keys: dict[float, int] = {}
         self._flights: dict[int, float] = {}  # q -> micro-batches in flight (the DP asks for each q many times)
-        self._times: list[np.ndarray] = []
-        self._room: list[np.ndarray] = []
+        times, rooms = [], []
         for pol in seg.setting.policies:
             fwd, bwd, tail, _, _ = seg.time(pol)
             t = fwd + bwd + send[None, :] + tail / seg.micro_batches
-            self._times.append(t if runs_with(pol, seg.zero) else np.full_like(t, np.inf))  # tiers FSDP2 cannot hold
-            self._room.append(seg.room(pol))
+            times.append(t if runs_with(pol, seg.zero) else np.full_like(t, np.inf))  # tiers FSDP2 cannot hold
+            rooms.append(seg.room(pol))
+        self._times, self._room = np.stack(times), np.stack(rooms)  # (policies, L+1, L+1)
         # which segments fit under which policy depends on the flight only through the set {room < flight}:
         # flights with as many room values below them give the same costs (one evaluation when memory never binds)
-        self._rooms = np.sort(np.concatenate([r.ravel() for r in self._room]))
-        self._by_key: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rooms = np.sort(self._room.ravel())
+        self._by_key: dict[int, np.ndarray] = {}
+        self._which: dict[int, np.ndarray] = {}
 
     def flight(self, q: int) -> float:
         if q not in self._flights:
@@ -264,19 +265,25 @@ class _Stages:
     def cost(self, q: int) -> np.ndarray:
         return self.evaluate(self.flight(q))[0]
 
-    def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray]:
-        if flight not in self._by_flight:
-            key = int(np.searchsorted(self._rooms, flight, side="left"))  # room values < flight
-            if key not in self._by_key:
-                best = np.full_like(self.seg.params, np.inf)
-                which = np.zeros(best.shape, dtype=np.int64)
-                for index, (t, room) in enumerate(zip(self._times, self._room)):
-                    better = (room >= flight) & (t < best)
-                    best = np.where(better, t, best)
-                    which = np.where(better, index, which)
-                self._by_key[key] = (best, which)
-            self._by_flight[flight] = self._by_key[key]
-        return self._by_flight[flight]
+    def _key(self, flight: float) -> int:
+        key = self._keys.get(flight)
+        if key is None:
+            key = self._keys[flight] = int(np.searchsorted(self._rooms, flight, side="left"))  # room values < flight
+        return key
+
+    def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the fastest fitting policy's time of every segment, which policy) at `flight` micro-batches in flight;
+        `which` only once asked for (which_at)."""
+        key = self._key(flight)
+        if key not in self._by_key:
+            self._by_key[key] = np.where(self._room >= flight, self._times, np.inf).min(axis=0)
+        return self._by_key[key], self._which.get(key)
+
+    def which_at(self, flight: float) -> np.ndarray:
+        key = self._key(flight)
+        if key not in self._which:
+            self._which[key] = np.where(self._room >= flight, self._times, np.inf).argmin(axis=0)
+        return self._which[key]
 
 
 def _cross_link(setting: Setting, stage_ranks: int, pp: int) -> Link:
@@ -339,11 +346,17 @@ def unit_layouts(
     return out
 
 
+def sp_divides(blocks: Iterable[Block], tp: int) -> bool:
+    """Whether tp divides the sequence of every tensor-parallel block whose sequence the profile recorded (the runtime
+    shards those along it: planner/run.py refuses a sequence-parallel plan otherwise, e.g. a ViT's 577 tokens)."""
+    return all(b.sequence % tp == 0 for b in blocks if b.supports_tp and b.sequence)
+
+
 def sp_values(unit: Unit, setting: Setting, tp: int, samples: float, times: BlockTimes, prune: bool = True) -> tuple[bool, ...]:
     """Sequence parallelism settings worth trying for a (tp, samples) run: off alone at tp = 1 (nothing to shard),
     on alone where it dominates (BlockTimes.sp_dominates) and `prune`, else Setting.sequence_parallel."""
     allowed = tuple(dict.fromkeys(setting.sequence_parallel)) or (False,)
-    if tp <= 1 or not unit.supports_tp:
+    if tp <= 1 or not unit.supports_tp or not sp_divides(unit.blocks, tp):
         return (False,)
     if prune and True in allowed and False in allowed and times.sp_dominates(unit, tp, samples):
         return (True,)
@@ -514,7 +527,7 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
     ends = np.array((*cuts, seg.n), dtype=np.int64)
     pp = len(starts)
     flights = np.array([stages.flight(pp - 1 - k) for k in range(pp)])
-    which = np.array([stages.evaluate(f)[1][a, b] for f, a, b in zip(flights, starts, ends)], dtype=np.int64)
+    which = np.array([stages.which_at(f)[a, b] for f, a, b in zip(flights, starts, ends)], dtype=np.int64)
     policies = tuple(st.policies[i] for i in which)
     figures = np.zeros((12, pp))  # fwd, bwd, tail, opt, gather, gpu0, gpu1, cpu0, cpu1, nvme0, nvme1
     for index in np.unique(which):

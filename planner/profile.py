@@ -127,6 +127,7 @@ class _BlockRecord:
     memory_bytes: list = field(default_factory=lambda: [0.0, 0.0])
     replicated_memory_bytes: float = 0.0  # of memory_bytes[0]: forward ops outside every tensor-parallel region
     matmuls: int = 0
+    sequence: int = 0  # dim 1 of a 3-D first input (batch, sequence, hidden): sequence parallelism needs tp to divide it
     gemms: list = field(default_factory=lambda: [{}, {}])  # [fwd, bwd]: (flops, bytes) of a GEMM kernel -> count
     param_shapes: frozenset = frozenset()  # shapes of the block's parameters (their gradients are not activations)
     # saved storages by tensor-parallel class (see _classify_saved): (bytes, kind, module call) in saving order
@@ -401,6 +402,9 @@ def _install_hooks(trace: _Trace) -> list:
                 rec.order = trace.executed
                 trace.executed += 1
                 rec.in_spec = _spec((args, kwargs))
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                if isinstance(first, torch.Tensor) and first.dim() == 3:
+                    rec.sequence = int(first.shape[1])
             for src, leaf, nbytes in trace.prov_of((args, kwargs)):
                 trace.edges[(src, rec.name)][(src, leaf)] = nbytes
             trace.current = rec.name
@@ -793,6 +797,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             matmuls=rec.matmuls, fwd_gemms=_gemm_list(rec.gemms[0], mb), bwd_gemms=_gemm_list(rec.gemms[1], mb),
             activation_replicated_bytes=_per_sample(replicated, mb),
             attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss),
+            sequence=rec.sequence,
         ))
     order = {r.name: r.order for r in records}
     edges = tuple(

@@ -229,8 +229,8 @@ class Segments:
         sync = np.maximum(bucket, full - bwd) if overlaps_compute(cl) else full
         opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k))
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
-        zeros = np.zeros_like(self.params)
-        out = tuple(zeros + x for x in (fwd_op, bwd_op, sync + opt + gathered, opt, gathered))
+        out = tuple(x if isinstance(x, np.ndarray) else np.full_like(self.params, x)
+                    for x in (fwd_op, bwd_op, sync + opt + gathered, opt, gathered))
         self._cache[key] = out
         return out
 

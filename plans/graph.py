@@ -66,6 +66,9 @@ class Block:
     # not trained: `mmplan profile --freeze` matched it, or it has parameters and none requires grad (no gradients,
     # optimizer state or gradient sync; profiled with its parameters frozen)
     frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})
+    # the sequence length of the block's (batch, sequence, hidden) input, when it has one (0: unknown or none): sequence
+    # parallelism over tp ranks needs tp to divide it (written only when known)
+    sequence: int = field(default=0, metadata={OMIT_DEFAULT: True})
 
 
 @dataclass(frozen=True, slots=True)
