@@ -430,3 +430,25 @@ def test_interleaved_layout_bound_never_exceeds_its_simulated_step():
                 assert lay.bound.own <= plan.predicted.step_time_s * (1 + 1e-9), (seed, m, lay.pp, lay.chunks)
                 checked += 1
     assert checked >= 50
+
+
+def test_sequence_parallelism_only_where_tp_divides_the_sequence():
+    # a 17-token encoder (a ViT's class token) cannot be sequence-parallel over 2 ranks (planner/run.py refuses it),
+    # a 32-token LLM can; a profile without sequence lengths leaves it to the run's check
+    from dataclasses import replace
+
+    from planner.candidates import sp_divides, sp_values
+    from planner.segments import BlockTimes
+
+    profile, cluster, batch = next((p, c, b) for p, c, b in map(random_instance, range(50))
+                                   if len(profile_units(p, "non-colocated") or ()) == 2)
+    blocks = tuple(replace(b, supports_tp=True, sequence=17 if b.group != "llm" else 32) for b in profile.blocks)
+    profile = Profile.build(profile.model, "bf16", 1, blocks, profile.edges)
+    enc, llm = profile_units(profile, "non-colocated")
+    setting = Setting(cluster, batch, "1f1b", "bf16")
+    times = BlockTimes(setting)
+    assert not sp_divides(enc.blocks, 2) and sp_divides(llm.blocks, 2) and sp_divides(llm.blocks, 4)
+    assert sp_values(enc, setting, 2, 1.0, times, prune=False) == (False,)
+    assert sp_values(llm, setting, 2, 1.0, times, prune=False) == (False, True)
+    assert not any(lay.sequence_parallel for m in divisors(batch)
+                   for lay in unit_layouts(enc, setting, m, max_gpus=cluster.world_size, prune_dominated=False))
