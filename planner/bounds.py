@@ -96,7 +96,10 @@ def _interleaved_bound(lay: Layout) -> Bound:
     sends not counted): stage k's lane runs its m v forwards and m v backwards after micro-batch 0's forwards through
     chunks 0..k-1 reach it (In_k), and none of its backwards can start before micro-batch 0 went forward through every
     chunk and backward through every chunk after its last one, (v - 1) pp + k (W_k); its optimizer step follows its
-    last backward. So the step is at least max(In_k + m (F_k + B_k), W_k + m B_k) + optimizer_k."""
+    last backward. So the step is at least max(In_k + m (F_k + B_k), W_k + m B_k) + optimizer_k. And at most r_k =
+    min(w_k + 1, m v) forwards precede its first backward (the schedule's w_k warm-up forwards, memory.warmup_forwards,
+    as for 1F1B): the other m v - r_k forwards, each at least its smallest chunk's, follow it:
+    max(W_k, In_k + r_k f_min) + (m v - r_k) f_min + m B_k + optimizer_k."""
     p, m, v = lay.pp, lay.micro_batches, lay.chunks
     cf, cb = lay.chunk_fwd, lay.chunk_bwd
     total_f = sum(cf)
@@ -104,7 +107,10 @@ def _interleaved_bound(lay: Layout) -> Bound:
     for k in range(p):
         into = sum(cf[:k])
         wait = total_f + sum(cb[(v - 1) * p + k + 1:])
-        own = max(own, max(into + m * (lay.fwd[k] + lay.bwd[k]), wait + m * lay.bwd[k]) + lay.optimizer[k])
+        r = min(warmup_forwards("interleaved", m, p - 1 - k, v, p) + 1, m * v)
+        fmin = min(cf[k::p])
+        own = max(own, max(into + m * (lay.fwd[k] + lay.bwd[k]), wait + m * lay.bwd[k],
+                           max(wait, into + r * fmin) + (m * v - r) * fmin + m * lay.bwd[k]) + lay.optimizer[k])
     busy = max(m * (x + y) + o for x, y, o in zip(lay.fwd, lay.bwd, lay.optimizer))
     return Bound(own=own, fwd_out=total_f, bwd_in=sum(cb), k1=own, k2=(), k3=(), k4=(), busy=busy)
 

@@ -439,7 +439,7 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
 
 def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
     """Interleaved 1F1B layouts of a chain unit at one (tp, dp, ZeRO, m): for each v of Setting.virtual_stages and pp
-    of 2..depth, the unit cut into pp * v chunks of balanced op time (prefix sums of the fastest policy's per-block
+    of 2..depth dividing m, the unit cut into pp * v chunks of balanced op time (prefix sums of the fastest policy's per-block
     forward + backward; not the DP's min-max: an approximation of the best cuts), stage k holding chunks k, k + pp,
     ...; per stage the fastest policy whose memory fits (its chunks' bytes added up, with the interleaved schedule's
     micro-batches in flight, memory.in_flight). Only where the chunks form a linear pipeline and nothing is frozen
@@ -461,8 +461,8 @@ def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
             chunks = pp * v
             if chunks > n:
                 break
-            if not allowed_gpus(seg.tp * seg.dp * pp, cl):
-                continue
+            if not allowed_gpus(seg.tp * seg.dp * pp, cl) or m % pp:
+                continue  # Megatron's interleaved schedule needs the micro-batches in groups of pp
             raw = np.searchsorted(prefix, prefix[-1] * np.arange(1, chunks) / chunks, side="left")
             cuts = tuple(min(max(int(c), i + 1), n - chunks + i + 1) for i, c in enumerate(raw))
             if any(b <= a for a, b in zip(cuts, cuts[1:])):
