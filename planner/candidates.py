@@ -470,38 +470,38 @@ def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
             starts, ends = np.array((0, *cuts)), np.array((*cuts, n))
             if _stage_preds(seg.unit, starts):
                 continue  # not a linear pipeline of chunks
-            figures = []
-            for k in range(pp):
-                a, b = starts[k::pp], ends[k::pp]
-                flight = in_flight("interleaved", m, warmup_forwards("interleaved", m, pp - 1 - k, v, pp), v)
-                best = None
-                for pol in usable:
-                    fwd, bwd, tail, opt, gather = (float(x[a, b].sum()) for x in times[pol])
-                    g0, g1, c0, c1, n0, n1 = (float(x[a, b].sum()) for x in mems[pol])
-                    used = (g0 + flight * g1, c0 + flight * c1, n0 + flight * n1)
-                    if any(u > cap for u, cap in zip(used, caps)):
-                        continue
-                    if best is None or fwd + bwd < best[1][0] + best[1][1]:
-                        best = (pol, (fwd, bwd, tail, opt, gather, *used), times[pol][0][a, b], times[pol][1][a, b])
-                if best is None:
-                    break
-                figures.append(best)
-            if len(figures) < pp:
+            flights = np.array([in_flight("interleaved", m, warmup_forwards("interleaved", m, pp - 1 - k, v, pp), v)
+                                for k in range(pp)])
+            best_time = np.full(pp, np.inf)
+            best_rows = np.zeros((8, pp))  # fwd, bwd, tail, optimizer, gather, gpu, cpu, nvme per stage
+            best_chunks = np.zeros((2, chunks))  # fwd, bwd per chunk
+            choice = [usable[0]] * pp
+            for pol in usable:  # chunk c is on stage c mod pp: (v, pp) reshapes sum a stage's chunks
+                t = np.array([x[starts, ends] for x in times[pol]])  # (5, chunks)
+                mem = np.array([x[starts, ends] for x in mems[pol]]).reshape(6, v, pp).sum(axis=1)
+                used = mem[0::2] + flights[None, :] * mem[1::2]  # gpu, cpu, nvme per stage
+                stage = t.reshape(5, v, pp).sum(axis=1)
+                total = np.where((used <= np.array(caps)[:, None]).all(axis=0), stage[0] + stage[1], np.inf)
+                better = total < best_time
+                for k in np.flatnonzero(better):
+                    choice[k] = pol
+                best_time = np.where(better, total, best_time)
+                best_rows[:, better] = np.concatenate([stage, used])[:, better]
+                sel = np.tile(better, v)
+                best_chunks[:, sel] = t[:2, sel]
+            if not np.isfinite(best_time).all():
                 continue
-            slowest = max(f[1][0] + f[1][1] for f in figures)
+            slowest = float(best_time.max())
             if m * slowest >= limit:
                 continue
-            chunk_fwd, chunk_bwd = [0.0] * chunks, [0.0] * chunks
-            for k, fig in enumerate(figures):
-                for j, (x, y) in enumerate(zip(fig[2], fig[3])):
-                    chunk_fwd[k + j * pp], chunk_bwd[k + j * pp] = float(x), float(y)
-            rows = list(zip(*(f[1] for f in figures)))
+            chunk_fwd, chunk_bwd = tuple(best_chunks[0].tolist()), tuple(best_chunks[1].tolist())
+            rows = [tuple(r) for r in best_rows.tolist()]
             out.append(Layout(
                 unit=seg.unit.name, schedule="1f1b", micro_batches=m, tp=seg.tp, dp=seg.dp, zero=seg.zero, cuts=cuts,
-                policies=tuple(f[0] for f in figures), downstream=None, assumed_downstream=0, fwd=rows[0], bwd=rows[1],
+                policies=tuple(choice), downstream=None, assumed_downstream=0, fwd=rows[0], bwd=rows[1],
                 lag=(0.0,) * (pp - 1), tail=rows[2], optimizer=rows[3], gather=rows[4], gpu_bytes=rows[5], cpu_bytes=rows[6],
                 nvme_bytes=rows[7], samples=seg.samples, out_bytes=seg.unit.out_bytes, slowest=slowest,
-                sequence_parallel=seg.sequence_parallel, chunks=v, chunk_fwd=tuple(chunk_fwd), chunk_bwd=tuple(chunk_bwd)))
+                sequence_parallel=seg.sequence_parallel, chunks=v, chunk_fwd=chunk_fwd, chunk_bwd=chunk_bwd))
     return out
 
 
