@@ -4,7 +4,7 @@ Run: python bench/solve_bench.py [--repeats 3] [--batch-per-gpu 1] [--cases vit2
      [--schedule interleaved|1f1b|gpipe]
 Profiles are built on the meta device first (not counted in the solve time). Every dimension of the search is on
 (tp, dp, pp, micro-batches, ZeRO 0-3, sequence parallelism, keep / selective / full recompute / memory tiers, cut
-points, placements, and -- with the default --schedule interleaved -- interleaved 1F1B chain layouts of 2 or 4 model
+points, placements, and -- with the default --schedule interleaved -- interleaved 1F1B chain layouts of 2 model
 chunks per rank beside the 1F1B ones). Targets: solve
 time < 2 s at 64 GPUs, < 10 s at 1024, < 60 s at 4096. Both baselines (homogeneous: one layout, cut points by the
 solver's DP; megatron: encoders on stage 0, LLM layers even) are searched inside the same solve() call and are

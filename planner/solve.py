@@ -44,8 +44,8 @@ from plans.plan import Plan, SolverInfo
 
 Placement = Literal["auto", "colocated", "non-colocated"]
 PLACEMENTS: tuple[str, ...] = ("auto", "colocated", "non-colocated")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-VIRTUAL_STAGES = (2, 4)  # model chunks per rank of the interleaved chain layouts (--schedule interleaved)  # interleaved: 1f1b layouts and homogeneous interleaved ones
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f1b layouts and interleaved chain ones
+VIRTUAL_STAGES = (2,)  # model chunks per rank of the interleaved chain layouts (--schedule interleaved; as the Megatron grid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import pytest
 from cost_models.hardware import parse_cluster
 from planner.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_layouts
 from planner.search import build_layouts
-from planner.solve import solve
+from planner.solve import VIRTUAL_STAGES, solve
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
@@ -70,7 +70,7 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
     micro-batches and candidate layout of every unit (cut points by the partition DP; tier policies keep / selective /
     recompute; sequence parallelism on and off at tp > 1, none pruned as dominated), every GPU split."""
     setting = Setting(cluster, global_batch, "1f1b" if schedule == "interleaved" else schedule, "bf16", "adam", None, GPU_ONLY,
-                      virtual_stages=(2, 4) if schedule == "interleaved" else ())
+                      virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else ())
     n = cluster.world_size
     best = math.inf
     structures = [s for s in STRUCTURES[placement]
@@ -146,7 +146,7 @@ def test_solver_matches_brute_force_gpipe(seed):
 
 @pytest.mark.parametrize("seed", [0, 2, 5, 11])
 def test_solver_matches_brute_force_interleaved(seed):
-    # --schedule interleaved: 1F1B layouts and interleaved 1F1B chain layouts (2 and 4 chunks per rank), in both
+    # --schedule interleaved: 1F1B layouts and interleaved 1F1B chain layouts (VIRTUAL_STAGES chunks per rank), in both
     check_optimal(seed, "interleaved")
 
 
