@@ -374,9 +374,11 @@ def zero_stages(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) -
 def runs_with(policy: Policy, zero: int) -> bool:
     """Whether the runtime trains a stage with these tiers under ZeRO stage `zero` (runtime.zero.zero_runs_with:
     its FSDP2 holds parameters and gradients on the GPU, or both on the host with CPU offload)."""
+    if zero == 0 or (policy.params, policy.grads) == ("gpu", "gpu"):
+        return True  # zero_runs_with's first case, without importing torch (seconds) into a solve that needs none
     from runtime.zero import zero_runs_with
 
-    return zero == 0 or zero_runs_with(policy.params, policy.grads, policy.optimizer)
+    return zero_runs_with(policy.params, policy.grads, policy.optimizer)
 
 
 def unit_runs(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, stage_ranks: int | None = None,
