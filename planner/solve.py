@@ -123,6 +123,7 @@ def solve(
     started: float | None = None,
     emit: Literal["best", "homogeneous", "megatron"] = "best",
     zeros: tuple[int, ...] = ZERO_STAGES,
+    sequence_parallel: tuple[bool, ...] = (False, True),
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
@@ -131,7 +132,8 @@ def solve(
     passes the process start); the search returns the best plan so far and says it stopped early.
     memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
     that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
-    stages searched (by the solver and both baselines).
+    stages searched (by the solver and both baselines). sequence_parallel: the sequence-parallelism settings searched
+    for tp > 1 (by the solver and both baselines; only where tp divides the sequence).
     """
     started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
@@ -150,7 +152,7 @@ def solve(
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     measured = profile.micro_batch if measured_on(profile, usable) else None
     setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros),
-                      virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else ())
+                      virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else (), sequence_parallel=tuple(sequence_parallel))
     # 1. the homogeneous baseline: the chain structure alone (one layout for every block, cut points by the DP),
     #    searched first so that its step prunes the heterogeneous structures
     chain = [(s, u) for s, u in structures if s == "chain"]
@@ -174,7 +176,8 @@ def solve(
     megatron = None
     if baseline and not search.out_of_time():
         note("Megatron-style baseline", 0.3)
-        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros)
+        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros,
+                                  sequence_parallel)
     if emit == "megatron":
         if megatron is None or not megatron.predicted.fits:
             raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
@@ -252,11 +255,12 @@ def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan 
 
 
 def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_batch: int, micro_batch: int | None,
-                   search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES) -> Plan | None:
+                   search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES,
+                   sequence_parallel: tuple[bool, ...] = (False, True)) -> Plan | None:
     """The best Megatron-style plan (planner/baselines.best_megatron) for the same request, on the real cluster."""
     try:
         plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
-                                       zeros=zeros)
+                                       zeros=zeros, sequence_parallels=sequence_parallel)
     except MmplanError:
         return None
     return replace(plan, cluster=cluster, solver=replace(plan.solver, memory_reserve=reserve))
@@ -360,6 +364,7 @@ def run_solve(
     progress: Progress | None = None,
     memory_reserve: float = DEFAULT_RESERVE,
     started: float | None = None,
+    sequence_parallel: tuple[bool, ...] = (False, True),
 ) -> tuple[Solution, Profile]:
     """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan.
 
@@ -377,7 +382,7 @@ def run_solve(
     if baseline in ("homogeneous", "megatron") and layout is None:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
-                         memory_reserve=memory_reserve, started=started, emit=baseline)
+                         memory_reserve=memory_reserve, started=started, emit=baseline, sequence_parallel=sequence_parallel)
     elif baseline is not None:
         plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout)
         elapsed = time.perf_counter() - started
@@ -388,7 +393,7 @@ def run_solve(
     else:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
-                         memory_reserve=memory_reserve, started=started)
+                         memory_reserve=memory_reserve, started=started, sequence_parallel=sequence_parallel)
     save_plan(solution.plan, output)
     return solution, profile
 
