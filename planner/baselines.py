@@ -582,6 +582,19 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
         costs.memo[key] = fwd, bwd, tail
     fwd, bwd, tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
+    if spec.virtual_stages > 1 and costs.linear(profile, spec) and not any(b.frozen for b in profile.blocks):
+        # interleaved: planner/bounds.py's interleaved terms over the pp * v chunks (sends and ZeRO exposure left out of
+        # the chunks' ops; the stage sums keep theirs)
+        p, v = spec.pp, spec.virtual_stages
+        cf, cb = costs.chunk_ops(profile, spec, dtype, sp, _recomputed)
+        total_f = sum(cf)
+        for k in range(p):
+            into = sum(cf[:k])
+            wait = total_f + sum(cb[(v - 1) * p + k + 1:])
+            r = min(warmup_forwards("interleaved", m, p - 1 - k, v, p) + 1, m * v)
+            fmin = min(cf[k::p])
+            bound = max(bound, max(into + m * (fwd[k] + bwd[k]), wait + m * bwd[k],
+                                   max(wait, into + r * fmin) + (m * v - r) * fmin + m * bwd[k]) + tail[k])
     if spec.virtual_stages == 1 and costs.linear(profile, spec):
         # a linear pipeline (each stage reads only the one before it): planner/bounds.py's per-stage terms, sends and
         # transfers left out -- In_k (micro-batch 0's forwards before stage k), the body (stage_body: its 2m ops and
@@ -630,11 +643,26 @@ class _Costs:
         return self.memo[key]
 
     def linear(self, profile: Profile, spec: LayoutSpec) -> bool:
-        """Whether each stage of the split reads only its own blocks and the stage before it (a pipeline, not a DAG)."""
+        """Whether each stage of the split (each chunk, with v > 1 chunks per rank) reads only its own blocks and the
+        one before it (a pipeline, not a DAG)."""
         key = ("linear", spec.pp, spec.virtual_stages, spec.split)
         if key not in self.memo:
-            stage = {b: i for i, names in enumerate(self.stage_blocks(profile, spec)) for b in names}
-            self.memo[key] = all(stage[e.dst] - stage[e.src] in (0, 1) for e in profile.edges)
+            parts = split_blocks(profile, spec.pp * spec.virtual_stages, spec.split)
+            part = {b: i for i, names in enumerate(parts) for b in names}
+            self.memo[key] = all(part[e.dst] - part[e.src] in (0, 1) for e in profile.edges)
+        return self.memo[key]
+
+    def chunk_ops(self, profile: Profile, spec: LayoutSpec, dtype: str, sp: bool, recomputed) -> tuple[list[float], list[float]]:
+        """Per model chunk of the split (pp * v of them), its forward and backward op seconds (compute + TP comm)."""
+        key = ("chunks", spec.tp, spec.pp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.split, sp)
+        if key not in self.memo:
+            cf, cb = [], []
+            for names in split_blocks(profile, spec.pp * spec.virtual_stages, spec.split):
+                acts = recomputed(profile, names, spec.recompute)
+                ops = [self.block_time(self.blocks[n], float(spec.micro_batch), spec.tp, dtype, acts.get(n, False), sp) for n in names]
+                cf.append(sum(o[1] for o in ops))
+                cb.append(sum(o[3] for o in ops))
+            self.memo[key] = (cf, cb)
         return self.memo[key]
 
     def backward(self, profile: Profile, spec: LayoutSpec) -> list[bool]:
