@@ -142,7 +142,9 @@ class BlockTimes:
             ops_on, ops_off = self.of(unit, tp, samples, True), self.of(unit, tp, samples, False)
             ok = all(a.fwd <= b.fwd and a.bwd <= b.bwd and a.fwd_comm <= b.fwd_comm and a.bwd_comm <= b.bwd_comm
                      for a, b in zip(ops_on, ops_off))
-            ok = ok and all(bool(np.all(on[k] <= off[k] * (1 + 1e-12))) for k in ("core", "act", "act_sel", "act_max", "core_max", "checkpoint"))
+            valid = on["valid"]  # segments [i, j) with i < j (the spans' other entries are differences of no segment)
+            ok = ok and all(bool(np.all(on[k][valid] <= off[k][valid] * (1 + 1e-12) + 1e-300))
+                            for k in ("core", "act", "act_sel", "act_max", "core_max", "checkpoint"))
             self._cache[key] = ok
         return self._cache[key]
 
