@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.hardware import parse_cluster
-from planner.candidates import SELECTIVE, KEEP, Setting, _layouts_of, profile_units, sp_divides
+from planner.candidates import SELECTIVE, Setting, _layouts_of, profile_units, sp_divides
 from planner.profile import profile_model
 from planner.search import build_layouts
 from planner.segments import Segments

@@ -77,7 +77,6 @@ class BlockTimes:
         if key not in self._arrays:
             blocks = unit.blocks
             ops = self.of(unit, tp, samples, sp)
-            st = self.setting
             shard = np.array([tp_shard(b, tp) for b in blocks], dtype=float)
             params = np.array([b.params for b in blocks], dtype=float) / shard
             act = np.array([kept_activation_bytes(b, tp, sequence_parallel=sp) for b in blocks], dtype=float) * samples
