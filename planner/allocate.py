@@ -13,7 +13,7 @@ from typing import Literal
 
 import pulp
 
-from planner.bounds import boundary_bound
+from planner.bounds import boundary_bound, counted_bwd
 from planner.candidates import Layout, Structure, Unit, allowed_gpus
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -112,7 +112,7 @@ def combined_bound(units: Sequence[Unit], layouts: Sequence[Layout], structure: 
         e = next(i for i in sources if units[i].name == f)
         bnd = boundary_bound(layouts[e], s, cluster) if structure == "non-colocated" else 0.0
         x.append(layouts[e].bound.fwd_out + bnd)
-        y.append(layouts[e].bound.bwd_in + bnd)
+        y.append(layouts[e].bound.bwd_in + bnd * layouts[e].bound.trained)
     b = s.bound
     terms = [lay.bound.own for lay in layouts]
     terms += [k + y[e] for e, k in enumerate(b.k2)]
@@ -130,14 +130,14 @@ def _colocated_ranks(layouts: Sequence[Layout], sink: int) -> float:
     or all optimizer steps and one gather -- whichever is larger for the least favourable s*."""
     m = layouts[sink].micro_batches
     src = [lay for i, lay in enumerate(layouts) if i != sink]
-    fb = sum(m * (lay.fwd[0] + lay.bwd[0]) for lay in src)
+    fb = sum(m * (lay.fwd[0] + counted_bwd(lay)[0]) for lay in src)  # a frozen source runs forwards only
     s = layouts[sink]
     best = 0.0
     for k in range(s.pp):
         tails = [lay.tail[0] for lay in src] + [s.tail[k]]
         opts = sum(lay.optimizer[0] for lay in src) + s.optimizer[k]
         gathers = [lay.gather[0] for lay in src] + [s.gather[k]]
-        best = max(best, fb + m * (s.fwd[k] + s.bwd[k]) + max(min(tails), opts + min(gathers)))
+        best = max(best, fb + m * (s.fwd[k] + counted_bwd(s)[k]) + max(min(tails), opts + min(gathers)))
     return best
 
 
@@ -245,7 +245,8 @@ class _SubProblem:
         head = cands[sink][0]  # every sink candidate of the sub-problem has the same tp and dp
         bnd = [[boundary_bound(lay, head, cl) if own_ranks else 0.0 for lay in cands[e]] for e in range(len(units))]
         X = [pulp.lpSum((lay.bound.fwd_out + bnd[e][c]) * v for c, (v, lay) in enumerate(zip(x[e], cands[e]))) for e in feeds]
-        Y = [pulp.lpSum((lay.bound.bwd_in + bnd[e][c]) * v for c, (v, lay) in enumerate(zip(x[e], cands[e]))) for e in feeds]
+        Y = [pulp.lpSum((lay.bound.bwd_in + bnd[e][c] * lay.bound.trained) * v for c, (v, lay) in enumerate(zip(x[e], cands[e])))
+             for e in feeds]
         xs, cs = x[sink], cands[sink]
         for i in range(len(feeds)):
             prob += T >= pulp.lpSum(_finite(lay.bound.k2[i]) * v for v, lay in zip(xs, cs)) + Y[i], f"sink_k2_{i}"

@@ -7,10 +7,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from cost_models.comm import dp_link
+from cost_models.comm import dp_link, zero_collectives
+from cost_models.offload import exposed, overlaps_compute
 from cost_models.compute import block_time, measured_on, tp_shard
-from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, stage_memory, warmup_forwards
+from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, kept_activation_bytes, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
+from planner.bounds import stage_body
+from planner.candidates import sp_divides
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -24,7 +27,7 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 # planner/candidates.py, is something else: the blocks that get one layout.)
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "layers", "full"]
 Baseline = Literal["homogeneous", "megatron", "zero3", "gpipe-even"]
 Split = Literal["layers", "megatron"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -32,9 +35,10 @@ RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 BASELINES: tuple[str, ...] = get_args(Baseline)
 GROUP = "model"  # the one group of a homogeneous plan: every block in one pipeline
 
-_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero")
-_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch"}
-_EXAMPLE = "tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1]"
+_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero", "sequence-parallel")
+_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch", "sp": "sequence-parallel", "sequence_parallel": "sequence-parallel"}
+_EXAMPLE = ("tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full]"
+            "[,zero=1][,sequence-parallel=true]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,7 @@ class LayoutSpec:
     recompute: Recompute = "none"
     zero: int = 0
     split: Split = "layers"  # layers: every transformer layer counts; megatron: encoders on stage 0, LLM layers even
+    sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
@@ -74,11 +79,11 @@ class LayoutSpec:
         """Canonical text that parse_layout reads back to an equal spec."""
         schedule = f"interleaved:{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         return (f"tp={self.tp},pp={self.pp},dp={self.dp},micro-batch={self.micro_batch},schedule={schedule},"
-                f"recompute={self.recompute},zero={self.zero}")
+                f"recompute={self.recompute},zero={self.zero}" + (",sequence-parallel=true" if self.sequence_parallel else ""))
 
 
 def parse_layout(text: str) -> LayoutSpec:
-    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1]`.
+    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full][,zero=1][,sequence-parallel=true]`.
 
     Bare `interleaved` means 2 model chunks per rank. Every problem is one MmplanError naming the item."""
     if not isinstance(text, str) or not text.strip():
@@ -106,9 +111,13 @@ def parse_layout(text: str) -> LayoutSpec:
     zero = _positive_int(values.get("zero", "0"), "zero", allow_zero=True)
     if zero > 3:
         raise MmplanError(f"zero must be 0, 1, 2 or 3, got {values['zero']!r}")
+    sp = values.get("sequence-parallel", "false").lower()
+    if sp not in ("true", "false", "on", "off", "1", "0"):
+        raise MmplanError(f"sequence-parallel must be true or false, got {values['sequence-parallel']!r}")
     return LayoutSpec(tp=_positive_int(values["tp"], "tp"), pp=_positive_int(values["pp"], "pp"),
                       dp=_positive_int(values["dp"], "dp"), micro_batch=_positive_int(values.get("micro-batch", "1"), "micro-batch"),
-                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero)  # type: ignore[arg-type]
+                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero,  # type: ignore[arg-type]
+                      sequence_parallel=sp in ("true", "on", "1"))
 
 
 def _positive_int(value: str, key: str, *, allow_zero: bool = False) -> int:
@@ -186,15 +195,14 @@ def _stage_blocks(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
 
 
 def _recomputed(profile: Profile, blocks: Iterable[str], recompute: Recompute) -> dict[str, str]:
-    """Activation tiers for `recompute`: full = every block; selective = the transformer layers only.
-
-    Simplification: Megatron's selective recomputation re-runs only the attention core inside each layer
-    (Korthikanti et al. 2022, section 5); plans place activations per block, so here it recomputes whole
-    transformer layers and keeps the activations of embeddings, norms, projector and head.
-    """
+    """Activation tiers for `recompute`: full = every block recomputed; layers = the transformer layers recomputed
+    whole (DeepSpeed-style activation checkpointing); selective = Megatron's selective recomputation, the attention
+    core of every block that has one (Korthikanti et al. 2022, section 5; the runtime's "selective" tier)."""
     if recompute == "none":
         return {}
     by_name = {b.name: b for b in profile.blocks}
+    if recompute == "selective":
+        return {b: "selective" for b in blocks if by_name[b].attention_core_bytes > 0}
     return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
 
 
@@ -248,12 +256,13 @@ def _build(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSp
     if spec.virtual_stages == 1:
         names = tuple(b for s in stages for b in s)
         cuts = tuple(sum(len(s) for s in stages[:i]) for i in range(1, spec.pp))
-        layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory)
+        layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory,
+                             sequence_parallel=spec.sequence_parallel)
         return build_plan(profile, cluster, training, [layout], solver, predict=predict, schema=schema)
     # GroupLayout describes contiguous stages only; an interleaved stage holds v chunks, so build the Group here
     # and finish as build_plan does (check with the profile, then attach predictions).
     per = spec.dp * spec.tp
-    group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, stages=tuple(
+    group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, sequence_parallel=spec.sequence_parallel and spec.tp > 1, stages=tuple(
         Stage(blocks, ranks[i * per:(i + 1) * per], memory[i]) for i, blocks in enumerate(stages)))
     plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile,
                       schema=schema)
@@ -269,18 +278,21 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
-                 recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers") -> list[LayoutSpec]:
+                 recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers",
+                 sequence_parallels: Sequence[bool] = (False,)) -> list[LayoutSpec]:
     """Every valid homogeneous layout: tp a power of two dividing gpus_per_node (1 only when no block supports
     tp), pp dividing the layer count (Megatron's uniform split) with tp*pp dividing the world, dp = world/(tp*pp),
     micro-batch sizes `micro_batches` (default 1, 2, 4, ...) with dp*micro-batch dividing the global batch,
     each ZeRO stage of `zeros` (0 and 1 are the same plan at dp = 1) and recompute option; schedules are
-    `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count)."""
+    `1f1b`, `gpipe` or `interleaved:V` (used where pp >= 2 and pp*V divides the layer count); sequence parallelism
+    each of `sequence_parallels` where tp > 1 (off at tp = 1)."""
     _check_batch(global_batch)
     world = cluster.world_size
     spans = (llm_layer_count(profile) or len(profile.blocks) - llm_start(profile)) if split == "megatron" else \
         (layer_count(profile) or len(profile.blocks))
     parsed = [_parse_schedule(s) for s in schedules]
-    tps = [t for t in _powers_of_two(cluster.gpus_per_node) if cluster.gpus_per_node % t == 0]
+    tps = [t for t in _powers_of_two(cluster.gpus_per_node) if cluster.gpus_per_node % t == 0
+           and all(b.takes_tp(t) for b in profile.blocks)]
     if not any(b.supports_tp for b in profile.blocks):
         tps = [1]
     specs = []
@@ -296,17 +308,19 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
                         continue
                     for zero in dict.fromkeys(min(z, 0) if dp == 1 else z for z in zeros):
                         for rec in recomputes:
-                            specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split))
+                            for sp in dict.fromkeys(sp and tp > 1 and sp_divides(profile.blocks, tp) for sp in sequence_parallels):
+                                specs.append(LayoutSpec(tp, pp, dp, mb, schedule, v, rec, zero, split, sp))
     return specs
 
 
 def homogeneous_grid(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = ("1f1b",),
                      micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = (0, 1),
-                     recomputes: Sequence[Recompute] = ("none", "full")) -> list[Plan]:
+                     recomputes: Sequence[Recompute] = ("none", "full"), split: Split = "layers",
+                     sequence_parallels: Sequence[bool] = (False,)) -> list[Plan]:
     """Every layout of grid_layouts as a plan with predictions (fitting or not, in grid order). Evaluates them all:
     use best_homogeneous for large clusters."""
     specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches,
-                         zeros=zeros, recomputes=recomputes)
+                         zeros=zeros, recomputes=recomputes, split=split, sequence_parallels=sequence_parallels)
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
     return [_build(profile, cluster, global_batch, s, SolverInfo("baseline:homogeneous", notes=f"layout {s}")) for s in specs]
@@ -330,14 +344,15 @@ ALL_ZEROS = (0, 1, 2, 3)
 
 def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = MEGATRON_SCHEDULES,
                   micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = ALL_ZEROS,
-                  recomputes: Sequence[Recompute] = ("none", "full"), per_step_micro_batch: int | None = None,
-                  deadline: float = math.inf) -> Plan:
+                  recomputes: Sequence[Recompute] = ("none", "selective", "full"), per_step_micro_batch: int | None = None,
+                  deadline: float = math.inf, sequence_parallels: Sequence[bool] = (False, True)) -> Plan:
     """The fastest Megatron-style plan (Megatron-LM's MIMO recipe): encoders and projectors on the first pipeline
-    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage / recompute / micro-batch / schedule
-    for all -- searched over every such layout the runtime runs. per_step_micro_batch: only layouts whose
+    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage / recompute (none, selective: the
+    attention core, full) / sequence parallelism / micro-batch / schedule for all -- searched over every such layout
+    the runtime runs. per_step_micro_batch: only layouts whose
     micro-batch over all replicas (dp x micro-batch) is this (solve --micro-batch)."""
     specs = grid_layouts(profile, cluster, global_batch, schedules=schedules, micro_batches=micro_batches, zeros=zeros,
-                         recomputes=recomputes, split="megatron")
+                         recomputes=recomputes, split="megatron", sequence_parallels=sequence_parallels)
     if per_step_micro_batch is not None:
         specs = [s for s in specs if s.dp * s.micro_batch == per_step_micro_batch]
     from plans.limits import MAX_MICRO_BATCHES  # the solver's own limit on micro-batches per step
@@ -345,7 +360,12 @@ def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, sche
     specs = [s for s in specs if global_batch // (s.dp * s.micro_batch) <= MAX_MICRO_BATCHES]
     if not specs:
         raise _no_layout(profile, cluster, global_batch)
-    return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline)
+    costs = _Costs(profile, cluster)
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+    present = set(specs)
+    specs = [s for s in specs if s.sequence_parallel or s.tp == 1 or replace(s, sequence_parallel=True) not in present
+             or not costs.sp_dominates(s.tp, float(s.micro_batch), dtype)]
+    return search(profile, cluster, global_batch, specs, method="baseline:megatron", deadline=deadline, costs=costs)
 
 
 def _no_layout(profile: Profile, cluster: Cluster, global_batch: int) -> MmplanError:
@@ -425,7 +445,7 @@ class Screened:
 
 
 def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequence[LayoutSpec], *, method: str,
-           deadline: float = math.inf) -> Plan:
+           deadline: float = math.inf, costs: _Costs | None = None) -> Plan:
     """The fastest fitting plan among `specs`, exactly as evaluating every one would find it, simulating few.
 
     1. Every layout's step-time lower bound (see screen; cheap: block times and tails, cached) orders them.
@@ -439,7 +459,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
     notes say by how much.
     """
     started = time.perf_counter()
-    costs = _Costs(profile, cluster)
+    costs = costs or _Costs(profile, cluster)
     order = sorted(((_step_bound(profile, cluster, global_batch, s, costs), i) for i, s in enumerate(specs)))
     memory: dict[LayoutSpec, float] = {}
 
@@ -459,7 +479,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
             break
         if best is not None and bound * (1 - 1e-9) >= best[0].predicted.step_time_s:
             break
-        if peak(spec) > cap or (spec.recompute != "none" and peak(replace(spec, recompute="none")) <= cap):
+        if peak(spec) > cap or any(peak(replace(spec, recompute=cheaper)) <= cap for cheaper in _cheaper(spec.recompute)):
             continue
         try:
             plan = _build(profile, cluster, global_batch, spec, SolverInfo(method), schema=False)  # checked when saved
@@ -482,6 +502,12 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
                                            candidates=len(specs), notes=note))
 
 
+def _cheaper(recompute: Recompute) -> tuple[Recompute, ...]:
+    """Recompute options that only add less compute than `recompute` (none < selective <= layers <= full: each reruns a
+    subset of the next one's forward), so a layout is skipped when one of these fits."""
+    return {"none": (), "selective": ("none",), "layers": ("none", "selective"), "full": ("none", "selective", "layers")}[recompute]
+
+
 def screen(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, *, costs: _Costs | None = None) -> Screened:
     """Memory and a step-time lower bound of a homogeneous layout, without building or simulating the plan."""
     costs = costs or _Costs(profile, cluster)
@@ -501,7 +527,8 @@ def _peak_gpu_bytes(profile: Profile, global_batch: int, spec: LayoutSpec, costs
         mem = stage_memory(stage, samples=float(spec.micro_batch), tp=spec.tp, dp=spec.dp, zero=spec.zero,
                            memory=Memory(activations=acts),
                            in_flight_micro_batches=in_flight(spec.schedule, m, warmup, spec.virtual_stages),
-                           input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer)
+                           input_bytes=costs.inputs, dtype=training.dtype, optimizer=training.optimizer,
+                           sequence_parallel=spec.sequence_parallel and spec.tp > 1)
         gpu.append(mem.gpu)
     return max(gpu)
 
@@ -520,34 +547,69 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
     m = global_batch // (spec.dp * spec.micro_batch)
     training = _training(profile, spec, global_batch)
     dtype = training.dtype
-    key = ("bound", spec.tp, spec.pp, spec.dp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.zero, spec.split)
-    if key not in costs.memo:
-        per = spec.dp * spec.tp
+    sp = spec.sequence_parallel and spec.tp > 1
+    # per stage: forward and backward op sums and trained parameters (shared by every dp and ZeRO stage), then tails
+    ops_key = ("ops", spec.tp, spec.pp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.split, sp)
+    if ops_key not in costs.memo:
         samples = float(spec.micro_batch)
-        fwd, bwd, tail = [], [], []
-        for i, names in enumerate(costs.stage_blocks(profile, spec)):
+        ops, trained, params = [], [], []
+        for names in costs.stage_blocks(profile, spec):
             stage = [costs.blocks[n] for n in names]
             acts = _recomputed(profile, names, spec.recompute)
-            f = b = 0.0
+            t = [0.0] * 4  # forward compute, forward with its TP comm, backward compute, backward with its TP comm
             for blk in stage:
-                bf, bb = costs.block_time(blk, samples, spec.tp, dtype, blk.name in acts)
-                f += bf
-                b += bb
-            fwd.append(f)
-            bwd.append(b)
-            params = sum(blk.params / tp_shard(blk, spec.tp) for blk in stage if not blk.frozen)  # frozen: no sync / update
+                for j, x in enumerate(costs.block_time(blk, samples, spec.tp, dtype, acts.get(blk.name, False), sp)):
+                    t[j] += x
+            ops.append(t)
+            trained.append(sum(blk.params / tp_shard(blk, spec.tp) for blk in stage if not blk.frozen))  # frozen: no sync / update
+            params.append(sum(blk.params / tp_shard(blk, spec.tp) for blk in stage))
+        costs.memo[ops_key] = (ops, trained, params)
+    ops, trained, params = costs.memo[ops_key]
+    key = ("tail", *ops_key, spec.dp, spec.zero)
+    if key not in costs.memo:
+        per = spec.dp * spec.tp
+        fwd, bwd, tail = [], [], []
+        hides = overlaps_compute(cluster)
+        for i, ((fc, f, bc, b), tr, pa) in enumerate(zip(ops, trained, params)):
             link = dp_link(cluster, range(i * per, (i + 1) * per), spec.tp)
-            # the gradient buckets hide behind at most the stage's last backward (the simulator's overlap_s)
-            tail.append(tail_over(params, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
-                                  dtype=dtype, optimizer=training.optimizer, overlap_s=b).total)
-        costs.memo[key] = (fwd, bwd, tail)
+            # ZeRO's gathers / reduce-scatters as the simulator charges them (pipeline._cost_chunk): hidden behind the
+            # op's compute on GPUs; with v chunks per rank, over the stage's sums (a lower bound of the chunks' sum)
+            z = zero_collectives(pa * DTYPE_BYTES[dtype], dp=spec.dp, zero=spec.zero, link=link)
+            fwd.append(f + (exposed(z.gather, fc) if hides else z.gather))
+            bwd.append(b + (exposed(z.gather + z.scatter, bc) if hides else z.gather + z.scatter))
+            # the gradient buckets hide behind at most the stage's last backward compute (the simulator's overlap_s)
+            tail.append(tail_over(tr, dp=spec.dp, zero=spec.zero, memory=Memory(), link=link, cluster=cluster,
+                                  dtype=dtype, optimizer=training.optimizer, overlap_s=bc).total)
+        costs.memo[key] = fwd, bwd, tail
     fwd, bwd, tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
-    if spec.virtual_stages == 1:
-        fill = [sum(fwd[:i]) for i in range(spec.pp)]
-        drain = [sum(bwd[:i]) for i in range(spec.pp)]
-        busy = [fill[i] + m * (fwd[i] + bwd[i]) for i in range(spec.pp)]
-        bound = max(bound, max(x + t for x, t in zip(busy, tail)), max(x + d for x, d in zip(busy, drain)) + tail[0])
+    if spec.virtual_stages > 1 and costs.linear(profile, spec) and not any(b.frozen for b in profile.blocks):
+        # interleaved: planner/bounds.py's interleaved terms over the pp * v chunks (sends and ZeRO exposure left out of
+        # the chunks' ops; the stage sums keep theirs)
+        p, v = spec.pp, spec.virtual_stages
+        cf, cb = costs.chunk_ops(profile, spec, dtype, sp, _recomputed)
+        total_f = sum(cf)
+        for k in range(p):
+            into = sum(cf[:k])
+            wait = total_f + sum(cb[(v - 1) * p + k + 1:])
+            r = min(warmup_forwards("interleaved", m, p - 1 - k, v, p) + 1, m * v)
+            fmin = min(cf[k::p])
+            bound = max(bound, max(into + m * (fwd[k] + bwd[k]), wait + m * bwd[k],
+                                   max(wait, into + r * fmin) + (m * v - r) * fmin + m * bwd[k]) + tail[k])
+    if spec.virtual_stages == 1 and costs.linear(profile, spec):
+        # a linear pipeline (each stage reads only the one before it): planner/bounds.py's per-stage terms, sends and
+        # transfers left out -- In_k (micro-batch 0's forwards before stage k), the body (stage_body: its 2m ops and
+        # the warm-up and cool-down waits), Up_k (the gradient's path back to an earlier stage, then that stage's tail)
+        p = spec.pp
+        back = costs.backward(profile, spec)  # stages running backwards: a frozen first stage may not
+        b_ = [b if has else 0.0 for b, has in zip(bwd, back)]
+        into = [sum(fwd[:k]) for k in range(p)]
+        down = [sum(fwd[j] + b_[j] for j in range(k + 1, p)) for k in range(p)]
+        up = [max([tail[k], *(sum(b_[i:k]) + tail[i] for i in range(k) if all(back[i:k]))]) for k in range(p)]
+        for k in range(p):
+            r = min(warmup_forwards(spec.schedule, m, p - 1 - k) + 1, m)
+            body = stage_body(fwd[k], b_[k], m, r, down[k]) if back[k] else m * fwd[k]
+            bound = max(bound, into[k] + body + up[k])
     return bound
 
 
@@ -562,6 +624,57 @@ class _Costs:
         self._times: dict[tuple, tuple[float, float]] = {}
         self.memo: dict[tuple, object] = {}  # per-layout figures shared by layouts that differ in schedule or ZeRO only
         self._stages: dict[tuple, list[tuple[str, ...]]] = {}
+        self._kinds: dict[str, int] = {}
+        self._contents: dict[Block, int] = {}
+
+    def sp_dominates(self, tp: int, samples: float, dtype: str) -> bool:
+        """Whether sequence parallelism at (tp, samples) costs no more than without it for every block: op times
+        under every recompute option and saved activations (as the solver's BlockTimes.sp_dominates); then a layout
+        without it is never faster than the same layout with it and is left out of the grid."""
+        key = ("sp", tp, samples, dtype)
+        if key not in self.memo:
+            ok = True
+            for blk in {self.kind(b): b for b in self.blocks.values()}.values():
+                for rec in (False, "selective", "recompute"):
+                    on, off = (self.block_time(blk, samples, tp, dtype, rec, sp) for sp in (True, False))
+                    ok = ok and all(a <= b for a, b in zip(on, off))
+                ok = ok and all(kept_activation_bytes(blk, tp, sequence_parallel=True, tier=t)
+                                <= kept_activation_bytes(blk, tp, sequence_parallel=False, tier=t) for t in ("keep", "selective"))
+            self.memo[key] = ok
+        return self.memo[key]
+
+    def linear(self, profile: Profile, spec: LayoutSpec) -> bool:
+        """Whether each stage of the split (each chunk, with v > 1 chunks per rank) reads only its own blocks and the
+        one before it (a pipeline, not a DAG)."""
+        key = ("linear", spec.pp, spec.virtual_stages, spec.split)
+        if key not in self.memo:
+            parts = split_blocks(profile, spec.pp * spec.virtual_stages, spec.split)
+            part = {b: i for i, names in enumerate(parts) for b in names}
+            self.memo[key] = all(part[e.dst] - part[e.src] in (0, 1) for e in profile.edges)
+        return self.memo[key]
+
+    def chunk_ops(self, profile: Profile, spec: LayoutSpec, dtype: str, sp: bool, recomputed) -> tuple[list[float], list[float]]:
+        """Per model chunk of the split (pp * v of them), its forward and backward op seconds (compute + TP comm)."""
+        key = ("chunks", spec.tp, spec.pp, spec.micro_batch, spec.virtual_stages, spec.recompute, spec.split, sp)
+        if key not in self.memo:
+            cf, cb = [], []
+            for names in split_blocks(profile, spec.pp * spec.virtual_stages, spec.split):
+                acts = recomputed(profile, names, spec.recompute)
+                ops = [self.block_time(self.blocks[n], float(spec.micro_batch), spec.tp, dtype, acts.get(n, False), sp) for n in names]
+                cf.append(sum(o[1] for o in ops))
+                cb.append(sum(o[3] for o in ops))
+            self.memo[key] = (cf, cb)
+        return self.memo[key]
+
+    def backward(self, profile: Profile, spec: LayoutSpec) -> list[bool]:
+        """Per stage of a linear split, whether it runs backwards: it or a stage before it trains."""
+        key = ("backward", spec.pp, spec.virtual_stages, spec.split)
+        if key not in self.memo:
+            out: list[bool] = []
+            for names in self.stage_blocks(profile, spec):
+                out.append(bool(out and out[-1]) or any(not self.blocks[n].frozen for n in names))
+            self.memo[key] = out
+        return self.memo[key]
 
     def stage_blocks(self, profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
         key = (spec.pp, spec.virtual_stages, spec.split)
@@ -569,11 +682,20 @@ class _Costs:
             self._stages[key] = _stage_blocks(profile, spec)
         return self._stages[key]
 
-    def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool) -> tuple[float, float]:
-        """(forward, backward) op seconds of a block as the simulator charges them, without exposed transfers."""
-        key = (block.name, samples, tp, dtype, recompute)
+    def kind(self, block: Block) -> int:
+        """A number equal for blocks of equal content but name and group (a model's identical layers)."""
+        k = self._kinds.get(block.name)
+        if k is None:
+            k = self._kinds[block.name] = self._contents.setdefault(replace(block, name="", group=""), len(self._contents))
+        return k
+
+    def block_time(self, block: Block, samples: float, tp: int, dtype: str, recompute: bool | str,
+                   sequence_parallel: bool = False) -> tuple[float, float, float, float]:
+        """(forward compute, forward op, backward compute, backward op) seconds of a block as the simulator charges
+        them (an op: compute and its blocking TP communication), without exposed transfers."""
+        key = (self.kind(block), samples, tp, dtype, recompute, sequence_parallel)
         if key not in self._times:
             t = block_time(block, samples, tp, self.cluster, dtype=dtype, measured_micro_batch=self.measured,
-                           recompute=recompute)
-            self._times[key] = (t.fwd + t.fwd_comm, t.bwd + t.bwd_comm)
+                           recompute=recompute, sequence_parallel=sequence_parallel)
+            self._times[key] = (t.fwd, t.fwd + t.fwd_comm, t.bwd, t.bwd + t.bwd_comm)
         return self._times[key]

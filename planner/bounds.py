@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 # and Down_k). And the schedule's forward of micro-batch j + q comes after the backward of j, so every q
 # micro-batches cost at least a round trip R_k = f + Down_k + b (1F1B's in-flight limit, which is where
 # the p2p sends cost time):  In_k + j0 f + ((m - 1 - j0) / q + 1) R_k + Up_k,  j0 = (m - 1) mod q.
+# When r < m both waits happen on one lane (the warm-up's and the cool-down's bubble): backward 0 starts
+# no earlier than max(r f, f + Down_k); between it and the end of forward m-1 the lane runs forwards r..m-1
+# and backwards 0..m-r-1 (at most r forwards precede backward 0, at least m - r backwards precede forward
+# m-1, the same two facts the terms above use); after forward m-1 it runs the remaining r backwards, the
+# last no earlier than Down_k + b later. So the body is at least
+#   max(m f, (m - r + 1) f + Down_k) + max(m b, (m - r + 1) b + Down_k)
+# (fewer forwards before backward 0 or more backwards before forward m-1 only lengthen it). On a 1F1B
+# pipeline whose first stage is the slowest this is the simulated step (the 5-9 % gap of the terms above).
 # The tests check bound <= simulated step time on random plans.
 
 
@@ -48,20 +56,25 @@ class Bound:
     k3: tuple[float, ...]
     k4: tuple[tuple[float, ...], ...]
     busy: float
+    trained: bool = True  # the unit's last stage runs backwards (a frozen source gets no gradient: no boundary back)
 
 
 def layout_bound(lay: Layout) -> Bound:
     """The bound terms of a layout (computed once, when the Layout is made)."""
+    if lay.chunks > 1:
+        return _interleaved_bound(lay)
     into, up, down = _paths(lay)
     body = _body(lay, down)
-    p, f, b, lag, m = lay.pp, lay.fwd, lay.bwd, lay.lag, lay.micro_batches
+    p, f, b, m = lay.pp, lay.fwd, counted_bwd(lay), lay.micro_batches
+    preds, lag = _dag(lay)
     ninf = -math.inf
     fpath, bpath = [], []  # per feed: forward / backward path from its entry stage to stage k
     for j in lay.entries:
         fp, bp = [ninf] * p, [ninf] * p
-        for k in range(j, p):
-            fp[k] = 0.0 if k == j else fp[k - 1] + f[k - 1] + lag[k - 1]
-            bp[k] = 0.0 if k == j else bp[k - 1] + b[k - 1] + lag[k - 1]
+        fp[j] = bp[j] = 0.0
+        for k in range(j + 1, p):
+            fp[k] = max((fp[i] + f[i] + w for i, w in zip(preds[k], lag[k])), default=ninf)
+            bp[k] = max((bp[i] + b[i] + w for i, w in zip(preds[k], lag[k])), default=ninf)
         fpath.append(fp)
         bpath.append(bp)
     own = max(into[k] + body[k] + up[k] for k in range(p))
@@ -74,21 +87,63 @@ def layout_bound(lay: Layout) -> Bound:
         k3=tuple(max(fp[k] + body[k] + up[k] for k in range(p)) for fp in fpath),
         k4=tuple(tuple(max(fp[k] + body[k] + bp[k] for k in range(p)) for bp in bpath) for fp in fpath),
         busy=max(m * (x + y) + o for x, y, o in zip(f, b, lay.optimizer)),
+        trained=not lay.backward or lay.backward[-1],
     )
 
 
-def _paths(lay: Layout) -> tuple[list[float], list[float], list[float]]:
-    """In_k, Up_k, Down_k of the module comment (inside the unit)."""
-    p, f, b, lag, tail = lay.pp, lay.fwd, lay.bwd, lay.lag, lay.tail
-    into = [0.0] * p
-    for k in range(1, p):
-        into[k] = into[k - 1] + f[k - 1] + lag[k - 1]
-    up = [0.0] * p
+def _interleaved_bound(lay: Layout) -> Bound:
+    """An interleaved layout (a chain unit's linear pipeline of pp * v chunks, stage k holding chunks k, k + pp, ...;
+    sends not counted): stage k's lane runs its m v forwards and m v backwards after micro-batch 0's forwards through
+    chunks 0..k-1 reach it (In_k), and none of its backwards can start before micro-batch 0 went forward through every
+    chunk and backward through every chunk after its last one, (v - 1) pp + k (W_k); its optimizer step follows its
+    last backward. So the step is at least max(In_k + m (F_k + B_k), W_k + m B_k) + optimizer_k. And at most r_k =
+    min(w_k + 1, m v) forwards precede its first backward (the schedule's w_k warm-up forwards, memory.warmup_forwards,
+    as for 1F1B): the other m v - r_k forwards, each at least its smallest chunk's, follow it:
+    max(W_k, In_k + r_k f_min) + (m v - r_k) f_min + m B_k + optimizer_k."""
+    p, m, v = lay.pp, lay.micro_batches, lay.chunks
+    cf, cb = lay.chunk_fwd, lay.chunk_bwd
+    total_f = sum(cf)
+    own = 0.0
     for k in range(p):
-        up[k] = tail[k] if k == 0 else max(tail[k], b[k - 1] + lag[k - 1] + up[k - 1])
+        into = sum(cf[:k])
+        wait = total_f + sum(cb[(v - 1) * p + k + 1:])
+        r = min(warmup_forwards("interleaved", m, p - 1 - k, v, p) + 1, m * v)
+        fmin = min(cf[k::p])
+        own = max(own, max(into + m * (lay.fwd[k] + lay.bwd[k]), wait + m * lay.bwd[k],
+                           max(wait, into + r * fmin) + (m * v - r) * fmin + m * lay.bwd[k]) + lay.optimizer[k])
+    busy = max(m * (x + y) + o for x, y, o in zip(lay.fwd, lay.bwd, lay.optimizer))
+    return Bound(own=own, fwd_out=total_f, bwd_in=sum(cb), k1=own, k2=(), k3=(), k4=(), busy=busy)
+
+
+def _dag(lay: Layout) -> tuple[list[tuple[int, ...]], list[tuple[float, ...]]]:
+    """The stages each stage waits for and the send on each such edge: stage k - 1 and the p2p lag of a linear
+    pipeline; else the stages its blocks read (Layout.preds), with no send counted (the lag is the route into the
+    stage's first block, which then may come from any earlier stage)."""
+    if not lay.preds:
+        return [()] + [(k - 1,) for k in range(1, lay.pp)], [()] + [(lay.lag[k - 1],) for k in range(1, lay.pp)]
+    return list(lay.preds), [(0.0,) * len(ps) for ps in lay.preds]
+
+
+def counted_bwd(lay: Layout) -> tuple[float, ...]:
+    """Per stage, the backward op the bounds count: none on a stage that runs forwards only (Layout.backward)."""
+    return lay.bwd if not lay.backward else tuple(x if has else 0.0 for x, has in zip(lay.bwd, lay.backward))
+
+
+def _paths(lay: Layout) -> tuple[list[float], list[float], list[float]]:
+    """In_k, Up_k, Down_k of the module comment (inside the unit), along the stages' data flow (_dag)."""
+    p, f, b, tail = lay.pp, lay.fwd, counted_bwd(lay), lay.tail
+    preds, lag = _dag(lay)
+    into = [0.0] * p
+    up = [0.0] * p
+    back = lay.backward or (True,) * p
+    for k in range(p):
+        into[k] = max((into[i] + f[i] + w for i, w in zip(preds[k], lag[k])), default=0.0)
+        # gradients go back only to stages that run backwards
+        up[k] = max([tail[k], *(b[i] + w + up[i] for i, w in zip(preds[k], lag[k]) if back[i])])
     down = [0.0] * p
-    for k in range(p - 2, -1, -1):
-        down[k] = down[k + 1] + f[k + 1] + b[k + 1] + 2 * lag[k]
+    for k in range(p - 1, -1, -1):
+        for i, w in zip(preds[k], lag[k]):
+            down[i] = max(down[i], down[k] + f[k] + b[k] + 2 * w)
     return into, up, down
 
 def _body(lay: Layout, down: list[float]) -> list[float]:
@@ -96,12 +151,23 @@ def _body(lay: Layout, down: list[float]) -> list[float]:
     m, p = lay.micro_batches, lay.pp
     out = []
     for k in range(p):
-        f, b = lay.fwd[k], lay.bwd[k]
+        if lay.backward and not lay.backward[k]:
+            out.append(m * lay.fwd[k])  # forwards only: no in-flight limit, no round trip
+            continue
         r = min(warmup_forwards(lay.schedule, m, p - 1 - k + lay.assumed_downstream) + 1, m)
-        j0 = (m - 1) % r
-        out.append(max(m * (f + b) + max(0.0, down[k] + b - r * b), m * b + max(m * f, (m - r + 1) * f + down[k]),
-                       j0 * f + ((m - 1 - j0) // r + 1) * (f + down[k] + b)))
+        out.append(stage_body(lay.fwd[k], lay.bwd[k], m, r, down[k]))
     return out
+
+
+def stage_body(f: float, b: float, m: int, r: int, down: float) -> float:
+    """The middle term of the bound of a stage with forward f, backward b, m micro-batches, at most r forwards before
+    its first backward (r = min(warm-up + 1, m)) and round trip `down` through the later stages (module comment)."""
+    j0 = (m - 1) % r
+    terms = [m * (f + b) + max(0.0, down + b - r * b), m * b + max(m * f, (m - r + 1) * f + down),
+             j0 * f + ((m - 1 - j0) // r + 1) * (f + down + b)]
+    if r < m:  # both waits at once: micro-batch 0's backward, then m - 1's (the module comment's last term)
+        terms.append(max(m * f, (m - r + 1) * f + down) + max(m * b, (m - r + 1) * b + down))
+    return max(terms)
 
 
 def run_bound(work: float, micro_batches: int, depth: int) -> float:

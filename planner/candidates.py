@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,14 +40,20 @@ class Policy:
     optimizer: Tier = "gpu"
     activations: ActivationTier = "keep"
 
-    def memory(self, blocks: Iterable[str]) -> Memory:
-        acts = {b: self.activations for b in blocks} if self.activations != "keep" else {}
+    def memory(self, blocks: Iterable[str], cores: Collection[str] | None = None) -> Memory:
+        """The plan's Memory of a stage of `blocks`; "selective" goes to the blocks with an attention core (`cores`,
+        default all) and the others keep theirs (the runtime would recompute a core-less block whole)."""
+        if self.activations == "selective":
+            acts = {b: "selective" for b in blocks if cores is None or b in cores}
+        else:
+            acts = {b: self.activations for b in blocks} if self.activations != "keep" else {}
         return Memory(self.params, self.grads, self.optimizer, acts)
 
 
 KEEP = Policy()
+SELECTIVE = Policy(activations="selective")  # the attention core recomputed (Korthikanti et al. 2022, section 5)
 RECOMPUTE = Policy(activations="recompute")
-GPU_ONLY = (KEEP, RECOMPUTE)
+GPU_ONLY = (KEEP, SELECTIVE, RECOMPUTE)
 # With memory tiers: ZeRO-Offload (optimizer state on the host), then the model states streamed from host
 # memory or NVMe (ZeRO-Infinity), activations recomputed or offloaded.
 OFFLOAD = (
@@ -81,6 +87,7 @@ class Unit:
     out_bytes: float = 0.0  # bytes per sample of the smallest edge to another unit (sources)
     input_bytes: tuple[float, ...] = ()  # per block: bytes per sample of its inputs (its recompute checkpoint)
     cross_bytes: tuple[float, ...] = ()  # per cut j = 1..L-1 (index j): per-sample bytes of the largest route a cut before block j needs
+    reads: tuple[tuple[int, ...], ...] = ()  # per block: the earlier blocks of the unit whose outputs it reads
 
     @property
     def supports_tp(self) -> bool:
@@ -102,6 +109,12 @@ class Setting:
     # Policy once segments.py prices it) and per-layout ZeRO stages.
     policies: tuple[Policy, ...] = GPU_ONLY
     zeros: tuple[int, ...] = (0, 1, 2, 3)
+    # sequence parallelism of tp > 1 layouts (Group.sequence_parallel); where it costs no more in every stage figure
+    # (BlockTimes.sp_dominates: always, with this cost model) only the layouts with it are built
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    # interleaved 1F1B layouts of the chain unit with these model chunks per rank (solve --schedule interleaved), besides
+    # the 1F1B ones: chunk cut points balance the chunks' op time (_interleaved)
+    virtual_stages: tuple[int, ...] = ()
 
     @property
     def host_share(self) -> float:
@@ -140,6 +153,18 @@ class Layout:
     out_bytes: float  # bytes per sample of the unit's smallest edge to another unit (sources)
     entries: tuple[int, ...] = ()  # per feed of the unit: the stage holding its first fed block
     slowest: float = 0.0  # the DP's objective
+    sequence_parallel: bool = False
+    # the stages each stage reads from, when that is not just the one before it (() = a linear pipeline: a unit
+    # holding two encoders side by side, or a block reading past a cut, is not); planner/bounds.py follows it
+    preds: tuple[tuple[int, ...], ...] = ()
+    # per stage, whether the bounds may count on it running backwards (() = every stage): a stage of frozen blocks
+    # fed by no training stage runs forwards only (plans/stage_graph.StageGraph.trains)
+    backward: tuple[bool, ...] = ()
+    # interleaved 1F1B: model chunks per rank (cuts are then the pp * chunks - 1 chunk cut points, stage k holding chunks
+    # k, k + pp, ...; fwd / bwd / tail / bytes are per stage, chunk_fwd / chunk_bwd per chunk)
+    chunks: int = 1
+    chunk_fwd: tuple[float, ...] = ()
+    chunk_bwd: tuple[float, ...] = ()
     bound: Bound = field(init=False, compare=False, repr=False)  # planner/bounds.py
 
     def __post_init__(self) -> None:
@@ -147,7 +172,7 @@ class Layout:
 
     @property
     def pp(self) -> int:
-        return len(self.cuts) + 1
+        return (len(self.cuts) + 1) // self.chunks
 
     @property
     def gpus(self) -> int:
@@ -155,12 +180,18 @@ class Layout:
 
     @property
     def key(self) -> tuple:
-        return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies)
+        return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies,
+                self.sequence_parallel, self.chunks)
 
-    def memories(self, blocks: Sequence[str]) -> tuple[Memory, ...]:
-        """Per-stage plan Memory of the layout (blocks: the unit's block names)."""
+    def stage_blocks(self, blocks: Sequence[str]) -> list[tuple[str, ...]]:
+        """Per stage, its blocks in execution order (with chunks > 1: chunks k, k + pp, ... of stage k)."""
         bounds = (0, *self.cuts, len(blocks))
-        return tuple(pol.memory(blocks[a:b]) for pol, a, b in zip(self.policies, bounds, bounds[1:]))
+        parts = [tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [tuple(x for c in parts[k::self.pp] for x in c) for k in range(self.pp)]
+
+    def memories(self, blocks: Sequence[str], cores: Collection[str] | None = None) -> tuple[Memory, ...]:
+        """Per-stage plan Memory of the layout (blocks: the unit's block names; cores: those with an attention core)."""
+        return tuple(pol.memory(names, cores) for pol, names in zip(self.policies, self.stage_blocks(blocks)))
 
 
 # --- the search space --------------------------------------------------------------------------------
@@ -173,11 +204,12 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_degrees(unit: Unit, cluster: Cluster) -> list[int]:
-    """Tensor-parallel degrees worth trying: powers of two inside one node, only for units with TP blocks;
-    1 on gloo clusters (the runtime runs tensor parallelism on GPUs only for now)."""
+    """Tensor-parallel degrees worth trying: powers of two inside one node that divide every TP block's heads and
+    widths (Block.takes_tp), only for units with TP blocks; 1 on gloo clusters."""
     if not unit.supports_tp or cluster.backend == "gloo":
         return [1]
-    return [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0]
+    return [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0
+            and all(b.takes_tp(t) for b in unit.blocks)]
 
 
 def allowed_gpus(n: int, cluster: Cluster) -> bool:
@@ -211,19 +243,20 @@ class _Stages:
 
     def __init__(self, seg: Segments, downstream: int, send: np.ndarray):
         self.seg, self.downstream, self.send = seg, downstream, send
-        self._by_flight: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self._keys: dict[float, int] = {}
         self._flights: dict[int, float] = {}  # q -> micro-batches in flight (the DP asks for each q many times)
-        self._times: list[np.ndarray] = []
-        self._room: list[np.ndarray] = []
+        times, rooms = [], []
         for pol in seg.setting.policies:
             fwd, bwd, tail, _, _ = seg.time(pol)
             t = fwd + bwd + send[None, :] + tail / seg.micro_batches
-            self._times.append(t if runs_with(pol, seg.zero) else np.full_like(t, np.inf))  # tiers FSDP2 cannot hold
-            self._room.append(seg.room(pol))
+            times.append(t if runs_with(pol, seg.zero) else np.full_like(t, np.inf))  # tiers FSDP2 cannot hold
+            rooms.append(seg.room(pol))
+        self._times, self._room = np.stack(times), np.stack(rooms)  # (policies, L+1, L+1)
         # which segments fit under which policy depends on the flight only through the set {room < flight}:
         # flights with as many room values below them give the same costs (one evaluation when memory never binds)
-        self._rooms = np.sort(np.concatenate([r.ravel() for r in self._room]))
-        self._by_key: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rooms = np.sort(self._room.ravel())
+        self._by_key: dict[int, np.ndarray] = {}
+        self._which: dict[int, np.ndarray] = {}
 
     def flight(self, q: int) -> float:
         if q not in self._flights:
@@ -233,19 +266,25 @@ class _Stages:
     def cost(self, q: int) -> np.ndarray:
         return self.evaluate(self.flight(q))[0]
 
-    def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray]:
-        if flight not in self._by_flight:
-            key = int(np.searchsorted(self._rooms, flight, side="left"))  # room values < flight
-            if key not in self._by_key:
-                best = np.full_like(self.seg.params, np.inf)
-                which = np.zeros(best.shape, dtype=np.int64)
-                for index, (t, room) in enumerate(zip(self._times, self._room)):
-                    better = (room >= flight) & (t < best)
-                    best = np.where(better, t, best)
-                    which = np.where(better, index, which)
-                self._by_key[key] = (best, which)
-            self._by_flight[flight] = self._by_key[key]
-        return self._by_flight[flight]
+    def _key(self, flight: float) -> int:
+        key = self._keys.get(flight)
+        if key is None:
+            key = self._keys[flight] = int(np.searchsorted(self._rooms, flight, side="left"))  # room values < flight
+        return key
+
+    def evaluate(self, flight: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the fastest fitting policy's time of every segment, which policy) at `flight` micro-batches in flight;
+        `which` only once asked for (which_at)."""
+        key = self._key(flight)
+        if key not in self._by_key:
+            self._by_key[key] = np.where(self._room >= flight, self._times, np.inf).min(axis=0)
+        return self._by_key[key], self._which.get(key)
+
+    def which_at(self, flight: float) -> np.ndarray:
+        key = self._key(flight)
+        if key not in self._which:
+            self._which[key] = np.where(self._room >= flight, self._times, np.inf).argmin(axis=0)
+        return self._which[key]
 
 
 def _cross_link(setting: Setting, stage_ranks: int, pp: int) -> Link:
@@ -273,6 +312,7 @@ def unit_layouts(
     limit: float = math.inf,
     times: BlockTimes | None = None,
     deadline: float = math.inf,
+    prune_dominated: bool = True,
 ) -> list[Layout]:
     """Every layout of `unit` at m = micro_batches with at most max_gpus ranks: for each (tp, dp, ZeRO) one DP
     table gives the cut points of every pp at once.
@@ -284,22 +324,44 @@ def unit_layouts(
     stage_ranks: only layouts with dp * tp equal to it (colocated encoders); max_pp caps the depth.
     limit: skip every (tp, dp) whose layouts' bounds are all >= limit (run_bound), e.g. the best simulated step.
     deadline: a time.perf_counter() value after which no more (tp, dp) runs are tried (solve --time-limit).
+    prune_dominated: build only the sequence-parallel layouts of a tp > 1 run where they dominate
+    (BlockTimes.sp_dominates); False builds both (the brute force of the tests).
     """
     cl = setting.cluster
     times = times or BlockTimes(setting)
     out: list[Layout] = []
     for tp, dp, depth in unit_runs(unit, setting, micro_batches, max_gpus=max_gpus, stage_ranks=stage_ranks, max_pp=max_pp):
-        work = times.work(unit, tp, setting.global_batch / micro_batches / dp)
+        samples = setting.global_batch / micro_batches / dp
+        sps = sp_values(unit, setting, tp, samples, times, prune_dominated)
+        work = min(times.work(unit, tp, samples, sp) for sp in sps)
         if run_bound(work, micro_batches, depth) >= limit:
             continue
         if time.perf_counter() > deadline:
             break
-        for zero in zero_stages(cl, dp, setting.zeros):
-            if time.perf_counter() > deadline:
-                break
-            seg = Segments(unit, setting, tp, dp, zero, micro_batches, times)
-            out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
+        for sp in sps:
+            for zero in zero_stages(cl, dp, setting.zeros):
+                if time.perf_counter() > deadline:
+                    break
+                seg = Segments(unit, setting, tp, dp, zero, micro_batches, times, sequence_parallel=sp)
+                out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
     return out
+
+
+def sp_divides(blocks: Iterable[Block], tp: int) -> bool:
+    """Whether tp divides the sequence of every tensor-parallel block whose sequence the profile recorded (the runtime
+    shards those along it: planner/run.py refuses a sequence-parallel plan otherwise, e.g. a ViT's 577 tokens)."""
+    return all(b.sequence % tp == 0 for b in blocks if b.supports_tp and b.sequence)
+
+
+def sp_values(unit: Unit, setting: Setting, tp: int, samples: float, times: BlockTimes, prune: bool = True) -> tuple[bool, ...]:
+    """Sequence parallelism settings worth trying for a (tp, samples) run: off alone at tp = 1 (nothing to shard),
+    on alone where it dominates (BlockTimes.sp_dominates) and `prune`, else Setting.sequence_parallel."""
+    allowed = tuple(dict.fromkeys(setting.sequence_parallel)) or (False,)
+    if tp <= 1 or not unit.supports_tp or not sp_divides(unit.blocks, tp):
+        return (False,)
+    if prune and True in allowed and False in allowed and times.sp_dominates(unit, tp, samples):
+        return (True,)
+    return allowed
 
 
 ZERO_STAGES = (0, 1, 2, 3)  # every ZeRO stage the cost model prices and runtime/ trains (issue 13)
@@ -313,9 +375,11 @@ def zero_stages(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) -
 def runs_with(policy: Policy, zero: int) -> bool:
     """Whether the runtime trains a stage with these tiers under ZeRO stage `zero` (runtime.zero.zero_runs_with:
     its FSDP2 holds parameters and gradients on the GPU, or both on the host with CPU offload)."""
+    if zero == 0 or (policy.params, policy.grads) == ("gpu", "gpu"):
+        return True  # zero_runs_with's first case, without importing torch (seconds) into a solve that needs none
     from runtime.zero import zero_runs_with
 
-    return zero == 0 or zero_runs_with(policy.params, policy.grads, policy.optimizer)
+    return zero_runs_with(policy.params, policy.grads, policy.optimizer)
 
 
 def unit_runs(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, stage_ranks: int | None = None,
@@ -371,6 +435,76 @@ def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: boo
             # whose m (slowest - largest send) reaches `limit` cannot beat it and is not built
             if part is not None and m * (part.slowest - send_max) < limit:
                 out.append(_layout(seg, stages, part.cuts, part.slowest, recorded, links))
+    if st.virtual_stages and st.schedule == "1f1b" and not depths and not seg.unit.feeds and not seg.unit.out_bytes:
+        out += _interleaved(seg, depth, limit)
+    return out
+
+
+def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
+    """Interleaved 1F1B layouts of a chain unit at one (tp, dp, ZeRO, m): for each v of Setting.virtual_stages and pp
+    of 2..depth dividing m, the unit cut into pp * v chunks of balanced op time (prefix sums of the fastest policy's per-block
+    forward + backward; not the DP's min-max: an approximation of the best cuts), stage k holding chunks k, k + pp,
+    ...; per stage the fastest policy whose memory fits (its chunks' bytes added up, with the interleaved schedule's
+    micro-batches in flight, memory.in_flight). Only where the chunks form a linear pipeline and nothing is frozen
+    (planner/bounds.py's interleaved bound assumes both)."""
+    st, m, n, cl = seg.setting, seg.micro_batches, seg.n, seg.setting.cluster
+    if any(b.frozen for b in seg.unit.blocks):
+        return []
+    usable = [pol for pol in st.policies if runs_with(pol, seg.zero)]
+    if not usable:
+        return []
+    times = {pol: seg.time(pol) for pol in usable}
+    mems = {pol: seg.memory(pol) for pol in usable}
+    per_block = np.array([min(times[p][0][i, i + 1] + times[p][1][i, i + 1] for p in usable) for i in range(n)])
+    prefix = np.concatenate(([0.0], np.cumsum(per_block)))
+    caps = (cl.device.memory_bytes, st.host_share, st.nvme_share)
+    out = []
+    for v in st.virtual_stages:
+        for pp in range(2, depth + 1):
+            chunks = pp * v
+            if chunks > n:
+                break
+            if not allowed_gpus(seg.tp * seg.dp * pp, cl) or m % pp:
+                continue  # Megatron's interleaved schedule needs the micro-batches in groups of pp
+            raw = np.searchsorted(prefix, prefix[-1] * np.arange(1, chunks) / chunks, side="left")
+            cuts = tuple(min(max(int(c), i + 1), n - chunks + i + 1) for i, c in enumerate(raw))
+            if any(b <= a for a, b in zip(cuts, cuts[1:])):
+                continue
+            starts, ends = np.array((0, *cuts)), np.array((*cuts, n))
+            if _stage_preds(seg.unit, starts):
+                continue  # not a linear pipeline of chunks
+            flights = np.array([in_flight("interleaved", m, warmup_forwards("interleaved", m, pp - 1 - k, v, pp), v)
+                                for k in range(pp)])
+            best_time = np.full(pp, np.inf)
+            best_rows = np.zeros((8, pp))  # fwd, bwd, tail, optimizer, gather, gpu, cpu, nvme per stage
+            best_chunks = np.zeros((2, chunks))  # fwd, bwd per chunk
+            choice = [usable[0]] * pp
+            for pol in usable:  # chunk c is on stage c mod pp: (v, pp) reshapes sum a stage's chunks
+                t = np.array([x[starts, ends] for x in times[pol]])  # (5, chunks)
+                mem = np.array([x[starts, ends] for x in mems[pol]]).reshape(6, v, pp).sum(axis=1)
+                used = mem[0::2] + flights[None, :] * mem[1::2]  # gpu, cpu, nvme per stage
+                stage = t.reshape(5, v, pp).sum(axis=1)
+                total = np.where((used <= np.array(caps)[:, None]).all(axis=0), stage[0] + stage[1], np.inf)
+                better = total < best_time
+                for k in np.flatnonzero(better):
+                    choice[k] = pol
+                best_time = np.where(better, total, best_time)
+                best_rows[:, better] = np.concatenate([stage, used])[:, better]
+                sel = np.tile(better, v)
+                best_chunks[:, sel] = t[:2, sel]
+            if not np.isfinite(best_time).all():
+                continue
+            slowest = float(best_time.max())
+            if m * slowest >= limit:
+                continue
+            chunk_fwd, chunk_bwd = tuple(best_chunks[0].tolist()), tuple(best_chunks[1].tolist())
+            rows = [tuple(r) for r in best_rows.tolist()]
+            out.append(Layout(
+                unit=seg.unit.name, schedule="1f1b", micro_batches=m, tp=seg.tp, dp=seg.dp, zero=seg.zero, cuts=cuts,
+                policies=tuple(choice), downstream=None, assumed_downstream=0, fwd=rows[0], bwd=rows[1],
+                lag=(0.0,) * (pp - 1), tail=rows[2], optimizer=rows[3], gather=rows[4], gpu_bytes=rows[5], cpu_bytes=rows[6],
+                nvme_bytes=rows[7], samples=seg.samples, out_bytes=seg.unit.out_bytes, slowest=slowest,
+                sequence_parallel=seg.sequence_parallel, chunks=v, chunk_fwd=chunk_fwd, chunk_bwd=chunk_bwd))
     return out
 
 
@@ -396,7 +530,7 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
     ends = np.array((*cuts, seg.n), dtype=np.int64)
     pp = len(starts)
     flights = np.array([stages.flight(pp - 1 - k) for k in range(pp)])
-    which = np.array([stages.evaluate(f)[1][a, b] for f, a, b in zip(flights, starts, ends)], dtype=np.int64)
+    which = np.array([stages.which_at(f)[a, b] for f, a, b in zip(flights, starts, ends)], dtype=np.int64)
     policies = tuple(st.policies[i] for i in which)
     figures = np.zeros((12, pp))  # fwd, bwd, tail, opt, gather, gpu0, gpu1, cpu0, cpu1, nvme0, nvme1
     for index in np.unique(which):
@@ -411,14 +545,33 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
     lag = tuple(hand_over_time(seg.unit.cross_bytes[c] * seg.samples, seg.tp, links[k], _tp_link(seg))
                 for k, c in enumerate(cuts))
     entries = tuple(int(np.searchsorted(starts, f.block, side="right")) - 1 for f in seg.unit.feeds)
+    preds = _stage_preds(seg.unit, starts)
+    trains = [not b.frozen for b in seg.unit.blocks]
+    backward: list[bool] = []
+    for k, (a, b) in enumerate(zip(starts, ends)):  # conservative: upstream stages count only in a linear pipeline
+        backward.append(any(trains[a:b]) or (not preds and k > 0 and backward[-1]))
     return Layout(
         unit=seg.unit.name, schedule=st.schedule, micro_batches=seg.micro_batches, tp=seg.tp, dp=seg.dp, zero=seg.zero,
         cuts=tuple(cuts), policies=policies, downstream=downstream, assumed_downstream=stages.downstream,
         fwd=tuple(fwd.tolist()), bwd=tuple(bwd.tolist()), lag=lag, tail=tuple(tail.tolist()), optimizer=tuple(opt.tolist()),
         gather=tuple(gather.tolist()), gpu_bytes=tuple((g0 + flights * g1).tolist()), cpu_bytes=tuple((c0 + flights * c1).tolist()),
         nvme_bytes=tuple((n0 + flights * n1).tolist()), samples=seg.samples, out_bytes=seg.unit.out_bytes, entries=entries,
-        slowest=slowest,
+        slowest=slowest, sequence_parallel=seg.sequence_parallel, preds=preds, backward=() if all(backward) else tuple(backward),
     )
+
+
+def _stage_preds(unit: Unit, starts: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the stages whose blocks its blocks read (Layout.preds); () when each stage reads exactly the one
+    before it (or a unit without recorded reads: a linear pipeline)."""
+    if not unit.reads or len(starts) == 1:
+        return ()
+    stage = np.searchsorted(starts, np.arange(len(unit.blocks)), side="right") - 1
+    preds: list[set[int]] = [set() for _ in starts]
+    for b, reads in enumerate(unit.reads):
+        preds[stage[b]].update(int(stage[a]) for a in reads if stage[a] != stage[b])
+    if all(p == {k - 1} for k, p in enumerate(preds) if k > 0):
+        return ()
+    return tuple(tuple(sorted(p)) for p in preds)
 
 
 # --- units: which blocks get one layout ----------------------------------------------------------------
@@ -513,8 +666,11 @@ def _unit(name: str, indices: list[int], profile: Profile, index: dict[str, int]
     # A cut before block j: the chunk starting at j receives, as parallel routes (plans/stage_graph.py), the
     # whole output of every earlier block it reads; the largest one read by block j itself bounds the wait.
     cross = [0.0] * (n + 1)
+    reads: list[set[int]] = [set() for _ in range(n)]
     for e in profile.edges:
         a, b = index[e.src] - first, index[e.dst] - first
         if 0 <= a < b < n:
             cross[b] = max(cross[b], blocks[a].output_bytes)
-    return Unit(name, blocks, feeds, out_bytes, tuple(inputs[b.name] for b in blocks), tuple(cross))
+            reads[b].add(a)
+    return Unit(name, blocks, feeds, out_bytes, tuple(inputs[b.name] for b in blocks), tuple(cross),
+                tuple(tuple(sorted(r)) for r in reads))

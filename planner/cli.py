@@ -152,7 +152,8 @@ def solve(
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Regroup the cluster's GPUs into nodes of this size.")] = None,
     baseline: Annotated[Optional[Literal["homogeneous", "megatron", "zero3", "gpipe-even"]], typer.Option(help="Write a baseline plan instead of solving: the best of its kind (homogeneous and megatron: exactly the ones solve compares with), or exactly [cyan]--layout[/].")] = None,
     memory_reserve: Annotated[float, typer.Option(help="Fraction of each GPU's memory every plan leaves free: usable = capacity x (1 - reserve).")] = 0.10,
-    layout: Annotated[Optional[str], typer.Option(help="With [cyan]--baseline homogeneous[/]: tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|full][,zero=1].")] = None,
+    sequence_parallel: Annotated[bool, typer.Option(help="Search sequence parallelism for tp > 1 layouts (where tp divides the sequence).")] = True,
+    layout: Annotated[Optional[str], typer.Option(help="With [cyan]--baseline homogeneous[/]: tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full][,zero=1][,sequence-parallel=true].")] = None,
     from_: Annotated[Optional[tuple[str, str]], typer.Option("--from", metavar="KIND VALUE", help="Your current configuration as the plan: [cyan]--from megatron \"ARGS\"[/] (or @FILE) or [cyan]--from deepspeed ds_config.json[/] (with [cyan]--baseline homogeneous[/]).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (plan path, step times, speed-up, solve time, fits).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
@@ -181,7 +182,8 @@ def solve(
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
                                    gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
                                    time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, baseline=baseline,
-                                   layout=layout, progress=note, memory_reserve=memory_reserve, started=started)
+                                   layout=layout, progress=note, memory_reserve=memory_reserve, started=started,
+                                   sequence_parallel=(False, True) if sequence_parallel else (False,))
     if as_json:
         print(json.dumps(solution_json(solution, output, prof), allow_nan=False))
     elif not quiet:

@@ -27,14 +27,17 @@ class GroupLayout:
     zero: int = 0
     colocated_with: str | None = None
     memory: tuple[Memory, ...] = ()  # one per stage; empty = everything on the GPU
+    sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence (Group's field)
+    chunks: int = 1  # interleaved schedule: model chunks per stage; cuts then split pp * chunks chunks, stage k holding k, k + pp, ...
 
     @property
     def pp(self) -> int:
-        return len(self.cuts) + 1
+        return (len(self.cuts) + 1) // self.chunks
 
     def stage_blocks(self) -> list[tuple[str, ...]]:
         bounds = [0, *self.cuts, len(self.blocks)]
-        return [self.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+        parts = [self.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+        return [tuple(x for c in parts[k::self.pp] for x in c) for k in range(self.pp)]
 
 
 def to_group(layout: GroupLayout) -> Group:
@@ -47,7 +50,7 @@ def to_group(layout: GroupLayout) -> Group:
         for i, blocks in enumerate(layout.stage_blocks())
     )
     return Group(name=layout.name, dp=layout.dp, tp=layout.tp, pp=layout.pp, stages=stages, zero=layout.zero,
-                 colocated_with=layout.colocated_with)
+                 colocated_with=layout.colocated_with, sequence_parallel=layout.sequence_parallel and layout.tp > 1)
 
 
 def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],

@@ -45,7 +45,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 from runtime.program import block_modules, is_frozen, module_structure
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.source import ModelSource, call_factory, model_loss
-from runtime.tensor_parallel import supports_tp
+from runtime.tensor_parallel import supports_tp, tp_divisor
 from runtime.vocab_parallel import HeadPaths
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, InputEdge, Profile, ProfileOptions, profile_fingerprint
@@ -128,6 +128,7 @@ class _BlockRecord:
     memory_bytes: list = field(default_factory=lambda: [0.0, 0.0])
     replicated_memory_bytes: float = 0.0  # of memory_bytes[0]: forward ops outside every tensor-parallel region
     matmuls: int = 0
+    sequence: int = 0  # dim 1 of a 3-D first input (batch, sequence, hidden): sequence parallelism needs tp to divide it
     gemms: list = field(default_factory=lambda: [{}, {}])  # [fwd, bwd]: (flops, bytes) of a GEMM kernel -> count
     param_shapes: frozenset = frozenset()  # shapes of the block's parameters (their gradients are not activations)
     # saved storages by tensor-parallel class (see _classify_saved): (bytes, kind, module call) in saving order
@@ -403,6 +404,9 @@ def _install_hooks(trace: _Trace) -> list:
                 rec.order = trace.executed
                 trace.executed += 1
                 rec.in_spec = _spec((args, kwargs))
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                if isinstance(first, torch.Tensor) and first.dim() == 3:
+                    rec.sequence = int(first.shape[1])
             for src, leaf, nbytes in trace.prov_of((args, kwargs)):
                 trace.edges[(src, rec.name)][(src, leaf)] = nbytes
             trace.current = rec.name
@@ -798,6 +802,14 @@ def _measure(records, model, batch, device, micro_batch, reps, fake, note) -> tu
     return timings, spread
 
 
+def _tp_divisor(module: nn.Module) -> int:
+    """runtime/tensor_parallel.tp_divisor; 1 (tp 1 only) for a block whose tensor-parallel plan cannot be read."""
+    try:
+        return tp_divisor(module)
+    except Exception:  # a plan naming modules the block does not have: check_tp refuses every tp > 1 too
+        return 1
+
+
 def _adopted_parameters(model: nn.Module, batch: dict[str, Any], records) -> dict[str, list[nn.Parameter]]:
     """Trained parameters outside every block (CLIP's logit_scale) by the block the runtime makes own and train
     them (runtime/forward_program.py, stage.adopt_free_parameters): counted in that block's parameters. Only for
@@ -876,6 +888,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             matmuls=rec.matmuls, fwd_gemms=_gemm_list(rec.gemms[0], mb), bwd_gemms=_gemm_list(rec.gemms[1], mb),
             activation_replicated_bytes=_per_sample(replicated, mb),
             attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss, trace.heads),
+            sequence=rec.sequence, tp_divisor=_tp_divisor(rec.module),
         ))
     order = {r.name: r.order for r in records}
     edges = tuple(

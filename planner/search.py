@@ -15,6 +15,7 @@ from planner.candidates import (
     Structure,
     Unit,
     _layouts_of,
+    sp_values,
     unit_layouts,
     unit_runs,
     zero_stages,
@@ -220,7 +221,8 @@ def quick_incumbent(search: Search, units: tuple[Unit, ...], setting: Setting, m
     for start in range(0, len(runs), 6):
         lays = []
         for tp, dp, _ in runs[start:start + 6]:
-            seg = Segments(unit, setting, tp, dp, max(zero_stages(search.cluster, dp, setting.zeros)), m, times)
+            sp = sp_values(unit, setting, tp, setting.global_batch / m / dp, times)[-1]
+            seg = Segments(unit, setting, tp, dp, max(zero_stages(search.cluster, dp, setting.zeros)), m, times, sequence_parallel=sp)
             lays += _layouts_of(seg, 1, (), True)
         for lay in sorted(lays, key=lambda lay: lay.bound.own)[:2]:
             search.simulate("chain", units, (lay,))
@@ -277,11 +279,13 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
     groups = []
     for i, (unit, lay, r) in enumerate(zip(units, layouts, ranks)):
         names = tuple(b.name for b in unit.blocks)
+        cores = {b.name for b in unit.blocks if b.attention_core_bytes > 0}
         host = units[sink].name if structure == "colocated" and sink is not None and i != sink else None
         groups.append(GroupLayout(unit.name, names, lay.cuts, lay.dp, lay.tp, r, zero=lay.zero, colocated_with=host,
-                                  memory=lay.memories(names)))
+                                  memory=lay.memories(names, cores), sequence_parallel=lay.sequence_parallel, chunks=lay.chunks))
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
-    training = Training(global_batch, layouts[0].micro_batches, schedule, dtype=dtype)
+    chunks = max(lay.chunks for lay in layouts)  # an interleaved layout (the chain unit's) makes the schedule interleaved
+    training = Training(global_batch, layouts[0].micro_batches, "interleaved" if chunks > 1 else schedule, chunks, dtype=dtype)
     try:
         return build_plan(profile, cluster, training, groups, schema=False)
     except MmplanError:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,6 +13,7 @@ from cost_models.memory import DTYPE_BYTES, activation_residency, activation_tra
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.cluster import Link
+from plans.graph import Block
 
 if TYPE_CHECKING:
     from planner.candidates import Policy, Setting, Unit
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 _BIG = 2.0**31  # bytes at which the affine fits of alpha-beta costs are taken (well-conditioned)
 
 
-def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = None, key: tuple = ()) -> np.ndarray:
+def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = None, key: tuple = ()) -> np.ndarray | float:
     """fn (an alpha-beta cost, affine in bytes for bytes > 0 and 0 at 0) applied to an array; its two
     coefficients are kept in `cache` under `key` when given (they depend on the link and options, not on bytes)."""
     if cache is not None and key in cache:
@@ -37,6 +38,8 @@ def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = No
         a = fn(_BIG) - b * _BIG
         if cache is not None:
             cache[key] = (a, b)
+    if a == 0.0 and b == 0.0:
+        return 0.0  # a cost these options never pay (no ZeRO gather, GPU-resident state ...)
     return np.where(x > 0, a + b * x, 0.0)
 
 
@@ -62,39 +65,87 @@ class BlockTimes:
         self.setting = setting
         self._cache: dict[tuple, list] = {}
         self._arrays: dict[tuple, dict] = {}
+        self._blocks: dict[tuple, object] = {}
+        self._kinds: dict[str, int] = {}  # block name -> the number of its content (equal blocks, equal number)
+        self._contents: dict[Block, int] = {}
         self.coefficients: dict[tuple, tuple[float, float]] = {}  # _affine's, shared by every Segments of a search
 
-    def arrays(self, unit: Unit, tp: int, samples: float) -> dict:
-        """The per-segment sums and maxima of a unit at (tp, samples) that every (dp, ZeRO, m) giving these
-        samples shares (see Segments)."""
-        key = (unit.name, tp, samples)
+    def arrays(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> dict:
+        """The per-segment sums and maxima of a unit at (tp, samples, sequence parallelism) that every (dp, ZeRO, m)
+        giving these samples shares (see Segments)."""
+        key = (unit.name, tp, samples, sp)
         if key not in self._arrays:
             blocks = unit.blocks
-            ops = self.of(unit, tp, samples)
+            ops = self.of(unit, tp, samples, sp)
             shard = np.array([tp_shard(b, tp) for b in blocks], dtype=float)
             params = np.array([b.params for b in blocks], dtype=float) / shard
-            act = np.array([kept_activation_bytes(b, tp) for b in blocks], dtype=float) * samples
-            inp = np.array(unit.input_bytes, dtype=float) * samples  # checkpoints: whole without sequence parallelism
+            act = np.array([kept_activation_bytes(b, tp, sequence_parallel=sp) for b in blocks], dtype=float) * samples
+            # selective recompute (only blocks with an attention core take the tier, planner/candidates.Policy.memory):
+            # the core leaves the saved activations, its forward is rerun in the backward, and one block's core is
+            # rebuilt at a time (memory.stage_memory's transient)
+            cores = np.array([b.attention_core_bytes > 0 for b in blocks])
+            act_sel = np.where(cores, [kept_activation_bytes(b, tp, sequence_parallel=sp, tier="selective") for b in blocks],
+                               act / samples) * samples
+            core_bytes = np.where(cores, [b.attention_core_bytes / tp_shard(b, tp) for b in blocks], 0.0) * samples
+            core_time = np.array([self.block(b, tp, samples, sp, "selective").bwd - o.bwd if c else 0.0
+                                  for b, o, c in zip(blocks, ops, cores)])
+            # checkpoints: whole without sequence parallelism, split over the tp ranks with it
+            inp = np.array(unit.input_bytes, dtype=float) * samples / (shard if sp else 1.0)
             trained = params * np.array([not b.frozen for b in blocks], dtype=float)  # frozen: no grads / optimizer / sync
             n = len(blocks)
             self._arrays[key] = dict(
                 fwd=_span(np.array([o.fwd for o in ops])), fwd_comm=_span(np.array([o.fwd_comm for o in ops])),
                 bwd=_span(np.array([o.bwd for o in ops])), bwd_comm=_span(np.array([o.bwd_comm for o in ops])),
+                core=_span(core_time), act_sel=_span(act_sel), core_max=_range_max(core_bytes),
                 params=_span(params), trained=_span(trained), largest=_range_max(params), act=_span(act), act_max=_range_max(act),
                 checkpoint=_span(inp), valid=np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :])
         return self._arrays[key]
 
-    def of(self, unit: Unit, tp: int, samples: float) -> list:
-        key = (unit.name, tp, samples)
+    def of(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> list:
+        key = (unit.name, tp, samples, sp)
         if key not in self._cache:
-            st = self.setting
-            self._cache[key] = [block_time(b, samples, tp, st.cluster, dtype=st.dtype, measured_micro_batch=st.measured_micro_batch)
-                                for b in unit.blocks]
+            self._cache[key] = [self.block(b, tp, samples, sp) for b in unit.blocks]
         return self._cache[key]
 
-    def work(self, unit: Unit, tp: int, samples: float) -> float:
+    def kind(self, b: Block) -> int:
+        """A number equal for blocks of equal content but their name and group (a model's identical layers cost the
+        same), so per-block cost calls are made once per distinct block."""
+        k = self._kinds.get(b.name)
+        if k is None:
+            k = self._kinds[b.name] = self._contents.setdefault(replace(b, name="", group=""), len(self._contents))
+        return k
+
+    def block(self, b: Block, tp: int, samples: float, sp: bool = False, recompute: bool | str = False):
+        """block_time of one block, shared by the blocks of equal content (a model's identical layers)."""
+        key = (self.kind(b), tp, samples, sp, recompute)
+        if key not in self._blocks:
+            st = self.setting
+            self._blocks[key] = block_time(b, samples, tp, st.cluster, dtype=st.dtype, measured_micro_batch=st.measured_micro_batch,
+                                           sequence_parallel=sp, recompute=recompute)
+        return self._blocks[key]
+
+    def work(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> float:
         """Seconds of one micro-batch's forward and backward through every block (no recompute, no transfers)."""
-        return sum(o.fwd + o.fwd_comm + o.bwd + o.bwd_comm for o in self.of(unit, tp, samples))
+        return sum(o.fwd + o.fwd_comm + o.bwd + o.bwd_comm for o in self.of(unit, tp, samples, sp))
+
+    def sp_dominates(self, unit: Unit, tp: int, samples: float) -> bool:
+        """Whether sequence parallelism at (tp, samples) costs no more than without it in every figure a stage is
+        timed and sized by (op times, recomputed core, saved activations, checkpoints, transients): then every layout
+        without it is matched by the same layout with it, which the cost model never times slower (op durations
+        and bytes only shrink; the exposed gradient sync grows by at most what the last backward shrinks) -- the
+        search tries sequence parallelism alone there. tests/planner/test_solve.py checks this against a brute
+        force over both."""
+        key = ("dominates", unit.name, tp, samples)
+        if key not in self._cache:
+            on, off = self.arrays(unit, tp, samples, True), self.arrays(unit, tp, samples, False)
+            ops_on, ops_off = self.of(unit, tp, samples, True), self.of(unit, tp, samples, False)
+            ok = all(a.fwd <= b.fwd and a.bwd <= b.bwd and a.fwd_comm <= b.fwd_comm and a.bwd_comm <= b.bwd_comm
+                     for a, b in zip(ops_on, ops_off))
+            valid = on["valid"]  # segments [i, j) with i < j (the spans' other entries are differences of no segment)
+            ok = ok and all(bool(np.all(on[k][valid] <= off[k][valid] * (1 + 1e-12) + 1e-300))
+                            for k in ("core", "act", "act_sel", "act_max", "core_max", "checkpoint"))
+            self._cache[key] = ok
+        return self._cache[key]
 
 
 @dataclass
@@ -109,6 +160,7 @@ class Segments:
     zero: int
     micro_batches: int
     times: BlockTimes | None = None
+    sequence_parallel: bool = False  # tp > 1: the layout's norm / residual regions sharded along the sequence
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,7 +168,8 @@ class Segments:
         self.samples = st.global_batch / self.micro_batches / self.dp  # per replica and micro-batch
         if self.times is None:
             self.times = BlockTimes(st)
-        arrays = self.times.arrays(self.unit, self.tp, self.samples)  # shared with every Segments of these samples
+        sp = self.sequence_parallel
+        arrays = self.times.arrays(self.unit, self.tp, self.samples, sp)  # shared with every Segments of these samples
         self.n = len(self.unit.blocks)
         self.fwd, self.fwd_comm, self.bwd, self.bwd_comm = (arrays[k] for k in ("fwd", "fwd_comm", "bwd", "bwd_comm"))
         self.width = DTYPE_BYTES[st.dtype]
@@ -125,6 +178,7 @@ class Segments:
         self.largest = arrays["largest"]  # parameters of the largest block
         self.act, self.act_max = arrays["act"], arrays["act_max"]
         self.checkpoint = arrays["checkpoint"]
+        self.core, self.act_sel, self.core_max = arrays["core"], arrays["act_sel"], arrays["core_max"]
         self.valid = arrays["valid"]
         self.dp_link = self._dp_link()
 
@@ -143,7 +197,7 @@ class Segments:
         st, cl, dp, z = self.setting, self.setting.cluster, self.dp, self.zero
         recompute = policy.activations == "recompute"
         fwd, fwd_comm = self.fwd, self.fwd_comm
-        bwd = self.bwd + (self.fwd if recompute else 0.0)
+        bwd = self.bwd + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
         param_bytes = self.params * self.width
         act_out = 0.0
@@ -176,7 +230,8 @@ class Segments:
         sync = np.maximum(bucket, full - bwd) if overlaps_compute(cl) else full
         opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k))
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
-        out = (fwd_op, bwd_op, sync + opt + gathered, opt, gathered)
+        out = tuple(x if isinstance(x, np.ndarray) else np.full_like(self.params, x)
+                    for x in (fwd_op, bwd_op, sync + opt + gathered, opt, gathered))
         self._cache[key] = out
         return out
 
@@ -191,8 +246,9 @@ class Segments:
         st = self.setting
         base = state_residency(self.params, self.largest, dp=self.dp, zero=self.zero, memory=policy, dtype=st.dtype,
                                optimizer=st.optimizer, trained=self.trained)
-        base = base.put("gpu", activation_transient(policy.activations, self.act_max))
-        per_mb = activation_residency(policy.activations, self.act, self.checkpoint)
+        selective = policy.activations == "selective"
+        base = base.put("gpu", self.core_max if selective else activation_transient(policy.activations, self.act_max))
+        per_mb = activation_residency(policy.activations, self.act_sel if selective else self.act, self.checkpoint)
         zeros = np.zeros_like(self.params)
         out = tuple(zeros + x for x in (base.gpu, per_mb.gpu, base.cpu, per_mb.cpu, base.nvme, per_mb.nvme))
         self._cache[key] = out
@@ -216,6 +272,8 @@ class Segments:
         room = np.where(self.valid, np.inf, -np.inf)
         with np.errstate(divide="ignore", invalid="ignore"):
             for base, per, cap in ((g0, g1, st.cluster.device.memory_bytes), (c0, c1, st.host_share), (n0, n1, st.nvme_share)):
+                if cap >= 0 and not base.any() and not per.any():
+                    continue  # nothing in this tier
                 limit = np.where(per > 0, (cap - base) / np.where(per > 0, per, 1.0), np.where(base <= cap, np.inf, -np.inf))
                 limit = np.where(base > cap, -np.inf, limit)
                 room = np.minimum(room, limit)

@@ -44,7 +44,8 @@ from plans.plan import Plan, SolverInfo
 
 Placement = Literal["auto", "colocated", "non-colocated"]
 PLACEMENTS: tuple[str, ...] = ("auto", "colocated", "non-colocated")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f1b layouts and homogeneous interleaved ones
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f1b layouts and interleaved chain ones
+VIRTUAL_STAGES = (2,)  # model chunks per rank of the interleaved chain layouts (--schedule interleaved; as the Megatron grid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,7 @@ def solve(
     started: float | None = None,
     emit: Literal["best", "homogeneous", "megatron"] = "best",
     zeros: tuple[int, ...] = ZERO_STAGES,
+    sequence_parallel: tuple[bool, ...] = (False, True),
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
@@ -130,7 +132,8 @@ def solve(
     passes the process start); the search returns the best plan so far and says it stopped early.
     memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
     that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
-    stages searched (by the solver and both baselines).
+    stages searched (by the solver and both baselines). sequence_parallel: the sequence-parallelism settings searched
+    for tp > 1 (by the solver and both baselines; only where tp divides the sequence).
     """
     started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
@@ -138,8 +141,9 @@ def solve(
     usable = usable_cluster(cluster, memory_reserve)
     solver = pick_solver(solver)
     deadline = started + (time_limit - _write_reserve(time_limit, cluster) if time_limit is not None else math.inf)
-    # --schedule interleaved: the heterogeneous search lays out 1f1b pipelines (its cut-point DP is per contiguous
-    # stage); the Megatron-style baseline's grid holds interleaved 1F1B layouts, emitted where faster
+    # --schedule interleaved: 1F1B layouts and, for the chain structure (one layout for the whole model), interleaved 1F1B
+    # ones with VIRTUAL_STAGES model chunks per rank (candidates._interleaved); the heterogeneous structures lay out 1F1B
+    # pipelines; the Megatron-style baseline's grid holds interleaved 1F1B layouts too
     searched = "1f1b" if schedule == "interleaved" else schedule
     search = Search(profile, usable, global_batch, searched, deadline, note, solver=solver, started=started,
                     time_limit=time_limit)
@@ -147,7 +151,8 @@ def solve(
     ms = micro_batch_counts(global_batch, micro_batch)
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     measured = profile.micro_batch if measured_on(profile, usable) else None
-    setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros))
+    setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros),
+                      virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else (), sequence_parallel=tuple(sequence_parallel))
     # 1. the homogeneous baseline: the chain structure alone (one layout for every block, cut points by the DP),
     #    searched first so that its step prunes the heterogeneous structures
     chain = [(s, u) for s, u in structures if s == "chain"]
@@ -171,7 +176,8 @@ def solve(
     megatron = None
     if baseline and not search.out_of_time():
         note("Megatron-style baseline", 0.3)
-        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros)
+        megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros,
+                                  sequence_parallel)
     if emit == "megatron":
         if megatron is None or not megatron.predicted.fits:
             raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
@@ -249,11 +255,12 @@ def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan 
 
 
 def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_batch: int, micro_batch: int | None,
-                   search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES) -> Plan | None:
+                   search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES,
+                   sequence_parallel: tuple[bool, ...] = (False, True)) -> Plan | None:
     """The best Megatron-style plan (planner/baselines.best_megatron) for the same request, on the real cluster."""
     try:
         plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
-                                       zeros=zeros)
+                                       zeros=zeros, sequence_parallels=sequence_parallel)
     except MmplanError:
         return None
     return replace(plan, cluster=cluster, solver=replace(plan.solver, memory_reserve=reserve))
@@ -357,6 +364,7 @@ def run_solve(
     progress: Progress | None = None,
     memory_reserve: float = DEFAULT_RESERVE,
     started: float | None = None,
+    sequence_parallel: tuple[bool, ...] = (False, True),
 ) -> tuple[Solution, Profile]:
     """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan.
 
@@ -374,7 +382,7 @@ def run_solve(
     if baseline in ("homogeneous", "megatron") and layout is None:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
-                         memory_reserve=memory_reserve, started=started, emit=baseline)
+                         memory_reserve=memory_reserve, started=started, emit=baseline, sequence_parallel=sequence_parallel)
     elif baseline is not None:
         plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout)
         elapsed = time.perf_counter() - started
@@ -385,7 +393,7 @@ def run_solve(
     else:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
-                         memory_reserve=memory_reserve, started=started)
+                         memory_reserve=memory_reserve, started=started, sequence_parallel=sequence_parallel)
     save_plan(solution.plan, output)
     return solution, profile
 

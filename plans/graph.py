@@ -68,6 +68,17 @@ class Block:
     frozen: bool = field(default=False, metadata={OMIT_DEFAULT: True})
     # trained parameter tensors: the optimizer's per-tensor work (cost_models/overhead.py); 0 when not recorded
     param_tensors: int = field(default=0, metadata={OMIT_DEFAULT: True})
+    # the sequence length of the block's (batch, sequence, hidden) input, when it has one (0: unknown or none): sequence
+    # parallelism over tp ranks needs tp to divide it (written only when known)
+    sequence: int = field(default=0, metadata={OMIT_DEFAULT: True})
+    # the gcd of the sizes tensor parallelism must divide in the block (heads, kv heads, widths): tp shards it exactly
+    # only if tp divides this (runtime/tensor_parallel.tp_divisor); 0: not recorded or no such size (any tp)
+    tp_divisor: int = field(default=0, metadata={OMIT_DEFAULT: True})
+
+    def takes_tp(self, tp: int) -> bool:
+        """Whether tensor parallelism of degree tp can run on this block: replicated when it does not support tp,
+        sharded exactly when tp divides its heads and widths (tp_divisor; not recorded: assumed)."""
+        return tp == 1 or not self.supports_tp or not self.tp_divisor or self.tp_divisor % tp == 0
 
 
 @dataclass(frozen=True, slots=True)

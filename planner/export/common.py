@@ -208,8 +208,9 @@ def recompute_of(chunks: list[tuple[tuple[str, ...], Memory]], roles: Roles, dro
     is recomputed, "selective" when exactly the transformer layers are (all of them, or the LLM's), "block" when the
     first k LLM layers of every chunk are; anything else is recorded in `drops` as the nearest block count."""
     recomputed = [{b for b, t in mem.activations.items() if t == "recompute"} for _, mem in chunks]
-    if not any(recomputed):
-        return Recompute("none")
+    if not any(recomputed):  # the attention core alone ("selective" tier) is Megatron's own selective recomputation
+        selective = any(t == "selective" for _, mem in chunks for t in mem.activations.values())
+        return Recompute("selective" if selective else "none")
     if all(set(blocks) <= r for (blocks, _), r in zip(chunks, recomputed)):
         return Recompute("full")
     layers = [{b for b in blocks if roles.is_layer(b)} for blocks, _ in chunks]

@@ -73,9 +73,12 @@ def _activations(chain, roles: Roles, drops: Drops, notes: list[str]) -> dict:
     """deepspeed.checkpointing's settings: recomputation (the model's code wraps its layers in
     deepspeed.checkpointing.checkpoint) and cpu_checkpointing for activations the plan offloads."""
     tiers = {t for s in chain.stages for t in s.memory.activations.values()}
-    offloaded = sorted(tiers - {"keep", "recompute"})
+    offloaded = sorted(tiers - {"keep", "recompute", "selective"})
     if not tiers - {"keep"}:
         return {}
+    if "selective" in tiers:
+        drops.cannot("selective recomputation of the attention core (DeepSpeed checkpoints whole layers)",
+                     "activation checkpointing of those layers")
     if offloaded:
         drops.cannot(f"activation offload ({', '.join(offloaded)}; DeepSpeed keeps the checkpointed layer inputs in CPU "
                      "memory and recomputes the rest)", "activation checkpointing with cpu_checkpointing")

@@ -286,7 +286,7 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
     params = _device(zero_cfg, "offload_param", what)
     optimizer = _device(zero_cfg, "offload_optimizer", what)
     checkpointing = "activation_checkpointing" in config
-    spec = LayoutSpec(tp, pp, dp, mbs, "1f1b", 1, "selective" if checkpointing else "none", zero)
+    spec = LayoutSpec(tp, pp, dp, mbs, "1f1b", 1, "layers" if checkpointing else "none", zero)
     notes = (f"from deepspeed: {path}; layout {spec}; activation checkpointing read as every transformer layer "
              "recomputed" if checkpointing else f"from deepspeed: {path}; layout {spec}")
     plan = homogeneous_plan(profile, cluster, global_batch, spec, solver=SolverInfo("baseline:deepspeed", notes=notes), predict=False)

@@ -114,7 +114,7 @@ def encoders_first(chain: Chain, roles: Roles, drops: Drops) -> Chain:
 
 
 def no_activation_offload(stages, drops: Drops) -> tuple[Stage, ...]:
-    offloaded = sorted(activation_tiers(stages) - {"keep", "recompute"})
+    offloaded = sorted(activation_tiers(stages) - {"keep", "recompute", "selective"})  # selective: --recompute-granularity
     if offloaded:
         drops.cannot(f"activation offload ({', '.join(offloaded)})", "those activations recomputed")
     return tuple(offloaded_as_recomputed(s) for s in stages)

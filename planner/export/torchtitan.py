@@ -32,7 +32,7 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
     chain = nearest_chain(plan, drops, why=what)
     notes = [chain.note] if chain.note else []
     stages = chain.stages
-    offloaded = sorted(activation_tiers(stages) - {"keep", "recompute"})
+    offloaded = sorted(activation_tiers(stages) - {"keep", "recompute", "selective"})
     if offloaded:
         drops.cannot(f"activation offload ({', '.join(offloaded)}; torchtitan checkpoints activations, it does not offload them)",
                      "those activations recomputed")
@@ -54,7 +54,7 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
         "tensor_parallel_degree": chain.tp,
     }
     if chain.tp > 1:
-        fields["enable_sequence_parallel"] = False  # mmplan's tensor parallelism is Megatron's, without sequence parallelism
+        fields["enable_sequence_parallel"] = any(g.sequence_parallel for g in plan.groups)  # the plan's Group.sequence_parallel
     if zero == 2:
         fields["fsdp_reshard_after_forward"] = "never"
     fields["pipeline_parallel_degree"] = chain.pp
@@ -77,6 +77,9 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
     if recompute.kind == "block":
         drops.cannot(f"recomputing the first {recompute.layers} layers of each stage (torchtitan's FullAC wraps every "
                      "transformer block)", "every transformer block recomputed (FullAC)")
+    if "selective" in activation_tiers(stages):
+        drops.cannot("selective recomputation of the attention core (here: FullAC; torchtitan's own SAC is op-based)",
+                     "every transformer block recomputed (FullAC)")
     ac = "None" if recompute.kind == "none" else "FullAC.Config()"
     lines = [f"# {line}" for line in header(plan, source, "torchtitan", drops.dropped, notes)]
     body = "".join(f"    {k}={v!r},\n" for k, v in fields.items())

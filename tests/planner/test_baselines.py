@@ -25,7 +25,7 @@ from plans.errors import MmplanError
 from plans.plan import check_plan, load_plan, save_plan
 
 ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved:2")
-ALL_RECOMPUTES = ("none", "selective", "full")
+ALL_RECOMPUTES = ("none", "selective", "layers", "full")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_parse_layout_reads_every_key_and_defaults():
     ("tp=1,pp=2,dp", "layout item 'dp' is not key=value"),
     ("tp=1,pp=2,dp=4,schedule=zigzag", "schedule must be 1f1b, gpipe or interleaved:V, got 'zigzag'"),
     ("tp=1,pp=2,dp=4,schedule=interleaved:1", "needs V >= 2"),
-    ("tp=1,pp=2,dp=4,recompute=most", "recompute must be one of none, selective, full, got 'most'"),
+    ("tp=1,pp=2,dp=4,recompute=most", "recompute must be one of none, selective, layers, full, got 'most'"),
     ("tp=1,pp=2,dp=4,zero=4", "zero must be 0, 1, 2 or 3, got '4'"),
     ("   ", "empty layout"),
 ])
@@ -156,7 +156,8 @@ def test_screening_memory_is_exact_and_its_bound_never_exceeds_the_simulated_ste
     # What makes the pruning safe: the memory the search filters on is evaluate()'s, and the step-time bound
     # it stops on is below every simulated step (across nodes, with tp, every schedule and recompute option).
     c = parse_cluster(cluster)
-    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES, zeros=(0, 1, 2, 3))
+    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES, zeros=(0, 1, 2, 3) if c.gpus_per_node == 4 else (0, 1, 3),
+              sequence_parallels=(False, True))
     specs = grid_layouts(tiny, c, batch, **kw)
     plans = homogeneous_grid(tiny, c, batch, **kw)
     assert len(specs) == len(plans) and {s.tp for s in specs} == ({1, 2, 4} if c.gpus_per_node == 4 else {1, 2, 4, 8})
@@ -246,3 +247,24 @@ def test_best_megatron_searches_zero_and_schedules_and_every_stage_zero_holds_th
     assert {s.zero for s in specs} == {0, 1, 2, 3} and {s.schedule for s in specs} >= {"1f1b", "gpipe"}
     fitting = [p for p in (homogeneous_plan(tiny, four, 8, s) for s in specs) if p.predicted.fits]
     assert plan.predicted.step_time_s == pytest.approx(min(p.predicted.step_time_s for p in fitting), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_megatron_bound_never_exceeds_the_simulated_step_on_random_models(seed):
+    # encoders side by side (a split that is not a linear pipeline), attention cores, activations outside the TP
+    # regions, a frozen encoder on odd seeds: every layout of the Megatron grid, bound <= simulated step
+    from dataclasses import replace
+
+    from plans.graph import Profile
+    from tests.planner.test_solve import random_instance
+
+    profile, cluster, batch = random_instance(200 + seed, max_gpus=8)
+    if seed % 2:
+        profile = Profile.build(profile.model, "bf16", 1, tuple(replace(b, frozen=b.group == "enc0") for b in profile.blocks),
+                                profile.edges)
+    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES, zeros=(0, 3), sequence_parallels=(False, True), split="megatron")
+    specs = grid_layouts(profile, cluster, batch, **kw)
+    if not specs:
+        return  # no layout divides this batch
+    for spec, plan in zip(specs, homogeneous_grid(profile, cluster, batch, **kw)):
+        assert screen(profile, cluster, batch, spec).lower_bound_s <= plan.predicted.step_time_s * (1 + 1e-9), spec

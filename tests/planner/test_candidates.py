@@ -19,15 +19,29 @@ from plans.plan import Training
 REL = 1e-9  # the vectorised forms use the affine fit of each alpha-beta cost: equal up to rounding
 
 
+def random_block(rng: random.Random, name: str, group: str, tp: bool) -> Block:
+    """A block with random FLOPs, parameters and activations; half of them split by op class (GEMMs, fused attention,
+    memory-bound bytes with a replicated share), with an attention core and activations saved outside the TP regions
+    (what sequence parallelism and selective recompute change)."""
+    fwd, act = 10 ** rng.uniform(9, 12), 10 ** rng.uniform(4, 7)
+    extra = {}
+    if rng.random() < 0.5:
+        attn = rng.uniform(0, 0.3) * fwd
+        extra = dict(fwd_matmul_flops=fwd - attn, bwd_matmul_flops=2 * (fwd - attn), fwd_attention_flops=attn,
+                     bwd_attention_flops=2 * attn, fwd_memory_bytes=act * rng.uniform(1, 4), bwd_memory_bytes=act * rng.uniform(1, 6),
+                     replicated_memory_fraction=rng.uniform(0, 0.5), matmuls=4, activation_replicated_bytes=act * rng.uniform(0, 0.3),
+                     attention_core_bytes=act * rng.uniform(0, 0.5) if rng.random() < 0.8 else 0.0)
+    return Block(name, group, "Layer", int(10 ** rng.uniform(5, 8)), int(10 ** rng.uniform(5, 8)), fwd, 2 * fwd, act,
+                 10 ** rng.uniform(3, 6), supports_tp=tp, signature=name, **extra)
+
+
 def random_plan(seed: int):
     """A chain of 3-8 random blocks on a random 1-2 node cluster, with a random layout: tp, dp, ZeRO stage 0-3, cut
     points, schedule, micro-batches and one tier policy for every stage."""
     rng = random.Random(seed)
     n = rng.randint(3, 8)
     tp_blocks = rng.random() < 0.6
-    blocks = tuple(Block(f"b{i}", "g", "Layer", int(10 ** rng.uniform(5, 8)), int(10 ** rng.uniform(5, 8)),
-                         10 ** rng.uniform(9, 12), 10 ** rng.uniform(9, 12), 10 ** rng.uniform(4, 7), 10 ** rng.uniform(3, 6),
-                         supports_tp=tp_blocks and i > 0, signature=f"b{i}") for i in range(n))
+    blocks = tuple(random_block(rng, f"b{i}", "g", tp_blocks and i > 0) for i in range(n))
     edges = tuple(Edge(f"b{i}", f"b{i + 1}", blocks[i].output_bytes) for i in range(n - 1))
     profile = Profile.build(f"random-{seed}", "bf16", 1, blocks, edges)
     per_node = rng.choice([2, 4, 8])
@@ -46,22 +60,24 @@ def random_plan(seed: int):
     global_batch = m * dp * rng.choice([1, 2])
     cuts = tuple(sorted(rng.sample(range(1, n), pp - 1)))
     return profile, cluster, tp, dp, rng.choice([0, 1, 2, 3]) if dp > 1 else 0, cuts, m, global_batch, \
-        rng.choice(["1f1b", "gpipe"]), rng.choice(GPU_ONLY + OFFLOAD)
+        rng.choice(["1f1b", "gpipe"]), rng.choice(GPU_ONLY + OFFLOAD), tp > 1 and rng.random() < 0.6
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_vectorised_stage_figures_equal_the_cost_model(seed):
-    profile, cluster, tp, dp, zero, cuts, m, global_batch, schedule, policy = random_plan(seed)
+    profile, cluster, tp, dp, zero, cuts, m, global_batch, schedule, policy, sp = random_plan(seed)
     unit = profile_units(profile, "chain")[0]
     setting = Setting(cluster, global_batch, schedule, "bf16", "adam", None, (policy,))
-    seg = Segments(unit, setting, tp, dp, zero, m)
+    seg = Segments(unit, setting, tp, dp, zero, m, sequence_parallel=sp)
     names = tuple(b.name for b in profile.blocks)
+    cores = {b.name for b in profile.blocks if b.attention_core_bytes > 0}
     pp = len(cuts) + 1
     bounds = (0, *cuts, len(names))
-    memories = tuple(policy.memory(names[a:b]) for a, b in zip(bounds, bounds[1:]))
+    memories = tuple(policy.memory(names[a:b], cores) for a, b in zip(bounds, bounds[1:]))
     training = Training(global_batch, m, schedule, dtype="bf16")
     plan = build_plan(profile, cluster, training, [GroupLayout("model", names, cuts, dp, tp, megatron_ranks(dp, tp, pp),
-                                                               zero=zero, memory=memories)])
+                                                               zero=zero, memory=memories, sequence_parallel=sp)])
+    assert plan.groups[0].sequence_parallel == sp
     ev = evaluate(plan, profile)
     fwd, bwd, tail, opt, gather = seg.time(policy)
     g0, g1, c0, c1, n0, n1 = seg.memory(policy)
@@ -77,7 +93,7 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
         assert tail[a, b] == pytest.approx(scalar.total, rel=REL)
         assert opt[a, b] == pytest.approx(scalar.optimizer, rel=REL) and gather[a, b] == pytest.approx(scalar.param_gather, rel=REL, abs=1e-15)
         direct = stage_memory(profile.blocks[a:b], samples=global_batch / m / dp, tp=tp, dp=dp, zero=zero,
-                              memory=memories[k], in_flight_micro_batches=flight, input_bytes=inputs)
+                              memory=memories[k], in_flight_micro_batches=flight, input_bytes=inputs, sequence_parallel=sp)
         assert direct == mem
         assert g0[a, b] + flight * g1[a, b] == pytest.approx(mem.gpu, rel=REL)
         assert c0[a, b] + flight * c1[a, b] == pytest.approx(mem.cpu, rel=REL, abs=1e-6)

@@ -47,7 +47,8 @@ def llava(tmp_path_factory):
     profile = profile_model(resolve("llava-1.5-7b"))
     save_profile(profile, d / "profile.json")
     r = runner.invoke(app, ["solve", str(d / "profile.json"), "--cluster", "64xh100-sxm", "--global-batch", "256",
-                            "-o", str(d / "plan.json"), "--json"])
+                            "--no-sequence-parallel", "-o", str(d / "plan.json"), "--json"])  # a chain (with sequence
+    # parallelism the best plan is colocated: the LLM's sequence divides tp, the ViT's 577 tokens do not)
     assert r.exit_code == 0, r.output
     return profile, d
 
