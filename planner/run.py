@@ -197,6 +197,8 @@ def actual_prediction(plan_path: Path, profile: Profile | None, model: str | Non
 
     try:
         plan = load_plan(plan_path)
+        if "RANK" not in os.environ:
+            _check_host_ranks(plan, plan_path)  # a plan this host cannot start: run_plan refuses it, no warning first
     except MmplanError:
         return None
     if profile is None and not on_actual_cluster(plan, None, _backend(plan)).same:

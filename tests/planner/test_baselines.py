@@ -160,7 +160,8 @@ def test_screening_memory_is_exact_and_its_bound_never_exceeds_the_simulated_ste
               sequence_parallels=(False, True))
     specs = grid_layouts(tiny, c, batch, **kw)
     plans = homogeneous_grid(tiny, c, batch, **kw)
-    assert len(specs) == len(plans) and {s.tp for s in specs} == ({1, 2, 4} if c.gpus_per_node == 4 else {1, 2, 4, 8})
+    # tiny-vlm's LLM layers have 2 kv heads: tp 4 and 8 cannot shard them (Block.takes_tp)
+    assert len(specs) == len(plans) and {s.tp for s in specs} == {1, 2}
     for spec, plan in zip(specs, plans):
         s = screen(tiny, c, batch, spec)
         gpu = max(m.gpu for m in plan.predicted.memory)
