@@ -179,6 +179,10 @@ def block_time(
     if measured_micro_batch is not None and block.fwd_ms is not None and block.bwd_ms is not None:
         fwd = measured_ms(block.fwd_ms, block.fwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
         bwd = measured_ms(block.bwd_ms, block.bwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
+        from cost_models.overhead import measured_compute_scale  # (overhead imports this module)
+
+        scale = measured_compute_scale(cluster)  # measured in one process, run with every rank busy
+        fwd, bwd = fwd * scale, bwd * scale
         if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs
             core = fwd * block.fwd_attention_flops / block.fwd_flops
     elif by_op_class(block):

@@ -30,6 +30,13 @@ def optimizer_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype
     return measured if memory.optimizer == "gpu" else max(modelled, measured)
 
 
+def optimizer_tensor_time(memory: StateTiers, cluster: Cluster) -> float:
+    """The per-tensor part of optimizer_time where it is additive (measured costs, state in the device tier):
+    optimizer_time(p, tensors=T) == optimizer_time(p) + T * this there; 0 elsewhere (the max of the cpu/nvme
+    tiers: a lower estimate, for callers that sum tensors separately -- the solver's segments)."""
+    return cluster.optimizer_tensor_s if calibrated(cluster) and memory.optimizer == "gpu" else 0.0
+
+
 def measured_compute_scale(cluster: Cluster) -> float:
     """What block times measured in one process (`mmplan profile --measure`) are multiplied by when every rank of the
     cluster computes at once (Cluster.compute_slowdown: the ranks share caches, memory bandwidth and, on a loaded
@@ -55,5 +62,5 @@ def step_overhead(cluster: Cluster) -> float:
     return cluster.step_overhead_s
 
 
-__all__ = ["calibrated", "measured_compute_scale", "optimizer_time", "step_overhead", "zero_block_time",
+__all__ = ["calibrated", "measured_compute_scale", "optimizer_tensor_time", "optimizer_time", "step_overhead", "zero_block_time",
            "zero_optimizer_time"]

@@ -11,7 +11,7 @@ from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_b
 from cost_models.compute import OpTime, block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
-from cost_models.overhead import measured_compute_scale, step_overhead, zero_block_time
+from cost_models.overhead import step_overhead, zero_block_time
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
@@ -240,7 +240,6 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     samples = training.micro_batch / g.dp  # samples of one micro-batch on one dp replica
     width = DTYPE_BYTES[training.dtype]
     time, tp_bytes, params = OpTime(), 0.0, 0.0
-    scale = measured_compute_scale(cluster)
     out_bytes = {"cpu": 0.0, "nvme": 0.0}  # activation bytes offloaded per micro-batch, by tier
     for name in ch.blocks:
         b = blocks[name]
@@ -248,8 +247,6 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         tier = mem.activations.get(name, "keep")
         op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
                         sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0))
-        if measured is not None and b.fwd_ms is not None and scale != 1.0:  # measured alone, run with every rank busy
-            op = OpTime(fwd=op.fwd * scale, fwd_comm=op.fwd_comm, bwd=op.bwd * scale, bwd_comm=op.bwd_comm)
         time += op
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,

@@ -11,6 +11,7 @@ from cost_models.comm import dp_link, zero_collectives
 from cost_models.compute import block_time, tp_shard
 from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
+from cost_models.overhead import optimizer_tensor_time, zero_block_time, zero_optimizer_time
 from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.cluster import Link
 from plans.graph import Block
@@ -98,6 +99,10 @@ class BlockTimes:
                 bwd=_span(np.array([o.bwd for o in ops])), bwd_comm=_span(np.array([o.bwd_comm for o in ops])),
                 core=_span(core_time), act_sel=_span(act_sel), core_max=_range_max(core_bytes),
                 params=_span(params), trained=_span(trained), largest=_range_max(params), act=_span(act), act_max=_range_max(act),
+                # trained parameter tensors (the optimizer's per-tensor cost) and blocks with parameters (ZeRO's
+                # fully_shard units): cost_models/overhead.py's measured terms, as the simulator applies them
+                tensors=_span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)),
+                sharded=_span(np.array([1.0 if b.params else 0.0 for b in blocks])),
                 checkpoint=_span(inp), valid=np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :])
         return self._arrays[key]
 
@@ -175,6 +180,7 @@ class Segments:
         self.width = DTYPE_BYTES[st.dtype]
         self.params = arrays["params"]
         self.trained = arrays["trained"]
+        self.tensors, self.sharded = arrays["tensors"], arrays["sharded"]
         self.largest = arrays["largest"]  # parameters of the largest block
         self.act, self.act_max = arrays["act"], arrays["act_max"]
         self.checkpoint = arrays["checkpoint"]
@@ -196,8 +202,9 @@ class Segments:
             return self._cache[key]
         st, cl, dp, z = self.setting, self.setting.cluster, self.dp, self.zero
         recompute = policy.activations == "recompute"
-        fwd, fwd_comm = self.fwd, self.fwd_comm
-        bwd = self.bwd + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
+        hooks = zero_block_time(1, z, cl) / 2 * self.sharded  # ZeRO's FSDP2 work per block, both ways
+        fwd, fwd_comm = self.fwd + hooks, self.fwd_comm
+        bwd = self.bwd + hooks + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
         param_bytes = self.params * self.width
         act_out = 0.0
@@ -228,7 +235,8 @@ class Segments:
         full = _affine(lambda x: tail(x).grad_sync, self.trained, memo, ("sync", *k))
         bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.trained, BUCKET_BYTES / self.width), memo, ("sync", *k))
         sync = np.maximum(bucket, full - bwd) if overlaps_compute(cl) else full
-        opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k))
+        opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k)) \
+            + (optimizer_tensor_time(policy, cl) + zero_optimizer_time(1, z, cl)) * self.tensors
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
         out = tuple(x if isinstance(x, np.ndarray) else np.full_like(self.params, x)
                     for x in (fwd_op, bwd_op, sync + opt + gathered, opt, gathered))

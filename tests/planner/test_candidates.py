@@ -32,7 +32,7 @@ def random_block(rng: random.Random, name: str, group: str, tp: bool) -> Block:
                      replicated_memory_fraction=rng.uniform(0, 0.5), matmuls=4, activation_replicated_bytes=act * rng.uniform(0, 0.3),
                      attention_core_bytes=act * rng.uniform(0, 0.5) if rng.random() < 0.8 else 0.0)
     return Block(name, group, "Layer", int(10 ** rng.uniform(5, 8)), int(10 ** rng.uniform(5, 8)), fwd, 2 * fwd, act,
-                 10 ** rng.uniform(3, 6), supports_tp=tp, signature=name, **extra)
+                 10 ** rng.uniform(3, 6), supports_tp=tp, signature=name, param_tensors=rng.randint(1, 6), **extra)
 
 
 def random_plan(seed: int):
@@ -48,7 +48,10 @@ def random_plan(seed: int):
     nodes = rng.choice([1, 2])
     device = Device("sim", {"bf16": 1e14}, 10**12, 1e12, ((1e6, 0.05), (1e9, 0.4), (1e12, 0.7)))
     cluster = Cluster("sim", nodes, per_node, device, intra_node=Link(1e11, 2e-6), inter_node=Link(1e10, 1e-5),
-                      host_to_device=Link(2e10, 1e-5), nvme=Link(8e9, 1e-4), host_memory_bytes=10**13, nvme_bytes=10**14)
+                      host_to_device=Link(2e10, 1e-5), nvme=Link(8e9, 1e-4), host_memory_bytes=10**13, nvme_bytes=10**14,
+                      # half the clusters carry measured runtime costs (cost_models/overhead.py)
+                      **(dict(optimizer_tensor_s=3e-5, optimizer_byte_s=2e-9, zero_block_s=1e-3, zero_tensor_s=2e-4)
+                         if rng.random() < 0.5 else {}))
     world = cluster.world_size
     while True:
         tp = rng.choice([t for t in (1, 2, 4) if t <= per_node]) if tp_blocks else 1
@@ -88,10 +91,15 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
         assert flight == sc.in_flight
         assert fwd[a, b] == pytest.approx(sc.fwd_s, rel=REL) and bwd[a, b] == pytest.approx(sc.bwd_s, rel=REL)
         params = sum(x.params / (tp if x.supports_tp else 1) for x in profile.blocks[a:b])
-        scalar = stage_tail(plan.groups[0], k, params, training, cluster, overlap_s=sc.time.bwd)
+        tensors = sum(x.param_tensors for x in profile.blocks[a:b])
+        scalar = stage_tail(plan.groups[0], k, params, training, cluster, overlap_s=sc.time.bwd, tensors=tensors)
         assert (scalar.grad_sync, scalar.optimizer, scalar.param_gather) == (sc.grad_sync_s, sc.optimizer_s, sc.param_gather_s)
-        assert tail[a, b] == pytest.approx(scalar.total, rel=REL)
-        assert opt[a, b] == pytest.approx(scalar.optimizer, rel=REL) and gather[a, b] == pytest.approx(scalar.param_gather, rel=REL, abs=1e-15)
+        if memories[k].optimizer == "gpu" or not cluster.optimizer_tensor_s:
+            assert tail[a, b] == pytest.approx(scalar.total, rel=REL)
+            assert opt[a, b] == pytest.approx(scalar.optimizer, rel=REL)
+        else:  # measured costs with the state off the device: the slower of two models, which the segments bound below
+            assert opt[a, b] <= scalar.optimizer * (1 + REL) and tail[a, b] <= scalar.total * (1 + REL)
+        assert gather[a, b] == pytest.approx(scalar.param_gather, rel=REL, abs=1e-15)
         direct = stage_memory(profile.blocks[a:b], samples=global_batch / m / dp, tp=tp, dp=dp, zero=zero,
                               memory=memories[k], in_flight_micro_batches=flight, input_bytes=inputs, sequence_parallel=sp)
         assert direct == mem
