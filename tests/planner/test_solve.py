@@ -232,13 +232,14 @@ def check_never_worse(profile: Profile, gpus: int) -> None:
 TINY = ["tiny-vlm", "tiny-avlm", "tiny-flamingo", "tiny-clip", "tiny-vlm-heavy"]
 
 
-@pytest.mark.parametrize("gpus", [8, 64, 512])
+# 512 GPUs and tiny-avlm at 64 take 4-9 s each: in the slow set (python -m pytest -m slow tests/planner/test_solve.py)
+@pytest.mark.parametrize("gpus", [8, 64, pytest.param(512, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", TINY)
 def test_never_worse_than_homogeneous_tiny(zoo_profiles, model, gpus):
     check_never_worse(zoo_profiles(model), gpus)
 
 
-@pytest.mark.parametrize("model,gpus", [("llava-1.5-7b", 64), ("whisper-llama-7b", 8)])
+@pytest.mark.parametrize("model,gpus", [("llava-1.5-7b", 64), pytest.param("whisper-llama-7b", 8, marks=pytest.mark.slow)])
 def test_never_worse_than_homogeneous_real(zoo_profiles, model, gpus):
     check_never_worse(zoo_profiles(model), gpus)
 
