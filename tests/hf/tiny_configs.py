@@ -56,15 +56,18 @@ def qwen2_vl(directory: Path) -> Path:
     return directory
 
 
+_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+# CLIP's and SigLIP's towers: 2 layers of width 32 each
+TWO_TOWERS = {"text": {**_TOWER, "vocab_size": 64, "max_position_embeddings": 16},
+              "vision": {**_TOWER, "image_size": 16, "patch_size": 4}}
+
+
 def clip(directory: Path) -> Path:
     """CLIP: a 2-layer vision tower and a 2-layer text tower, projections and a contrastive loss."""
     from transformers import CLIPConfig
 
     config = CLIPConfig(
-        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "vocab_size": 64, "max_position_embeddings": 16},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": 16, "patch_size": 4},
+        text_config=TWO_TOWERS["text"], vision_config=TWO_TOWERS["vision"],
         projection_dim=16, architectures=["CLIPModel"])
     config.mmplan_inputs = {"text_tokens": 8}
     config.save_pretrained(directory)
@@ -76,10 +79,7 @@ def siglip(directory: Path) -> Path:
     from transformers import SiglipConfig
 
     config = SiglipConfig(
-        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "vocab_size": 64, "max_position_embeddings": 16},
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "image_size": 16, "patch_size": 4},
+        text_config=TWO_TOWERS["text"], vision_config=TWO_TOWERS["vision"],
         architectures=["SiglipModel"])
     config.mmplan_inputs = {"text_tokens": 8}
     config.save_pretrained(directory)
