@@ -371,7 +371,8 @@ def _cluster_from_data(data: dict[str, Any], source: str) -> Cluster:
 # The [runtime] table of a cluster TOML (`mmplan calibrate`'s measured runtime costs): TOML key -> (Cluster field, exponent)
 _RUNTIME = {"optimizer_us_per_tensor": ("optimizer_tensor_s", -6), "optimizer_ns_per_byte": ("optimizer_byte_s", -9),
             "step_overhead_us": ("step_overhead_s", -6), "compute_slowdown": ("compute_slowdown", 0),
-            "zero_us_per_block": ("zero_block_s", -6), "zero_us_per_tensor": ("zero_tensor_s", -6)}
+            "zero_us_per_block": ("zero_block_s", -6), "zero_ns_per_byte": ("zero_byte_s", -9),
+            "zero_us_per_tensor": ("zero_tensor_s", -6)}
 
 
 def _runtime_costs(data: dict[str, Any], base: Cluster | None, source: str) -> dict[str, float]:

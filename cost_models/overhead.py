@@ -1,5 +1,5 @@
 """The runtime's own costs that `mmplan calibrate` measures (Cluster.optimizer_tensor_s, optimizer_byte_s,
-step_overhead_s, zero_block_s, zero_tensor_s), applied to the simulated step here and nowhere else: the optimizer
+step_overhead_s, zero_block_s, zero_byte_s, zero_tensor_s), applied to the simulated step here and nowhere else: the optimizer
 step's update, the fixed per-step cost of the runtime (Python, metrics, logging) and what ZeRO's FSDP2 costs beyond
 its collectives. Clusters without them (0) are timed as before."""
 from __future__ import annotations
@@ -44,11 +44,12 @@ def measured_compute_scale(cluster: Cluster) -> float:
     return cluster.compute_slowdown
 
 
-def zero_block_time(blocks: int, zero: int, cluster: Cluster) -> float:
+def zero_block_time(blocks: int, zero: int, cluster: Cluster, param_bytes: float = 0.0) -> float:
     """Seconds per micro-batch (forward + backward) that ZeRO's FSDP2 costs a rank beyond its collectives for
-    `blocks` sharded blocks (runtime/zero.py: one fully_shard unit per block with parameters): the hooks, the
-    DTensor views, the copy-in / copy-out of the flat buffers (Cluster.zero_block_s)."""
-    return blocks * cluster.zero_block_s if zero else 0.0
+    `blocks` sharded blocks holding `param_bytes` of (tp-local, unsharded) parameters (runtime/zero.py: one
+    fully_shard unit per block with parameters): the hooks and DTensor views per block (Cluster.zero_block_s), the
+    copy-in / copy-out of the flat all-gather and reduce-scatter buffers per byte (Cluster.zero_byte_s)."""
+    return blocks * cluster.zero_block_s + param_bytes * cluster.zero_byte_s if zero else 0.0
 
 
 def zero_optimizer_time(tensors: float, zero: int, cluster: Cluster) -> float:

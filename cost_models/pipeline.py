@@ -258,9 +258,9 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         params += b.params / t
         cost.trained += 0.0 if b.frozen else b.params / t
         cost.tensors += 0 if b.frozen else b.param_tensors
-    sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster) / 2  # hooks, both ways
-    time += OpTime(fwd=sharded, bwd=sharded)
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
+    sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster, param_bytes) / 2  # both ways
+    time += OpTime(fwd=sharded, bwd=sharded)
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op
     # ZeRO's gathers / reduce-scatters, prefetched / bucketed behind compute

@@ -94,6 +94,7 @@ class Calibration:
     step_overhead_s: float = 0.0  # the runtime's fixed per-step cost (a near-empty model's step, beyond its prediction)
     compute_slowdown: float = 1.0  # matmul and memory copy with every rank busy vs one process alone (mean ratio)
     zero_block_s: float = 0.0  # FSDP2 per sharded block and micro-batch (forward + backward) beyond its collectives
+    zero_byte_s: float = 0.0  # FSDP2 per byte of a sharded block's parameters and micro-batch (copy-in / copy-out)
     zero_tensor_s: float = 0.0  # FSDP2's extra Adam time per sharded parameter tensor
     samples: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> (bytes, seconds)
 
@@ -223,7 +224,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
     optimizer_tensor_s, optimizer_byte_s = fit_optimizer(points, opt_times)
-    zero_block_s, zero_tensor_s = zero_costs([r["zero"] for r in ranks_out])
+    zero_block_s, zero_byte_s, zero_tensor_s = zero_costs([r["zero"] for r in ranks_out])
 
     host_memory = _mem_total()
     device_name, backend, gpus = _cpu_name(), "gloo", ranks
@@ -247,7 +248,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
         device_memory_bytes=device_memory, disk_free_bytes=shutil.disk_usage(scratch).free,
         wall_s=time.perf_counter() - started, samples=samples, optimizer_tensor_s=optimizer_tensor_s,
         optimizer_byte_s=optimizer_byte_s, compute_slowdown=compute_slowdown, zero_block_s=zero_block_s,
-        zero_tensor_s=zero_tensor_s)
+        zero_byte_s=zero_byte_s, zero_tensor_s=zero_tensor_s)
     report("runtime step", 0.0)
     calibration = replace(calibration, step_overhead_s=measure_step_overhead(to_cluster(calibration), steps=6 if quick else 14),
                           wall_s=time.perf_counter() - started)
@@ -280,7 +281,7 @@ def to_cluster(cal: Calibration) -> Cluster:
                    backend=cal.backend, optimizer_tensor_s=_round(cal.optimizer_tensor_s),
                    optimizer_byte_s=_round(cal.optimizer_byte_s), step_overhead_s=_round(cal.step_overhead_s),
                    compute_slowdown=_round(cal.compute_slowdown, 3), zero_block_s=_round(cal.zero_block_s),
-                   zero_tensor_s=_round(cal.zero_tensor_s))
+                   zero_byte_s=_round(cal.zero_byte_s), zero_tensor_s=_round(cal.zero_tensor_s))
 
 
 NEAR_EMPTY_MODEL = "planner.calibrate:near_empty_model"
@@ -570,41 +571,56 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     return out
 
 
-# ZeRO's probe: ZERO_BLOCKS blocks (Linear 64 -> 64 + LayerNorm: 4 parameter tensors each) on 16 rows, trained
+# ZeRO's probe: ZERO_BLOCKS blocks (Linear w -> w + LayerNorm: 4 parameter tensors each) on 16 rows, trained
 # plain and sharded by the runtime's own FSDP2 path (runtime/zero.apply_zero, ZeRO-1) over a one-rank group, so
 # the difference is FSDP2's own work (hooks, DTensor dispatch, copy-in / copy-out), not communication, which the
-# cost model prices from the measured links.
-ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK = 8, 4
+# cost model prices from the measured links. Two widths separate what FSDP2 costs per block (hooks, views) from
+# what it costs per parameter byte (copying parameters into and out of its flat all-gather / reduce-scatter
+# buffers: ~1 ns per byte on this 2-core machine, so 64-wide blocks alone missed most of it for real blocks).
+ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS = 8, 4, (64, 512)
+
+
+def zero_block_bytes(width: int) -> int:
+    """fp32 parameter bytes of one probe block (Linear weight + bias, LayerNorm weight + bias)."""
+    return 4 * (width * width + 3 * width)
 
 
 def _zero_probe(rank: int, world: int, budget: float) -> list[float]:
-    """[fwd+bwd plain, fwd+bwd sharded, Adam plain, Adam sharded] seconds for the probe model on this rank."""
+    """Seconds on this rank for the probe model: [fwd+bwd plain, fwd+bwd sharded, Adam plain, Adam sharded] at the
+    narrow width, then [fwd+bwd plain, fwd+bwd sharded] at the wide one."""
     from runtime.zero import apply_zero
 
     singles = [dist.new_group([r], backend="gloo") for r in range(world)]  # every rank creates every group
-    torch.manual_seed(0)
-    plain = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)) for _ in range(ZERO_BLOCKS)]
-    sharded = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)) for _ in range(ZERO_BLOCKS)]
-    apply_zero({str(i): m for i, m in enumerate(sharded)}, singles[rank], 1, torch.device("cpu"))
-    x = torch.randn(16, 64)
-    out = []
-    for blocks in (plain, sharded):
-        def step(blocks=blocks) -> None:
-            y = x
-            for m in blocks:
-                y = m(y)
-            y.sum().backward()
-        out.append(_call_time(step, budget))
-    for blocks in (plain, sharded):
-        adam = torch.optim.Adam([p for m in blocks for p in m.parameters()], lr=1e-6)
-        out.append(_call_time(adam.step, budget / 2))
+    out: list[float] = []
+    for width in ZERO_WIDTHS:
+        torch.manual_seed(0)
+        plain = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width)) for _ in range(ZERO_BLOCKS)]
+        sharded = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width)) for _ in range(ZERO_BLOCKS)]
+        apply_zero({str(i): m for i, m in enumerate(sharded)}, singles[rank], 1, torch.device("cpu"))
+        x = torch.randn(16, width)
+        for blocks in (plain, sharded):
+            def step(blocks=blocks) -> None:
+                y = x
+                for m in blocks:
+                    y = m(y)
+                y.sum().backward()
+            out.append(_call_time(step, budget))
+        if width == ZERO_WIDTHS[0]:
+            for blocks in (plain, sharded):
+                adam = torch.optim.Adam([p for m in blocks for p in m.parameters()], lr=1e-6)
+                out.append(_call_time(adam.step, budget / 2))
     return out
 
 
-def zero_costs(per_rank: list[list[float]]) -> tuple[float, float]:
-    """(zero_block_s, zero_tensor_s) from the ranks' _zero_probe results (medians over the ranks; never < 0)."""
-    fwd_plain, fwd_sharded, adam_plain, adam_sharded = (statistics.median(r[i] for r in per_rank) for i in range(4))
-    return (max(0.0, (fwd_sharded - fwd_plain) / ZERO_BLOCKS),
+def zero_costs(per_rank: list[list[float]]) -> tuple[float, float, float]:
+    """(zero_block_s, zero_byte_s, zero_tensor_s) from the ranks' _zero_probe results (medians over the ranks):
+    the per-block FSDP2 cost at the two widths as a + b x bytes per block; never < 0."""
+    fwd_plain, fwd_sharded, adam_plain, adam_sharded, wide_plain, wide_sharded = (
+        statistics.median(r[i] for r in per_rank) for i in range(6))
+    narrow, wide = (max(0.0, (s - p) / ZERO_BLOCKS) for p, s in ((fwd_plain, fwd_sharded), (wide_plain, wide_sharded)))
+    small, large = (zero_block_bytes(w) for w in ZERO_WIDTHS)
+    per_byte = max(0.0, (wide - narrow) / (large - small))
+    return (max(0.0, narrow - small * per_byte), per_byte,
             max(0.0, (adam_sharded - adam_plain) / (ZERO_BLOCKS * ZERO_TENSORS_PER_BLOCK)))
 
 

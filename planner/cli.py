@@ -384,7 +384,8 @@ def _calibration_table(cal, cluster):
                                          f"{cluster.optimizer_byte_s * 1e9:.3g} ns per parameter byte", ""),
         ("runtime's fixed cost per step", f"{cluster.step_overhead_s * 1e3:.3g} ms", ""),
         ("compute, all ranks busy vs one alone", f"{cluster.compute_slowdown:.3g}x slower", ""),
-        ("ZeRO (FSDP2) beyond its collectives", f"{cluster.zero_block_s * 1e6:.3g} us per block and micro-batch + "
+        ("ZeRO (FSDP2) beyond its collectives", f"{cluster.zero_block_s * 1e6:.3g} us per block and "
+                                                 f"{cluster.zero_byte_s * 1e9:.3g} ns per parameter byte and micro-batch + "
                                                  f"{cluster.zero_tensor_s * 1e6:.3g} us per tensor in the step", ""),
     ]
     for row in rows:

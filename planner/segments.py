@@ -202,11 +202,12 @@ class Segments:
             return self._cache[key]
         st, cl, dp, z = self.setting, self.setting.cluster, self.dp, self.zero
         recompute = policy.activations == "recompute"
-        hooks = zero_block_time(1, z, cl) / 2 * self.sharded  # ZeRO's FSDP2 work per block, both ways
+        param_bytes = self.params * self.width
+        # ZeRO's FSDP2 work per block and per parameter byte, both ways
+        hooks = (zero_block_time(1, z, cl) * self.sharded + zero_block_time(0, z, cl, 1.0) * param_bytes) / 2
         fwd, fwd_comm = self.fwd + hooks, self.fwd_comm
         bwd = self.bwd + hooks + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
-        param_bytes = self.params * self.width
         act_out = 0.0
         memo, k = self.times.coefficients, (dp, z, policy, self.tp)  # the link is the one (dp, tp) gives
         if policy.activations.startswith("offload-"):

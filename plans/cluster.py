@@ -99,9 +99,11 @@ class Cluster:
     # measured in one process (`mmplan profile --measure`) is scaled by (1: not measured)
     compute_slowdown: float = field(default=1.0, metadata={OMIT_DEFAULT: True})
     # ZeRO's own costs under the runtime's FSDP2 (runtime/zero.py), beyond its collectives: per sharded block and
-    # micro-batch (the pre-forward / post-backward hooks, DTensor views, copy-in / copy-out), and per sharded
+    # micro-batch (the pre-forward / post-backward hooks, DTensor views), per byte of a sharded block's parameters
+    # and micro-batch (the copy-in / copy-out of the flat all-gather and reduce-scatter buffers), and per sharded
     # parameter tensor in the optimizer step (DTensor dispatch). 0: not measured.
     zero_block_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    zero_byte_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
     zero_tensor_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
 
     def __post_init__(self) -> None:
@@ -111,7 +113,8 @@ class Cluster:
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FormatError(f"cluster {self.name}: {what} must be an integer > 0, got {value!r}")
-        for what in ("optimizer_tensor_s", "optimizer_byte_s", "step_overhead_s", "zero_block_s", "zero_tensor_s"):
+        for what in ("optimizer_tensor_s", "optimizer_byte_s", "step_overhead_s", "zero_block_s", "zero_byte_s",
+                     "zero_tensor_s"):
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise FormatError(f"cluster {self.name}: {what} must be a finite number >= 0, got {value!r}")

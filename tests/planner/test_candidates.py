@@ -50,7 +50,8 @@ def random_plan(seed: int):
     cluster = Cluster("sim", nodes, per_node, device, intra_node=Link(1e11, 2e-6), inter_node=Link(1e10, 1e-5),
                       host_to_device=Link(2e10, 1e-5), nvme=Link(8e9, 1e-4), host_memory_bytes=10**13, nvme_bytes=10**14,
                       # half the clusters carry measured runtime costs (cost_models/overhead.py)
-                      **(dict(optimizer_tensor_s=3e-5, optimizer_byte_s=2e-9, zero_block_s=1e-3, zero_tensor_s=2e-4)
+                      **(dict(optimizer_tensor_s=3e-5, optimizer_byte_s=2e-9, zero_block_s=1e-3, zero_byte_s=1e-12,
+                              zero_tensor_s=2e-4)
                          if rng.random() < 0.5 else {}))
     world = cluster.world_size
     while True:

@@ -11,7 +11,7 @@ from cost_models.evaluate import evaluate
 from cost_models.hardware import cluster_from_toml, cluster_to_toml, parse_cluster
 from cost_models.overhead import optimizer_time
 from planner.actual import on_actual_cluster
-from planner.calibrate import ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, fit_optimizer, zero_costs
+from planner.calibrate import ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS, fit_optimizer, zero_block_bytes, zero_costs
 from plans import plan as P
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
@@ -70,24 +70,28 @@ def test_measured_block_times_scale_by_the_measured_slowdown_with_every_rank_bus
         dataclasses.replace(slow, compute_slowdown=0.5)
 
 
-def test_zero_costs_what_fsdp2_measured_per_block_and_tensor_and_nothing_at_zero_0():
-    """ZeRO's FSDP2 costs beyond its collectives (Cluster.zero_block_s per sharded block and micro-batch, half in
-    the forward and half in the backward; zero_tensor_s per sharded tensor in the optimizer step); none at ZeRO 0."""
+def test_zero_costs_what_fsdp2_measured_per_block_byte_and_tensor_and_nothing_at_zero_0():
+    """ZeRO's FSDP2 costs beyond its collectives (Cluster.zero_block_s per sharded block and micro-batch plus
+    zero_byte_s per byte of its parameters, half in the forward and half in the backward; zero_tensor_s per sharded
+    tensor in the optimizer step); none at ZeRO 0."""
     plan, profile = measured_chain(5.0)
-    base = dict(zero_block_s=1e-3, zero_tensor_s=2e-4)
+    base = dict(zero_block_s=1e-3, zero_byte_s=2e-9, zero_tensor_s=2e-4)
     groups = lambda zero: (dataclasses.replace(plan.groups[0], zero=zero),)
     for zero in (0, 1, 3):
         z = dataclasses.replace(plan, groups=groups(zero))
         before = evaluate(z, profile)
         after = evaluate(dataclasses.replace(z, cluster=dataclasses.replace(plan.cluster, **base)), profile)
         for a, b in zip(before.stages, after.stages):
-            extra = (5e-4, 5e-4, 3 * 2e-4) if zero else (0.0, 0.0, 0.0)  # one block per stage, 3 tensors
+            op = (1e-3 + 4e5 * 2e-9) / 2  # one block of 4e5 fp32 parameter bytes per stage, 3 tensors
+            extra = (op, op, 3 * 2e-4) if zero else (0.0, 0.0, 0.0)
             assert (b.fwd_s - a.fwd_s, b.bwd_s - a.bwd_s, b.optimizer_s - a.optimizer_s) == pytest.approx(extra, abs=1e-12)
     measured = dataclasses.replace(parse_cluster("2xlocal-cpu"), **base)
     assert cluster_from_toml(cluster_to_toml(measured)) == measured
-    ranks = [[1e-3, 1e-3 + ZERO_BLOCKS * 4e-4, 2e-3, 2e-3 + ZERO_BLOCKS * ZERO_TENSORS_PER_BLOCK * 1e-4]] * 2
-    assert zero_costs(ranks) == pytest.approx((4e-4, 1e-4))
-    assert zero_costs([[2.0, 1.0, 2.0, 1.0]]) == (0.0, 0.0)  # never negative
+    per_block = [4e-4 + zero_block_bytes(w) * 1e-9 for w in ZERO_WIDTHS]  # 400 us + 1 ns per byte
+    ranks = [[1e-3, 1e-3 + ZERO_BLOCKS * per_block[0], 2e-3, 2e-3 + ZERO_BLOCKS * ZERO_TENSORS_PER_BLOCK * 1e-4,
+              5e-3, 5e-3 + ZERO_BLOCKS * per_block[1]]] * 2
+    assert zero_costs(ranks) == pytest.approx((4e-4, 1e-9, 1e-4))
+    assert zero_costs([[2.0, 1.0, 2.0, 1.0, 2.0, 1.0]]) == (0.0, 0.0, 0.0)  # never negative
 
 
 def test_fit_optimizer_separates_per_tensor_and_per_byte_costs():
