@@ -577,7 +577,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
 # cost model prices from the measured links. Two widths separate what FSDP2 costs per block (hooks, views) from
 # what it costs per parameter byte (copying parameters into and out of its flat all-gather / reduce-scatter
 # buffers: ~1 ns per byte on this 2-core machine, so 64-wide blocks alone missed most of it for real blocks).
-ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS = 8, 4, (64, 512)
+ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS = 8, 4, (64, 1024)
 
 
 def zero_block_bytes(width: int) -> int:
