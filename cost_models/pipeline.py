@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
-from cost_models.compute import OpTime, block_time, measured_on, tp_shard
+from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
@@ -260,6 +260,9 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         cost.tensors += 0 if b.frozen else b.param_tensors
     sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster) / 2  # hooks, both ways
     time += OpTime(fwd=sharded, bwd=sharded)
+    # every backward but the first adds its weight gradients into the accumulated ones (compute.grad_accumulation_time)
+    time += OpTime(bwd=grad_accumulation_time(cost.trained, micro_batches=training.micro_batches, dp=g.dp, zero=g.zero,
+                                              grads_tier=mem.grads, cluster=cluster, dtype=training.dtype))
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op
