@@ -170,6 +170,24 @@ def test_gradient_all_reduce_and_optimizer_follow_the_last_backward():
     assert sim.comm_bytes == pytest.approx(8 * 2 * 7 / 8 * grads, rel=1e-12)  # ring: 2(n-1)/n per rank
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_every_backward_but_the_first_adds_its_weight_gradients_into_the_accumulated_ones(zero):
+    # .grad += g: read both, write the sum (3 x 2 bf16 bytes per parameter) at the device's memory bandwidth on
+    # m - 1 of m backwards; ZeRO-2/3 accumulate only this rank's 1/dp shard (FSDP2 reduce-scatters every backward)
+    profile = make_profile([("llm", 2, 1e9)], params=10**8)
+    cluster, m, dp = make_cluster(), 4, 2
+    one, many = (simulate(make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=dp, zero=zero)],
+                                    P.Training(dp * k, k), cluster), profile) for k in (1, m))  # 1 sample per micro-batch
+    per_backward = (m - 1) / m * 3 * 2 * 2 * 10**8 / (dp if zero >= 2 else 1) / cluster.device.memory_bandwidth
+    assert many.stages[0].time.bwd - one.stages[0].time.bwd == pytest.approx(per_backward, rel=1e-9)
+    assert many.stages[0].time.fwd == pytest.approx(one.stages[0].time.fwd, rel=1e-12)
+    # gradients kept off the GPU are added on the host (param_tiers.GradTier): not this term
+    host = P.Memory(grads="cpu")
+    one, many = (simulate(make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], memory=host)], P.Training(k, k), cluster),
+                          profile) for k in (1, m))
+    assert many.stages[0].time.bwd == pytest.approx(one.stages[0].time.bwd, rel=1e-12)
+
+
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():
     # grad_sync_overlap=False: a runtime that all-reduces after the backward (Megatron-LM's --DDP-impl local)
     profile = make_profile([("llm", 2, 1e9)], params=10**8)
