@@ -67,7 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_models import gpt_profile, zoo_profile  # noqa: E402
+from published_models import gpt_profile, hf_llava_profile, zoo_profile  # noqa: E402
 
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import parse_cluster  # noqa: E402
@@ -92,6 +92,7 @@ class Model:
     gated: bool = False
     dropout: float = 0.1
     zoo: str = ""  # a model of mmplan's zoo (profiled at full depth) instead of the Megatron-style decoder
+    hf: str = ""  # transformers' LLaVA-1.5 of this size ("7b" / "13b"), executed eagerly (published_models.hf_llava_profile)
     freeze: tuple[str, ...] = ()
 
     @property
@@ -182,10 +183,9 @@ _LLAVA_PRETRAIN_STEPS = -(-558128 // 256)
 # Text tokens per sample after the 576 image tokens: the "plain" template is caption + "\n", padded to the longest
 # caption of the micro-batch (BLIP captions, ~10-30 tokens). Not published: 48 assumed.
 _LLAVA_CAPTION = 48
-LLAVA_7B_PT = Model("llava-1.5-7b-pretrain", 32, 4096, 32, seq=_LLAVA_CAPTION, vocab=32000, zoo="llava-1.5-7b",
-                    freeze=("vision.*", "llm.*"))
-LLAVA_13B_PT = Model("llava-1.5-13b-pretrain", 40, 5120, 40, seq=_LLAVA_CAPTION, vocab=32000, zoo="llava-1.5-13b",
-                     freeze=("vision.*", "llm.*"))
+_LLAVA_FROZEN = ("model.vision_tower.*", "model.language_model.*", "lm_head")  # --tune_mm_mlp_adapter: the projector trains
+LLAVA_7B_PT = Model("llava-1.5-7b-pretrain", 32, 4096, 32, seq=_LLAVA_CAPTION, vocab=32064, hf="7b", freeze=_LLAVA_FROZEN)
+LLAVA_13B_PT = Model("llava-1.5-13b-pretrain", 40, 5120, 40, seq=_LLAVA_CAPTION, vocab=32064, hf="13b", freeze=_LLAVA_FROZEN)
 ROWS += (
     # [LLaVA] README: "Pretrain takes around 5.5 hours for LLaVA-v1.5-13B on 8x A100 (80G) ... around 3.5 hours
     # for LLaVA-v1.5-7B"; scripts/v1_5/pretrain.sh: ZeRO-2, 32 per GPU, no accumulation, gradient checkpointing,
@@ -215,6 +215,8 @@ _PROFILES: dict[Model, Profile] = {}
 
 
 def profile_of(m: Model) -> Profile:
+    if m not in _PROFILES and m.hf:  # eager PyTorch: every op's traffic (no fused memory-bound chains)
+        _PROFILES[m] = hf_llava_profile(m.hf, text_tokens=m.seq, freeze=m.freeze, fused=False)
     if m not in _PROFILES and m.zoo:
         _PROFILES[m] = zoo_profile(m.zoo, text_seq=m.seq, freeze=m.freeze)
     if m not in _PROFILES:
