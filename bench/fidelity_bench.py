@@ -43,12 +43,15 @@ Sources:
   LLaVA-v1.5-7B") and scripts/v1_5/pretrain.sh (ZeRO-2, 32 samples per GPU, no gradient accumulation, gradient
   checkpointing, bf16, flash attention via train_mem.py; `--tune_mm_mlp_adapter`: CLIP ViT-L/14-336 and the LLM
   frozen, the MLP projector trains), one epoch over LCS-558K. The multimodal rows. What is compared: the
-  published wall time of the epoch / its 2181 steps against the predicted step of mmplan's zoo model
-  (runtime/models/zoo.py llava-1.5-7b / -13b: CLIP ViT-L/14-336, 576 image tokens, MLP projector, LLaMA-2 7B /
-  13B), profiled with `--freeze 'vision.*' 'llm.*'` and 48 text tokens (assumed: the captions' padded length);
-  the TFLOP/s columns are the profile's executed FLOPs per step (the same for both) over each time, so the error
-  is the step-time ratio. The published time is a rounded wall time that includes data loading, start-up and
-  logging, which the cost model does not price.
+  published wall time of the epoch / its 2181 steps against the predicted step of the model the run executed:
+  Hugging Face transformers' LLaMA and CLIP in eager PyTorch (fp32 RMSNorm upcasts, unfused rotary and SiLU x mul,
+  fp32 logits; flash attention for the LLM), here transformers' LlavaForConditionalGeneration built from the
+  LLaVA-1.5 configs (published_models.hf_llava_profile: CLIP ViT-L/14-336, 576 image tokens, MLP projector,
+  Vicuna-v1.5 7B / 13B), profiled on FakeTensors with the vision tower, LLM and head frozen, every op's memory
+  traffic counted (eager: `profile_model(fused=False)`), and 48 text tokens (assumed: the captions' padded
+  length; not published). The TFLOP/s columns are the profile's executed FLOPs per step (the same for both)
+  over each time, so the error is the step-time ratio. The published time is a rounded wall time that includes
+  data loading, start-up and logging, which the cost model does not price.
 
 Not fitted: no constant is derived from these rows (each is a datasheet figure or a published microbenchmark, cited
 in hardware.py). What each row's software did (micro-batch,
