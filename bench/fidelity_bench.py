@@ -33,6 +33,17 @@ Sources:
   recomputation. Metric: MFU with model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (their appendix; no
   recomputation counted) x 312 TFLOP/s. Assumed: global batch 2240 (not in the abstract), micro-batch 1,
   interleaved schedule not used (1F1B).
+- [K22T4] Korthikanti et al. 2022, Table 4: end-to-end iteration time of the 22B / 175B / 530B / 1T GPT models (vocab
+  51200, seq 2048; Table 3: 48 / 96 / 105 / 128 layers, hidden 6144 / 12288 / 20480 / 25600, 64 / 96 / 128 / 160 heads)
+  with full recomputation (1.42 / 18.13 / 49.05 / 94.42 s) and with sequence parallelism + selective recomputation
+  (1.10 / 13.75 / 37.83 / 71.49 s), data-parallel size 1 (also the NVIDIA/Megatron-LM README at 841f789f48,
+  2022-05-19: MFU 41.5 / 51.4 / 56.0 / 56.3 % "measured using a data parallel size of one"). Table 3's layouts as
+  [CALC] reproduces them: TP 8; PP 1 / 8 / 35 / 64 (so 8 / 64 / 280 / 512 GPUs); global batch 4 / 64 / 280 / 512;
+  micro-batch 4 / 1 / 1 / 1; interleaved schedule with 3 model chunks for 175B and 530B; fp16. Metric: [K22]'s model
+  FLOPs over the published time. Row rule, fixed before any prediction was seen: every configuration of Table 4.
+- [CALC] calculon-ai/calculon (Isaev et al., SC23, "Calculon"), validation/{22B,175B,530B,1T}_{full,seqsel}.json
+  (commits 0efb74e8d164 and 09bbcb7e8833) and calculon/megatron/validation.py (kProfile: the Table 4 times,
+  "reported here: https://arxiv.org/pdf/2205.05198.pdf").
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -172,6 +183,17 @@ ROWS = (
         recompute="selective", sequence_parallel=True, grad_sync_overlap=False, blocking_p2p=True),
     Row("K22 530B full recompute", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.421 * 312, "k22",
         grad_sync_overlap=False, blocking_p2p=True),
+    # [K22T4] every configuration of Table 4 (full recomputation / sequence parallelism + selective recomputation),
+    # data-parallel size 1, the Table 3 layouts as [CALC] reproduces them; Megatron-LM 2022 ([MLM]: blocking sends)
+    *(Row(f"K22 T4 {name} {'SP+selective' if sel else 'full recompute'}", _gpt(f"gpt-{name.lower()}", layers, hidden, heads),
+          "a100-80g", 8, pp, 1, batch, 0.0, "k22", recompute="selective" if sel else "full", sequence_parallel=sel,
+          schedule=f"interleaved:{v}" if v > 1 else "1f1b", micro_batch=mb, published_step_s=step, blocking_p2p=True)
+      for name, layers, hidden, heads, pp, batch, mb, v, full_s, sel_s in (
+          ("22B", 48, 6144, 64, 1, 4, 4, 1, 1.42, 1.10),
+          ("175B", 96, 12288, 96, 8, 64, 1, 3, 18.13, 13.75),
+          ("530B", 105, 20480, 128, 35, 280, 1, 3, 49.05, 37.83),
+          ("1T", 128, 25600, 160, 64, 512, 1, 1, 94.42, 71.49))
+      for sel, step in ((False, full_s), (True, sel_s))),
     # [L3] Table 4 (tokens per batch 16M = 2048 sequences of 8192)
     Row("L3 T4 405B 8k GPUs", LLAMA3_405B, "h100-sxm", 8, 16, 64, 2048, 430, "palm", recompute="none",
         schedule="interleaved:2"),
@@ -265,8 +287,9 @@ def _breakdown(sim, micro_batches: int) -> str:
 
 
 def published(row: Row) -> float:
-    """The published TFLOP/s per GPU (for a "time" row: the row's FLOPs per step / its published step time)."""
-    if row.metric == "time":
+    """The published TFLOP/s per GPU; for a row published as a step time (a "time" row, a [K22T4] row) the row's FLOPs
+    per step by its metric / that time."""
+    if row.published_step_s > 0:
         return published_flops(row, row.model) / row.published_step_s / row.gpus / 1e12
     return row.published
 
