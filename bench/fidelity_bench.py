@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':24}   {_EXPLAIN[row.source]}")
     mae = statistics.mean(abs(e) for e in errors)
     within = sum(abs(e) <= TOLERANCE for e in errors)
-    print(f"mean absolute error {mae:.1%} (target <= {MAE_TARGET:.0%}); {within} of {len(errors)} rows within "
+    print(f"mean absolute error {mae:.2%} (target <= {MAE_TARGET:.0%}); {within} of {len(errors)} rows within "
           f"+-{TOLERANCE:.0%}")
     return 0 if mae <= MAE_TARGET and within == len(errors) else 1
 
