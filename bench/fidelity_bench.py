@@ -48,7 +48,10 @@ Sources:
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
   1F1B (the paper's section 3.3.2 uses an interleaved schedule; 2 chunks assumed), flash attention,
-  no activation recomputation (section 3.3.2: memory allowed it), gradient reduction overlapped.
+  no activation recomputation (section 3.3.2: memory allowed it), gradient reduction overlapped. Not reproduced:
+  the run's FSDP (section 3.3.2: it "shards optimizer states and gradients", parameters not resharded after the
+  forward, "FP32 gradient accumulation ... over multiple micro-batches" and "reduce-scatter gradients in FP32"):
+  whether it reduce-scatters after every micro-batch or once per step is not published (priced as ZeRO 0).
 - [LLaVA] Liu et al. 2023, "Improved Baselines with Visual Instruction Tuning" (LLaVA-1.5), haotian-liu/LLaVA
   README ("Pretrain takes around 5.5 hours for LLaVA-v1.5-13B on 8x A100 (80G) ... around 3.5 hours for
   LLaVA-v1.5-7B") and scripts/v1_5/pretrain.sh (ZeRO-2, 32 samples per GPU, no gradient accumulation, gradient
