@@ -44,6 +44,17 @@ Sources:
 - [CALC] calculon-ai/calculon (Isaev et al., SC23, "Calculon"), validation/{22B,175B,530B,1T}_{full,seqsel}.json
   (commits 0efb74e8d164 and 09bbcb7e8833) and calculon/megatron/validation.py (kProfile: the Table 4 times,
   "reported here: https://arxiv.org/pdf/2205.05198.pdf").
+- [MLM24] NVIDIA/Megatron-LM README at f2e5db402c (2024-07-15), "Training Speed and Scalability": the model table
+  (images/model_table.png; GPT models, vocab 131072, seq 4096, H100): heads, hidden, layers, TP, PP, DP 48, GPUs,
+  batch and per-GPU teraFLOP/s of 1.7B / 7.1B / 16B / 32B / 70B / 119B / 177B / 314B / 462B; runs with
+  `--overlap-grad-reduce --overlap-param-gather` and `--tp-comm-overlap`. Metric: Megatron-LM's
+  num_floating_point_operations of that commit (megatron/training/training.py) = [K22]'s model FLOPs for these
+  models. Not published, assumed before any prediction was seen: micro-batch 1, no interleaving, no activation
+  recomputation, flash attention, sequence parallelism for tp > 1 (`--tp-comm-overlap` requires it); the
+  distributed optimizer's overlapped reduce-scatter + all-gather priced as mmplan's overlapped all-reduce
+  (the same volume; mmplan's ZeRO-1 would expose the all-gather, Megatron overlaps it with the next forward).
+  Not modelled: `--tp-comm-overlap` (TP collectives hidden behind GEMMs; priced blocking here). Row rule: every
+  row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -197,6 +208,17 @@ ROWS = (
           ("530B", 105, 20480, 128, 35, 280, 1, 3, 49.05, 37.83),
           ("1T", 128, 25600, 160, 64, 512, 1, 1, 94.42, 71.49))
       for sel, step in ((False, full_s), (True, sel_s))),
+    # [MLM24] every row of the README's model table (H100, vocab 131072, seq 4096, bf16); assumed where it is silent:
+    # micro-batch 1, no interleaving, no recomputation, flash attention, sequence parallelism when tp > 1
+    *(Row(f"MLM24 {name}", Model(f"gpt-{name.lower()}-v131k", layers, hidden, heads, seq=4096, vocab=131072,
+                                 attention="flash"),
+          "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1)
+      for name, heads, hidden, layers, tp, pp, batch, tflops in (
+          ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
+          ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
+          ("70B", 64, 8192, 84, 8, 2, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 768, 420.5),
+          ("177B", 96, 12288, 96, 8, 6, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
+          ("462B", 144, 18432, 112, 8, 16, 3072, 459.9))),
     # [L3] Table 4 (tokens per batch 16M = 2048 sequences of 8192)
     Row("L3 T4 405B 8k GPUs", LLAMA3_405B, "h100-sxm", 8, 16, 64, 2048, 430, "palm", recompute="none",
         schedule="interleaved:2"),
