@@ -1,6 +1,8 @@
 """Pipeline simulator against the literature: bubbles of GPipe / 1F1B / interleaved, groups in parallel or colocated."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cost_models.comm import all_reduce_time, p2p_time
@@ -186,6 +188,20 @@ def test_every_backward_but_the_first_adds_its_weight_gradients_into_the_accumul
     one, many = (simulate(make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], memory=host)], P.Training(k, k), cluster),
                           profile) for k in (1, m))
     assert many.stages[0].time.bwd == pytest.approx(one.stages[0].time.bwd, rel=1e-12)
+
+
+def test_fused_grad_accumulation_leaves_only_parameters_outside_gemms_to_add():
+    # fused_grad_accumulation=True (Megatron-LM since 2022-02: the wgrad GEMM adds into main_grad): a block with GEMMs
+    # pays nothing; a block without (an embedding) still adds its gradients on m - 1 of m backwards
+    base = make_profile([("llm", 2, 1e9)], params=10**8)
+    gemm = replace(base.blocks[0], fwd_matmul_flops=1e9, bwd_matmul_flops=2e9, matmuls=1)
+    profile = Profile.build("synthetic", "bf16", 1, (gemm, base.blocks[1]), base.edges)
+    cluster, m = make_cluster(), 4
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]])], P.Training(m, m), cluster)
+    plain, fused = simulate(plan, profile), simulate(plan, profile, fused_grad_accumulation=True)
+    one_block = (m - 1) / m * 3 * 2 * 10**8 / cluster.device.memory_bandwidth
+    assert plain.stages[0].time.bwd - fused.stages[0].time.bwd == pytest.approx(one_block, rel=1e-9)
+    assert plain.stages[0].time.fwd == fused.stages[0].time.fwd
 
 
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():
