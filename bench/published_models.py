@@ -10,8 +10,11 @@ saved tensors by hooks) on FakeTensors, for two layers; the layer blocks are the
 """
 from __future__ import annotations
 
+import json
 import math
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -165,3 +168,28 @@ def zoo_profile(name: str, *, text_seq: int | None = None, freeze: tuple[str, ..
         config = replace(config, decoder=replace(config.decoder, text_seq=text_seq))
     source = ModelSource(name, lambda mb: zoo.build(config, micro_batch=mb), config.dtype)
     return profile_model(source, micro_batch=1, freeze=freeze)
+
+
+# LLaVA-1.5 as the published runs built it: CLIP ViT-L/14-336 + MLP projector + Vicuna-v1.5 (LLaMA-2), as transformers'
+# LlavaForConditionalGeneration. 7B: runtime/models/hf_configs/llava-1.5-7b (llava-hf/llava-1.5-7b-hf's config; its text
+# model is transformers' LlamaConfig defaults, the 7B). 13B: the same with the text sizes of lmsys/vicuna-13b-v1.5's
+# config.json (LLaMA-2-13B: hidden 5120, MLP 13824, 40 heads, 40 layers).
+_HF_CONFIGS = Path(__file__).resolve().parents[1] / "runtime" / "models" / "hf_configs"
+LLAVA_13B_TEXT = {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40, "num_key_value_heads": 40,
+                  "num_hidden_layers": 40}
+
+
+def hf_llava_profile(size: str, *, text_tokens: int, freeze: tuple[str, ...] = (), fused: bool = False) -> Profile:
+    """The profile of transformers' LLaVA-1.5 `size` ("7b" / "13b") on FakeTensors with `text_tokens` text tokens after
+    the 576 image tokens; `fused=False` counts memory-bound traffic as eager PyTorch moves it (planner.profile)."""
+    from runtime.source import resolve
+
+    config = json.loads((_HF_CONFIGS / "llava-1.5-7b" / "config.json").read_text())
+    if size == "13b":
+        config["text_config"].update(LLAVA_13B_TEXT)
+    elif size != "7b":
+        raise ValueError(f"LLaVA-1.5 size must be 7b or 13b, got {size!r}")
+    config["mmplan_inputs"] = {"text_tokens": text_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        return profile_model(resolve(f"hf:{tmp}"), micro_batch=1, freeze=freeze, fused=fused)

@@ -200,6 +200,26 @@ def block_time(
     return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd, bwd_comm=bwd_comm)
 
 
+def grad_accumulation_time(trained: float, *, micro_batches: int, dp: int, zero: int, grads_tier: str, cluster: Cluster,
+                           dtype: str = "bf16"):
+    """Seconds per backward (a step's average) of adding each micro-batch's weight gradients into the accumulated
+    ones, on a rank holding `trained` trained parameters (tp shards; works on numpy arrays of them too).
+
+    Autograd's AccumulateGrad takes the first micro-batch's gradient as `.grad` (zero_grad(set_to_none=True):
+    nothing moves) and adds each later one in place, `.grad += g`: read both, write the sum, 3 x `dtype` bytes
+    per parameter, a memory-bound elementwise kernel at the stream bandwidth. So m - 1 of m backwards pay it.
+    What is accumulated is the runtime's (runtime/zero.py): without ZeRO and under ZeRO-1 (FSDP2 with gradient
+    sync off until the last backward) the whole unsharded gradient; under ZeRO-2/3 each backward's gradient is
+    reduce-scattered and only this rank's 1/dp shard is added (FSDP2 foreach_reduce: `sharded_param.grad +=`).
+    Megatron-LM 2021 (`--DDP-impl torch` or `local` without contiguous buffers, the SC21 runs) accumulates
+    the same way in fp16 `.grad`. Gradients in the cpu / nvme tiers are added on the host (param_tiers.GradTier):
+    not priced here (their transfers are, cost_models/offload.py)."""
+    if micro_batches <= 1 or grads_tier != "gpu":
+        return 0.0 * trained
+    shard = dp if zero >= 2 else 1
+    return (micro_batches - 1) / micro_batches * 3 * DTYPE_BYTES[dtype] * trained / shard / stream_bandwidth(cluster.device)
+
+
 def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:
     """Seconds of the optimizer step on one rank updating `params` parameters (its ZeRO shard).
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
-from cost_models.compute import OpTime, block_time, measured_on, tp_shard
+from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
@@ -130,15 +130,19 @@ class _Cost:
 
 
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
-             blocking_p2p: bool = False) -> Simulation:
+             blocking_p2p: bool = False, fused_grad_accumulation: bool = False) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Two switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Three switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
     torch.cuda.synchronize()): a task's send of its output to the next chunk (forward) or of its input gradient
-    to the previous one (backward) is part of the task, and the receiver starts when that task ends."""
+    to the previous one (backward) is part of the task, and the receiver starts when that task ends;
+    `fused_grad_accumulation=True`, a runtime whose weight-gradient GEMMs add into the accumulated gradient
+    themselves (Megatron-LM's gradient accumulation fusion, default since 83b1e42f30, 2022-02-13: the wgrad GEMM
+    writes into `main_grad` with beta = 1), so only parameters outside GEMMs (embeddings, norms) pay
+    compute.grad_accumulation_time."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -155,7 +159,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     group_of = {g.name: g for g in plan.groups}
     inputs = block_input_bytes(profile)
-    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs) for ch in graph.chunks]
+    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation)
+             for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
@@ -232,7 +237,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
 
 
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
-                inputs: dict[str, float]) -> _Cost:
+                inputs: dict[str, float], fused_grad_accumulation: bool = False) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
     mem = g.stages[ch.stage].memory
@@ -240,6 +245,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     samples = training.micro_batch / g.dp  # samples of one micro-batch on one dp replica
     width = DTYPE_BYTES[training.dtype]
     time, tp_bytes, params = OpTime(), 0.0, 0.0
+    added = 0.0  # trained parameters whose gradients are accumulated by a separate add (not inside a GEMM)
     out_bytes = {"cpu": 0.0, "nvme": 0.0}  # activation bytes offloaded per micro-batch, by tier
     for name in ch.blocks:
         b = blocks[name]
@@ -257,7 +263,12 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
             out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
         params += b.params / t
         cost.trained += 0.0 if b.frozen else b.params / t
+        # fused: a block with GEMMs counts as GEMM weights (a transformer layer's norm parameters are < 0.1 % of it)
+        added += 0.0 if b.frozen or (fused_grad_accumulation and b.fwd_matmul_flops > 0) else b.params / t
         cost.tensors += 0 if b.frozen else b.param_tensors
+    # every backward but the first adds its weight gradients into the accumulated ones (compute.grad_accumulation_time)
+    time += OpTime(bwd=grad_accumulation_time(added, micro_batches=training.micro_batches, dp=g.dp, zero=g.zero,
+                                              grads_tier=mem.grads, cluster=cluster, dtype=training.dtype))
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster, param_bytes) / 2  # both ways
     time += OpTime(fwd=sharded, bwd=sharded)

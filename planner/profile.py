@@ -249,13 +249,14 @@ class _Trace:
         if entry is not None:
             entry[5] = True
 
-    def fuse(self) -> None:
+    def fuse(self, fused: bool = True) -> None:
         """Memory-bound traffic as fused kernels move it: a tensor a memory-bound op makes and only memory-bound ops
         of the same block and pass read -- never saved, never an output, never a GEMM's input -- stays on chip
         when the chain is one kernel (Megatron-LM / Transformer Engine fuse bias-GeLU, bias-dropout-add,
-        scale-mask-softmax and the norms; PyTorch's eager per-op traffic would count its write and every read)."""
+        scale-mask-softmax and the norms). `fused=False`: as eager PyTorch moves it, one kernel per op, each op's
+        write and every read (a run that executed the model so: Hugging Face models without torch.compile)."""
         def on_chip(entry, owner, backward) -> bool:
-            return entry is not None and entry[4] > 0 and not entry[5] and (entry[1], entry[2]) == (owner, backward)
+            return fused and entry is not None and entry[4] > 0 and not entry[5] and (entry[1], entry[2]) == (owner, backward)
 
         for owner, backward, outside, reads, writes in self.traffic:
             moved = sum(n for entry, n in reads if not on_chip(entry, owner, backward))
@@ -526,8 +527,8 @@ def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[s
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
 
 
-def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[list[_BlockRecord], _Trace]:
-    """One forward + backward of the model with every probe installed."""
+def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool, fused: bool = True) -> tuple[list[_BlockRecord], _Trace]:
+    """One forward + backward of the model with every probe installed (`fused`: _Trace.fuse)."""
     records = {name: _BlockRecord(name, module) for name, module in discover_blocks(model)}
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     restore = lambda: None  # noqa: E731
@@ -565,7 +566,7 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool) -> tuple[lis
                 trace.heads = heads.found()
                 if loss.requires_grad:
                     loss.backward()
-            trace.fuse()
+            trace.fuse(fused)
         finally:
             for h in handles:
                 h.remove()
@@ -723,8 +724,10 @@ def profile_model(
     reps: int = 5,
     progress: Progress | None = None,
     freeze: Sequence[str] = (),
+    fused: bool = True,
 ) -> Profile:
-    """Profile a model: see the module docstring for what is measured and how."""
+    """Profile a model: see the module docstring for what is measured and how. `fused=False` counts memory-bound
+    traffic as eager PyTorch moves it (_Trace.fuse; bench/fidelity_bench.py's Hugging Face rows)."""
     note = progress or (lambda step, frac: None)
     if micro_batch < 1:
         raise MmplanError(f"--micro-batch must be >= 1, got {micro_batch}")
@@ -743,7 +746,7 @@ def profile_model(
     freeze_blocks(model, freeze, source.name)
     note("tracing forward and backward", 0.1)
     try:
-        records, trace = analyse(model, batch, fake=fake)
+        records, trace = analyse(model, batch, fake=fake, fused=fused)
     except MmplanError:
         raise
     except Exception as e:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cost_models.comm import dp_link, zero_collectives
-from cost_models.compute import block_time, tp_shard
+from cost_models.compute import block_time, grad_accumulation_time, tp_shard
 from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import optimizer_tensor_time, zero_block_time, zero_optimizer_time
@@ -207,6 +207,8 @@ class Segments:
         hooks = (zero_block_time(1, z, cl) * self.sharded + zero_block_time(0, z, cl, 1.0) * param_bytes) / 2
         fwd, fwd_comm = self.fwd + hooks, self.fwd_comm
         bwd = self.bwd + hooks + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
+        bwd = bwd + grad_accumulation_time(self.trained, micro_batches=self.micro_batches, dp=dp, zero=z,
+                                           grads_tier=policy.grads, cluster=cl, dtype=st.dtype)
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
         act_out = 0.0
         memo, k = self.times.coefficients, (dp, z, policy, self.tp)  # the link is the one (dp, tp) gives

@@ -1,6 +1,8 @@
 """Pipeline simulator against the literature: bubbles of GPipe / 1F1B / interleaved, groups in parallel or colocated."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cost_models.comm import all_reduce_time, p2p_time
@@ -168,6 +170,38 @@ def test_gradient_all_reduce_and_optimizer_follow_the_last_backward():
     assert sim.step_time_s - sim.pipeline_time_s == pytest.approx(tail, rel=1e-12)
     assert sim.busy[3].comm == pytest.approx(exposed, rel=1e-12)
     assert sim.comm_bytes == pytest.approx(8 * 2 * 7 / 8 * grads, rel=1e-12)  # ring: 2(n-1)/n per rank
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_every_backward_but_the_first_adds_its_weight_gradients_into_the_accumulated_ones(zero):
+    # .grad += g: read both, write the sum (3 x 2 bf16 bytes per parameter) at the device's memory bandwidth on
+    # m - 1 of m backwards; ZeRO-2/3 accumulate only this rank's 1/dp shard (FSDP2 reduce-scatters every backward)
+    profile = make_profile([("llm", 2, 1e9)], params=10**8)
+    cluster, m, dp = make_cluster(), 4, 2
+    one, many = (simulate(make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=dp, zero=zero)],
+                                    P.Training(dp * k, k), cluster), profile) for k in (1, m))  # 1 sample per micro-batch
+    per_backward = (m - 1) / m * 3 * 2 * 2 * 10**8 / (dp if zero >= 2 else 1) / cluster.device.memory_bandwidth
+    assert many.stages[0].time.bwd - one.stages[0].time.bwd == pytest.approx(per_backward, rel=1e-9)
+    assert many.stages[0].time.fwd == pytest.approx(one.stages[0].time.fwd, rel=1e-12)
+    # gradients kept off the GPU are added on the host (param_tiers.GradTier): not this term
+    host = P.Memory(grads="cpu")
+    one, many = (simulate(make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], memory=host)], P.Training(k, k), cluster),
+                          profile) for k in (1, m))
+    assert many.stages[0].time.bwd == pytest.approx(one.stages[0].time.bwd, rel=1e-12)
+
+
+def test_fused_grad_accumulation_leaves_only_parameters_outside_gemms_to_add():
+    # fused_grad_accumulation=True (Megatron-LM since 2022-02: the wgrad GEMM adds into main_grad): a block with GEMMs
+    # pays nothing; a block without (an embedding) still adds its gradients on m - 1 of m backwards
+    base = make_profile([("llm", 2, 1e9)], params=10**8)
+    gemm = replace(base.blocks[0], fwd_matmul_flops=1e9, bwd_matmul_flops=2e9, matmuls=1)
+    profile = Profile.build("synthetic", "bf16", 1, (gemm, base.blocks[1]), base.edges)
+    cluster, m = make_cluster(), 4
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]])], P.Training(m, m), cluster)
+    plain, fused = simulate(plan, profile), simulate(plan, profile, fused_grad_accumulation=True)
+    one_block = (m - 1) / m * 3 * 2 * 10**8 / cluster.device.memory_bandwidth
+    assert plain.stages[0].time.bwd - fused.stages[0].time.bwd == pytest.approx(one_block, rel=1e-9)
+    assert plain.stages[0].time.fwd == fused.stages[0].time.fwd
 
 
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():

@@ -62,3 +62,28 @@ def test_vocabulary_roles(profile):
     assert profile.block("embed").vocab_parallel == "embedding"
     assert profile.block("head").vocab_parallel == "head"
     assert profile.block("layers.0").vocab_parallel == ""
+
+
+class _Chain(nn.Module):
+    """Two elementwise ops in a row: a fused kernel reads x and writes the result; eager PyTorch also writes and
+    reads the intermediate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2.0) * 3.0
+
+
+class _ChainModel(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Chain()])
+
+
+def test_eager_traffic_counts_every_elementwise_op_and_fused_only_the_chain_ends():
+    def factory(micro_batch: int):
+        return _ChainModel(), {"ids": torch.zeros(micro_batch, S, dtype=torch.long)}
+
+    fused, eager = (profile_model(ModelSource("chain", factory, "fp32"), micro_batch=2, fused=f).block("layers.0")
+                    for f in (True, False))
+    x = S * H * 4  # bytes of one sample's (S, H) fp32 activation
+    assert fused.fwd_memory_bytes == 2 * x and eager.fwd_memory_bytes == 4 * x  # read x, (write t, read t,) write y
+    assert fused.bwd_memory_bytes == 2 * x and eager.bwd_memory_bytes == 4 * x
