@@ -224,7 +224,8 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
     optimizer_tensor_s, optimizer_byte_s = fit_optimizer(points, opt_times)
-    zero_block_s, zero_byte_s, zero_tensor_s = zero_costs([r["zero"] for r in ranks_out])
+    zero_block_s, zero_byte_s, zero_tensor_s = zero_costs([r["zero"] for r in ranks_out],
+                                                          zero_priced(_rounded(_slower(p2p, all_reduce)), ranks))
 
     host_memory = _mem_total()
     device_name, backend, gpus = _cpu_name(), "gloo", ranks
@@ -571,12 +572,15 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     return out
 
 
-# ZeRO's probe: ZERO_BLOCKS blocks (Linear w -> w + LayerNorm: 4 parameter tensors each) on 16 rows, trained
-# plain and sharded by the runtime's own FSDP2 path (runtime/zero.apply_zero, ZeRO-1) over a one-rank group, so
-# the difference is FSDP2's own work (hooks, DTensor dispatch, copy-in / copy-out), not communication, which the
-# cost model prices from the measured links. Two widths separate what FSDP2 costs per block (hooks, views) from
-# what it costs per parameter byte (copying parameters into and out of its flat all-gather / reduce-scatter
-# buffers: ~1 ns per byte on this 2-core machine, so 64-wide blocks alone missed most of it for real blocks).
+# ZeRO's probe: ZERO_BLOCKS blocks (Linear w -> w + LayerNorm: 4 parameter tensors each) on 16 rows, trained plain
+# and sharded over all the ranks by the runtime's own FSDP2 path (runtime/zero.apply_zero, ZeRO-2: each step
+# all-gathers every block's parameters in the forward and reduce-scatters its gradients in the backward, as a
+# ZeRO-1/2 step of one micro-batch does). What the sharded step costs beyond the plain one and beyond the two
+# collectives as the cost model prices them (one ring all-gather and one ring reduce-scatter of all the bytes on the
+# measured link, cost_models/comm.zero_collectives) is FSDP2's own: per block (hooks, DTensor views, and one gloo
+# all-gather and reduce-scatter per block, each paying the latency) and per parameter byte (copying into and out of
+# the flat buffers, and gloo's all-gather / reduce-scatter moving bytes slower than its all-reduce: measured here
+# ~3x the ring model's time). Two widths separate the two.
 ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS = 8, 4, (64, 1024)
 
 
@@ -585,43 +589,66 @@ def zero_block_bytes(width: int) -> int:
     return 4 * (width * width + 3 * width)
 
 
+def _lockstep_time(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of `fn` (collectives inside) over `reps` calls after one warm-up, every call started together
+    on all ranks (a barrier before each): every rank must run the same `reps`."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _zero_probe(rank: int, world: int, budget: float) -> list[float]:
-    """Seconds on this rank for the probe model: [fwd+bwd plain, fwd+bwd sharded, Adam plain, Adam sharded] at the
-    narrow width, then [fwd+bwd plain, fwd+bwd sharded] at the wide one."""
+    """Seconds on this rank for the probe model: [fwd+bwd plain, fwd+bwd sharded] at each width, then [Adam plain,
+    Adam sharded] at the narrow width."""
     from runtime.zero import apply_zero
 
-    singles = [dist.new_group([r], backend="gloo") for r in range(world)]  # every rank creates every group
     out: list[float] = []
+    adams = []
     for width in ZERO_WIDTHS:
         torch.manual_seed(0)
         plain = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width)) for _ in range(ZERO_BLOCKS)]
         sharded = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width)) for _ in range(ZERO_BLOCKS)]
-        apply_zero({str(i): m for i, m in enumerate(sharded)}, singles[rank], 1, torch.device("cpu"))
+        apply_zero({str(i): m for i, m in enumerate(sharded)}, dist.group.WORLD, 2, torch.device("cpu"))
         x = torch.randn(16, width)
+        reps = min(10, _collective_iterations(ZERO_BLOCKS * zero_block_bytes(width), budget))  # the same on every rank
         for blocks in (plain, sharded):
             def step(blocks=blocks) -> None:
                 y = x
                 for m in blocks:
                     y = m(y)
                 y.sum().backward()
-            out.append(_call_time(step, budget))
+            out.append(_lockstep_time(step, reps))
         if width == ZERO_WIDTHS[0]:
-            for blocks in (plain, sharded):
-                adam = torch.optim.Adam([p for m in blocks for p in m.parameters()], lr=1e-6)
-                out.append(_call_time(adam.step, budget / 2))
-    return out
+            adams = [torch.optim.Adam([p for m in blocks for p in m.parameters()], lr=1e-6) for blocks in (plain, sharded)]
+    return out + [_call_time(adam.step, budget / 2) for adam in adams]
 
 
-def zero_costs(per_rank: list[list[float]]) -> tuple[float, float, float]:
-    """(zero_block_s, zero_byte_s, zero_tensor_s) from the ranks' _zero_probe results (medians over the ranks):
-    the per-block FSDP2 cost at the two widths as a + b x bytes per block; never < 0."""
-    fwd_plain, fwd_sharded, adam_plain, adam_sharded, wide_plain, wide_sharded = (
+def zero_costs(per_rank: list[list[float]], priced: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
+    """(zero_block_s, zero_byte_s, zero_tensor_s) from the ranks' _zero_probe results (medians over the ranks) and
+    what the cost model prices the probe's collectives at, per width (`priced`): the per-block residual at the two
+    widths as a + b x bytes per block; never < 0."""
+    narrow_plain, narrow_sharded, wide_plain, wide_sharded, adam_plain, adam_sharded = (
         statistics.median(r[i] for r in per_rank) for i in range(6))
-    narrow, wide = (max(0.0, (s - p) / ZERO_BLOCKS) for p, s in ((fwd_plain, fwd_sharded), (wide_plain, wide_sharded)))
+    narrow, wide = (max(0.0, (s - p - c) / ZERO_BLOCKS)
+                    for p, s, c in ((narrow_plain, narrow_sharded, priced[0]), (wide_plain, wide_sharded, priced[1])))
     small, large = (zero_block_bytes(w) for w in ZERO_WIDTHS)
     per_byte = max(0.0, (wide - narrow) / (large - small))
     return (max(0.0, narrow - small * per_byte), per_byte,
             max(0.0, (adam_sharded - adam_plain) / (ZERO_BLOCKS * ZERO_TENSORS_PER_BLOCK)))
+
+
+def zero_priced(link: Link, ranks: int) -> tuple[float, float]:
+    """The cost model's time for the probe's collectives at each width: one all-gather and one reduce-scatter of
+    all its parameter bytes over `ranks` (cost_models/comm.py)."""
+    from cost_models.comm import all_gather_time, reduce_scatter_time
+
+    return tuple(all_gather_time(b, ranks, link) + reduce_scatter_time(b, ranks, link)
+                 for b in (ZERO_BLOCKS * zero_block_bytes(w) for w in ZERO_WIDTHS))
 
 
 # ---------------------------------------------------------------------------------------------------------------
