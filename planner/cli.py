@@ -397,17 +397,18 @@ def _calibration_table(cal, cluster):
 @app.command()
 @user_errors
 def demo(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, both plans, run logs and traces.")] = Path("mmplan-demo"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, the plans, run logs and traces.")] = Path("mmplan-demo"),
     model: Annotated[Optional[str], typer.Option(help="The model (zoo name, .toml or package.module:factory); default: runtime.models.conv_vlm:factory.")] = None,
-    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: planner/demo_cluster.toml (2 ranks, 120 MB each).")] = None,
+    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: planner/demo_cluster.toml (2 ranks, 160 MB each).")] = None,
     global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 8,
     steps: Annotated[int, typer.Option(help="Training steps per run.")] = 12,
-    runs: Annotated[int, typer.Option(help="Training runs per plan, alternating between the two; the measured step is the median of their median steps.")] = 3,
+    runs: Annotated[int, typer.Option(help="Training runs per plan, alternating between the plans; the measured step is the median of their median steps.")] = 3,
     calibrate: Annotated[bool, typer.Option(help="Measure this machine first ([cyan]mmplan calibrate --quick[/]) and plan for the measured figures within --cluster's memory.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
 ) -> None:
-    """The whole loop on this machine: profile -> solve -> train the solved and the best homogeneous plan ->
-    compare predicted with measured. Takes a couple of minutes on 2 CPU cores."""
+    """The whole loop on this machine: profile -> solve -> train the solved plan and the one-layout baselines the
+    solver compared with (homogeneous, megatron) -> compare predicted with measured; the speed-up is over the
+    baseline that measured fastest. Takes about a minute on 2 CPU cores."""
     from planner.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
     from planner.report import demo_json, render_demo
 

@@ -328,11 +328,11 @@ def results_table(result: DemoResult) -> Table:
     for col in ("plan", "predicted step", "measured step", "deviation", "samples/s measured", "loss first -> last",
                 "peak device memory"):
         table.add_column(col, justify="left" if col == "plan" else "right")
-    for t in (result.solved, result.baseline):
+    for t in (result.solved, result.baseline, *result.others):
         pred = t.plan.predicted.step_time_s
         meas = t.measured_step_s
         peak = max(max(r["peak_memory_bytes"]) for r in t.metrics)
-        table.add_row(t.name, f"{pred * 1e3:.1f} ms", f"{meas * 1e3:.1f} ms", f"{(pred - meas) / meas:+.0%}",
+        table.add_row(t.name if t is result.solved else f"{t.name} baseline", f"{pred * 1e3:.1f} ms", f"{meas * 1e3:.1f} ms", f"{(pred - meas) / meas:+.0%}",
                       f"{t.plan.training.global_batch / meas:.0f}", f"{t.metrics[0]['loss']:.3f} -> {t.metrics[-1]['loss']:.3f}",
                       format_bytes(peak))
     return table
@@ -351,13 +351,15 @@ def render_demo(result: DemoResult) -> Stack:
     speedup = b.measured_step_s / s.measured_step_s
     predicted = b.plan.predicted.step_time_s / s.plan.predicted.step_time_s
     same = s.plan.groups == b.plan.groups and s.plan.training == b.plan.training
-    verdict = (f"measured speed-up of the solved plan over the best homogeneous one ({result.baseline_kind} baseline): "
+    verdict = (f"measured speed-up of the solved plan over the fastest-measured one-layout plan ({result.baseline_kind} baseline): "
                f"[bold]{speedup:.2f}x[/] (predicted {predicted:.2f}x)"
                + (" — the solver chose the homogeneous layout itself" if same else "")
                + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else ""))
-    files = (f"wrote {safe(result.out)}/: cluster.toml, profile.json, plan.json, homogeneous.json, run-solved*.jsonl, "
-             f"run-homogeneous*.jsonl, traces/ (open in ui.perfetto.dev)")
-    return Stack(groups, plan_table([("solved", s.plan), ("homogeneous", b.plan)]), results_table(result),
+    kinds = [t.name for t in (b, *result.others)]
+    files = (f"wrote {safe(result.out)}/: cluster.toml, profile.json, plan.json, {', '.join(f'{k}.json' for k in kinds)}, "
+             f"run-*.jsonl (one per plan and run), traces/ (open in ui.perfetto.dev)")
+    return Stack(groups, plan_table([("solved", s.plan), *((f"{t.name} baseline", t.plan) for t in (b, *result.others))]),
+                 results_table(result),
                      Panel(Text.from_markup(f"{verdict}\nsolve time {result.solve_time_s:.2f} s, demo wall time {result.wall_s:.0f} s\n{files}"),
                            title="mmplan demo", title_align="left"))
 
@@ -372,6 +374,8 @@ def demo_json(result: DemoResult) -> dict[str, Any]:
     s, b = result.solved, result.baseline
     return {
         "solved": plan(s), "homogeneous": {**plan(b), "baseline": result.baseline_kind},
+        # every baseline trained, by kind; "homogeneous" above is the one that measured fastest
+        "baselines": {t.name: plan(t) for t in (b, *result.others)},
         "predicted_speedup": b.predicted_step_s / s.predicted_step_s,
         "measured_speedup": b.measured_step_s / s.measured_step_s,
         "out": str(result.out), "model": result.profile.model, "cluster": result.cluster.name if result.cluster else None,

@@ -3,8 +3,8 @@ Deep Residual Networks"; Flamingo's vision encoder is likewise convolutional, an
 default model of `mmplan demo` (`runtime.models.conv_vlm:factory`).
 
 Convolutions have no Megatron-style tensor parallelism (only transformer layers shard), so a tp > 1 layout for
-the whole model would repeat the encoder's work on every tp rank; data parallelism suits the encoder (2.4 M
-parameters, ~0.7 GFLOP per image). The LLM is the opposite: a 32k vocabulary makes 8.4 M of its 8.9 M parameters
+the whole model would repeat the encoder's work on every tp rank; data parallelism suits the encoder (1.8 M
+parameters and a 1.1 M-parameter projector, ~0.9 GFLOP per 64 x 64 image). The LLM is the opposite: a 32k vocabulary makes 8.4 M of its 8.9 M parameters
 embedding and head, used by 4 image + 4 text tokens per sample, so replicating it costs a gradient all-reduce and an
 optimizer step over all of it on every rank, while sharding it (tp, pipeline stages) does not."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ from .configs import DecoderConfig
 from .multimodal import MultimodalLM
 from .projector import Projector
 
-IMAGE, PATCH, CHANNELS, BLOCKS = 32, 4, 128, 6  # 32 x 32 images -> 8 x 8 feature maps of 128 channels
+IMAGE, PATCH, CHANNELS, BLOCKS = 64, 4, 128, 6  # 64 x 64 images -> 16 x 16 feature maps of 128 channels
 DECODER = DecoderConfig(type="llama", hidden=128, layers=2, heads=4, vocab=32768, text_seq=4)
-MERGE = 16  # 64 feature-map positions -> 4 LLM tokens
+MERGE = 64  # 256 feature-map positions -> 4 LLM tokens
 
 
 class ConvStem(nn.Module):
