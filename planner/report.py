@@ -316,7 +316,7 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
             stages = "; ".join(f"{len(s.blocks)} blocks @ rank {','.join(map(str, s.ranks))}" for s in g.stages)
             table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages, placement_text(g), tiers_text(g))
             name = ""
-        table.add_row("", "", "", f"[dim]{plan.training.micro_batches} micro-batches, {plan.training.schedule}[/]", "", "")
+        table.add_row("", "", "", Text(f"{plan.training.micro_batches} micro-batches, {plan.training.schedule}", style="dim"), "", "")
     return table
 
 
