@@ -225,16 +225,25 @@ def _baseline_solution(plan: Plan, search: Search, started: float, name: str) ->
 
 def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool,
             offload: bool) -> tuple[bool, float, bool]:
-    """Branch and bound over `structures` with GPU-only tiers, then (memory tiers on, nothing fits yet, or an
-    earlier structure needed them) with CPU / NVMe tiers too; returns (proved, gap, tiers were needed)."""
+    """Branch and bound over `structures` with GPU-only tiers, then (memory tiers on) with CPU / NVMe tiers too,
+    pruned by the GPU-only search's best step; returns (proved, gap, tiers were needed: nothing fit GPU-only).
+
+    The second search runs even when a GPU-only plan fits: an offloading plan can be faster than every GPU-only one
+    (optimizer state on the host makes room for fewer, larger micro-batches), and skipping it when GPU-only plans fit
+    made the search space shrink as memory grew: more memory gave a slower plan."""
+    proved, gap = True, 0.0
     if not offload:
         proved, gap = branch_and_bound(search, structures, setting, ms, solver)
-        if search.best is not None or not memory_tiers or search.out_of_time():
+        if not memory_tiers or search.out_of_time():
             return proved, gap, False
-        search.progress("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)
-        check_capacity(search.profile, search.cluster, setting.dtype)
-    proved, gap = branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
-    return proved, gap, True
+        offload = search.best is None
+        if offload:
+            search.progress("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)
+            check_capacity(search.profile, search.cluster, setting.dtype)
+        else:
+            search.progress("searching with CPU / NVMe tiers too", 0.6)
+    p, g = branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
+    return proved and p, max(gap, g), offload
 
 
 def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
