@@ -31,8 +31,9 @@ from plans.plan import Plan, SolverInfo
 #    simulated (cost_models.evaluate), excluded, and the ILP re-solved, until the smallest remaining bound
 #    reaches the best simulated step (proved optimal over the search space) or a limit is hit (the branch and
 #    bound of planner/search.py);
-# 4. memory tiers: when nothing fits in GPU memory the search is repeated with CPU / NVMe tier policies
-#    (uniform per stage); the best plan, when it offloads or recomputes anything, gets its tiers refined
+# 4. memory tiers: the search is repeated with CPU / NVMe tier policies too (uniform per stage), pruned by the
+#    GPU-only search's best step (run even when GPU-only plans fit: offloading can be faster, and skipping it
+#    made more GPU memory give a slower plan); the best plan, when it offloads or recomputes anything, gets its tiers refined
 #    per block by the ILP of planner/tiers.py (kept if the simulator says it is faster); when nothing fits
 #    at all, planner/diagnosis.py says by how much;
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -311,6 +312,53 @@ def test_memory_reserve_leaves_that_share_of_every_gpu_free(zoo_profiles):
     for b in tight.baselines.values():
         assert max(m.gpu for m in b.predicted.memory) <= 0.5 * cap
 
+
+
+# --- more device memory never slows the plan ---------------------------------------------------------------------
+
+MONOTONE = Path(__file__).resolve().parents[1] / "fixtures" / "solve_monotone"
+
+
+def test_more_device_memory_never_gives_a_slower_plan():
+    # a measured CPU profile of a conv-encoder VLM on a calibrated 2-rank gloo cluster (the demo's, capped): at 100 MB
+    # per rank nothing fits GPU-only and the tier search finds 1 micro-batch with gradients / optimizer state offloaded
+    # (0.418 s); at 130 MB GPU-only plans fit (8 micro-batches, 0.535 s) and the search used to stop there, never
+    # trying the tiers that are faster (planner/solve.py _search)
+    from dataclasses import replace
+
+    from cost_models.evaluate import evaluate
+    from cost_models.hardware import load_cluster_toml
+    from plans.graph import load_profile
+
+    profile = load_profile(MONOTONE / "conv64.json")
+    small = load_cluster_toml(MONOTONE / "cap0.1.toml")
+    large = replace(small, device=replace(small.device, memory_bytes=int(0.13e9)))
+    tight, roomy = solve(profile, small, 8), solve(profile, large, 8)
+    assert tight.proved_optimal and roomy.proved_optimal
+    # the 100 MB plan fits the 130 MB cluster (with its reserve) and takes the same time there
+    there = evaluate(tight.plan, profile, replace(large, device=replace(large.device, memory_bytes=int(0.13e9 * 0.9))))
+    assert there.predicted.fits and there.predicted.step_time_s == pytest.approx(tight.step_time_s, rel=1e-12)
+    assert roomy.step_time_s <= tight.step_time_s * (1 + 1e-9), (tight.step_time_s, roomy.step_time_s)
+
+
+# Random small instances, memory tiers on, solved at device memory x1 and x1.3. Two known causes remain (the solver's
+# space is heuristic there): seed 46, the partition DP minimises the slowest stage, so with more room it picks other
+# cut points (2+4 instead of 3+3 at m = 1) whose simulated step is 1 % slower; seed 61, per-block tiers (tiers.py) refine
+# only the search's best plan, so the plan that refines best at the smaller cap is not the one refined at the larger.
+@pytest.mark.parametrize("seed", [6, 7, 13, 16, 22,
+                                  pytest.param(46, marks=pytest.mark.xfail(strict=True, reason="partition DP's slowest-stage proxy")),
+                                  pytest.param(61, marks=pytest.mark.xfail(strict=True, reason="tiers refined on the best plan only"))])
+def test_more_device_memory_never_slows_random_instances(seed):
+    from dataclasses import replace
+
+    profile, cluster, batch = random_instance(seed, max_gpus=4)
+    host = int(cluster.device.memory_bytes * random.Random(seed).uniform(0.2, 2))  # host memory and NVMe that bind too
+    cluster = replace(cluster, host_memory_bytes=host, nvme_bytes=4 * host)
+    steps = []
+    for scale in (1.0, 1.3):
+        c = replace(cluster, device=replace(cluster.device, memory_bytes=int(cluster.device.memory_bytes * scale)))
+        steps.append(solve(profile, c, batch, memory_reserve=0.0, baseline=False).step_time_s)
+    assert steps[1] <= steps[0] * (1 + 1e-9), steps
 
 def test_time_limit_counts_from_the_given_start(zoo_profiles):
     import time
