@@ -31,11 +31,11 @@ from plans.plan import Plan, SolverInfo
 #    simulated (cost_models.evaluate), excluded, and the ILP re-solved, until the smallest remaining bound
 #    reaches the best simulated step (proved optimal over the search space) or a limit is hit (the branch and
 #    bound of planner/search.py);
-# 4. memory tiers: the search is repeated with CPU / NVMe tier policies too (uniform per stage), pruned by the
-#    GPU-only search's best step (run even when GPU-only plans fit: offloading can be faster, and skipping it
-#    made more GPU memory give a slower plan); the best plan, when it offloads or recomputes anything, gets its tiers refined
-#    per block by the ILP of planner/tiers.py (kept if the simulator says it is faster); when nothing fits
-#    at all, planner/diagnosis.py says by how much;
+# 4. memory tiers: with memory tiers on (the default) steps 2-3 search GPU-only and CPU / NVMe tier policies at
+#    once (uniform per stage: each stage the fastest that fits), also when GPU-only plans fit (offloading can be
+#    faster; searching the tiers only when nothing fit made more GPU memory give a slower plan); the best plan,
+#    when it offloads or recomputes anything, gets its tiers refined per block by the ILP of planner/tiers.py
+#    (kept if the simulator says it is faster); when nothing fits at all, planner/diagnosis.py says by how much;
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is
 #    faster (or when the search found none): the solver never returns a plan slower than it under the same
 #    cost model.
@@ -162,10 +162,9 @@ def solve(
         chain = [("chain", profile_units(profile, "chain"))]
     proved = True
     gap = 0.0
-    offload = False
     if chain and emit != "megatron":
         quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
-        proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
+        proved, gap = _search(search, chain, setting, ms, solver, memory_tiers)
     homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline and emit != "megatron" else None
     if emit == "homogeneous":
         if homogeneous is None:
@@ -185,7 +184,7 @@ def solve(
         return _baseline_solution(megatron, search, started, "megatron")
     # 3. the heterogeneous structures, pruned by the best step so far
     if rest and not search.out_of_time():
-        p, g, offload = _search(search, rest, setting, ms, solver, memory_tiers, offload)
+        p, g = _search(search, rest, setting, ms, solver, memory_tiers)
         proved, gap = proved and p, max(gap, g)
     if search.best is not None and memory_tiers and not search.out_of_time():
         note("choosing memory tiers", 0.9)
@@ -224,27 +223,17 @@ def _baseline_solution(plan: Plan, search: Search, started: float, name: str) ->
                     False, search.stopped_early, 0.0, plan if name == "megatron" else None)
 
 
-def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool,
-            offload: bool) -> tuple[bool, float, bool]:
-    """Branch and bound over `structures` with GPU-only tiers, then (memory tiers on) with CPU / NVMe tiers too,
-    pruned by the GPU-only search's best step; returns (proved, gap, tiers were needed: nothing fit GPU-only).
+def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool) -> tuple[bool, float]:
+    """Branch and bound over `structures`: with memory tiers on, over GPU-only and CPU / NVMe tier policies at once (each
+    stage the fastest policy that fits, GPU-only ones first on ties); returns (proved, gap).
 
-    The second search runs even when a GPU-only plan fits: an offloading plan can be faster than every GPU-only one
-    (optimizer state on the host makes room for fewer, larger micro-batches), and skipping it when GPU-only plans fit
-    made the search space shrink as memory grew: more memory gave a slower plan."""
-    proved, gap = True, 0.0
-    if not offload:
-        proved, gap = branch_and_bound(search, structures, setting, ms, solver)
-        if not memory_tiers or search.out_of_time():
-            return proved, gap, False
-        offload = search.best is None
-        if offload:
-            search.progress("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)
-            check_capacity(search.profile, search.cluster, setting.dtype)
-        else:
-            search.progress("searching with CPU / NVMe tiers too", 0.6)
-    p, g = branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
-    return proved and p, max(gap, g), offload
+    One search over every policy, not GPU-only first and tiers only when nothing fits: an offloading plan can be faster
+    than every GPU-only one (optimizer state on the host makes room for fewer, larger micro-batches), and searching the
+    tiers only when no GPU-only plan fits made the space shrink as memory grew: more memory gave a slower plan."""
+    if not memory_tiers:
+        return branch_and_bound(search, structures, setting, ms, solver)
+    check_capacity(search.profile, search.cluster, setting.dtype)
+    return branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
 
 
 def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
