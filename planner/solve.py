@@ -31,11 +31,12 @@ from plans.plan import Plan, SolverInfo
 #    simulated (cost_models.evaluate), excluded, and the ILP re-solved, until the smallest remaining bound
 #    reaches the best simulated step (proved optimal over the search space) or a limit is hit (the branch and
 #    bound of planner/search.py);
-# 4. memory tiers: with memory tiers on (the default) steps 2-3 search GPU-only and CPU / NVMe tier policies at
-#    once (uniform per stage: each stage the fastest that fits), also when GPU-only plans fit (offloading can be
-#    faster; searching the tiers only when nothing fit made more GPU memory give a slower plan); the best plan,
-#    when it offloads or recomputes anything, gets its tiers refined per block by the ILP of planner/tiers.py
-#    (kept if the simulator says it is faster); when nothing fits at all, planner/diagnosis.py says by how much;
+# 4. memory tiers: with memory tiers on (the default) steps 2-3 search the candidates of the GPU-only tier
+#    policies together with those of GPU-only and CPU / NVMe ones (uniform per stage: each stage the fastest
+#    that fits), also when GPU-only plans fit (offloading can be faster; searching the tiers only when
+#    nothing fit made more GPU memory give a slower plan); the best plan, when it offloads or recomputes
+#    anything, gets its tiers refined per block by the ILP of planner/tiers.py (kept if the simulator says it
+#    is faster); when nothing fits at all, planner/diagnosis.py says by how much;
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is
 #    faster (or when the search found none): the solver never returns a plan slower than it under the same
 #    cost model.
@@ -224,16 +225,18 @@ def _baseline_solution(plan: Plan, search: Search, started: float, name: str) ->
 
 
 def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool) -> tuple[bool, float]:
-    """Branch and bound over `structures`: with memory tiers on, over GPU-only and CPU / NVMe tier policies at once (each
-    stage the fastest policy that fits, GPU-only ones first on ties); returns (proved, gap).
+    """Branch and bound over `structures`: the candidates of the GPU-only tier policies and, with memory tiers on,
+    those of GPU-only and CPU / NVMe policies together, in one search; returns (proved, gap).
 
-    One search over every policy, not GPU-only first and tiers only when nothing fits: an offloading plan can be faster
-    than every GPU-only one (optimizer state on the host makes room for fewer, larger micro-batches), and searching the
-    tiers only when no GPU-only plan fits made the space shrink as memory grew: more memory gave a slower plan."""
+    The tier policies are searched also when GPU-only plans fit: an offloading plan can be faster than every GPU-only
+    one (optimizer state on the host makes room for fewer, larger micro-batches), and searching them only when no
+    GPU-only plan fit made the space shrink as memory grew: more memory gave a slower plan. The GPU-only candidates
+    stay: the DP picks each stage's policy by the segments' estimate, a lower one for a host-tier optimizer step on a
+    calibrated cluster, so the larger policy set alone could drop a faster GPU-only layout."""
     if not memory_tiers:
         return branch_and_bound(search, structures, setting, ms, solver)
     check_capacity(search.profile, search.cluster, setting.dtype)
-    return branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
+    return branch_and_bound(search, structures, setting, ms, solver, more_policies=(GPU_ONLY + OFFLOAD,))
 
 
 def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
