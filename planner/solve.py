@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cost_models.compute import measured_on
+from cost_models.overhead import calibrated
 from cost_models.memory import DTYPE_BYTES
 from planner.allocate import Solver, pick_solver
 from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
@@ -231,12 +232,16 @@ def _search(search: Search, structures, setting: Setting, ms, solver: Solver, me
     The tier policies are searched also when GPU-only plans fit: an offloading plan can be faster than every GPU-only
     one (optimizer state on the host makes room for fewer, larger micro-batches), and searching them only when no
     GPU-only plan fit made the space shrink as memory grew: more memory gave a slower plan. The GPU-only candidates
-    stay: the DP picks each stage's policy by the segments' estimate, a lower one for a host-tier optimizer step on a
-    calibrated cluster, so the larger policy set alone could drop a faster GPU-only layout."""
+    stay on a calibrated cluster: there the DP picks each stage's policy by the segments' estimate, a lower one for a
+    host-tier optimizer step (overhead.optimizer_tensor_time), so the larger policy set alone could drop a faster
+    GPU-only layout; elsewhere the estimate is the cost model's and the larger set alone is searched."""
     if not memory_tiers:
         return branch_and_bound(search, structures, setting, ms, solver)
     check_capacity(search.profile, search.cluster, setting.dtype)
-    return branch_and_bound(search, structures, setting, ms, solver, more_policies=(GPU_ONLY + OFFLOAD,))
+    tiers = GPU_ONLY + OFFLOAD
+    if calibrated(search.cluster):
+        return branch_and_bound(search, structures, setting, ms, solver, more_policies=(tiers,))
+    return branch_and_bound(search, structures, replace(setting, policies=tiers), ms, solver)
 
 
 def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
