@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cost_models.compute import measured_on
-from cost_models.overhead import calibrated
 from cost_models.memory import DTYPE_BYTES
+from cost_models.overhead import calibrated
 from planner.allocate import Solver, pick_solver
 from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
 from planner.diagnosis import check_capacity, no_fit
@@ -32,9 +32,9 @@ from plans.plan import Plan, SolverInfo
 #    simulated (cost_models.evaluate), excluded, and the ILP re-solved, until the smallest remaining bound
 #    reaches the best simulated step (proved optimal over the search space) or a limit is hit (the branch and
 #    bound of planner/search.py);
-# 4. memory tiers: with memory tiers on (the default) steps 2-3 search the candidates of the GPU-only tier
-#    policies together with those of GPU-only and CPU / NVMe ones (uniform per stage: each stage the fastest
-#    that fits), also when GPU-only plans fit (offloading can be faster; searching the tiers only when
+# 4. memory tiers: with memory tiers on (the default) steps 2-3 search GPU-only and CPU / NVMe tier policies
+#    together (uniform per stage: each stage the fastest that fits; on a calibrated cluster with the GPU-only
+#    policies' own candidates beside them, see _search), also when GPU-only plans fit (offloading can be faster; searching the tiers only when
 #    nothing fit made more GPU memory give a slower plan); the best plan, when it offloads or recomputes
 #    anything, gets its tiers refined per block by the ILP of planner/tiers.py (kept if the simulator says it
 #    is faster); when nothing fits at all, planner/diagnosis.py says by how much;
