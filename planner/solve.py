@@ -35,9 +35,10 @@ from plans.plan import Plan, SolverInfo
 # 4. memory tiers: with memory tiers on (the default) steps 2-3 search GPU-only and CPU / NVMe tier policies
 #    together (uniform per stage: each stage the fastest that fits; on a calibrated cluster with the GPU-only
 #    policies' own candidates beside them, see _search), also when GPU-only plans fit (offloading can be
-#    faster; searching the tiers only when nothing fit made more GPU memory give a slower plan); the best plan, when it offloads or recomputes
-#    anything, gets its tiers refined per block by the ILP of planner/tiers.py (kept if the simulator says it
-#    is faster); when nothing fits at all, planner/diagnosis.py says by how much;
+#    faster; searching the tiers only when nothing fit made more GPU memory give a slower plan); the best
+#    plan, when it offloads or recomputes anything, gets its tiers refined per block by the ILP of
+#    planner/tiers.py (kept if the simulator says it is faster); when nothing fits at all,
+#    planner/diagnosis.py says by how much;
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is
 #    faster (or when the search found none): the solver never returns a plan slower than it under the same
 #    cost model.
