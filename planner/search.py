@@ -5,13 +5,12 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from planner.allocate import Allocator, Choice, Solver, assign_ranks
 from planner.candidates import (
     Layout,
-    Policy,
     Setting,
     Structure,
     Unit,
@@ -36,7 +35,6 @@ EXHAUSTIVE = 4000  # candidates per structure below which none is pruned by domi
 MAX_SIMULATED = 400  # plans simulated at most in one search
 TOLERANCE = 1e-9  # relative: a bound this close to the best step cannot beat it (exact searches)
 LARGE_GAP = 2e-3  # large searches stop once no bound is 0.2 % below the best step
-TIE = 1e-12  # relative: steps this close are equal (then the plan holding less off the GPU is kept)
 
 
 @dataclass
@@ -88,23 +86,12 @@ class Search:
         if plan is None or plan.predicted is None or not plan.predicted.fits:
             return
         step = plan.predicted.step_time_s
-        if self.best is None or step < self.best[0] or (step <= self.best[0] * (1 + TIE) and off_gpu(plan) < off_gpu(self.best[1])):
+        if self.best is None or step < self.best[0]:
             self.best = (step, plan, structure)
 
 
-def off_gpu(plan: Plan) -> float:
-    """Bytes a plan holds in host memory and on NVMe: of two equally fast plans the one holding less there is kept
-    (offloading that buys no time only adds host traffic the cost model may not see)."""
-    return sum(m.cpu + m.nvme for m in plan.predicted.memory)
-
-
-def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[int], solver: Solver,
-                     more_policies: Sequence[tuple[Policy, ...]] = ()) -> tuple[bool, float]:
-    """Generate candidates and run the ILP-proposes / simulator-disposes loop; returns (proved optimal, gap).
-
-    more_policies: further tier-policy sets; each unit's candidates are those of setting.policies together with
-    those generated with each of these sets, in one search (the DP takes per stage the fastest policy that fits by
-    the segments' estimate, a lower one for a host-tier optimizer step: a larger set can drop a smaller set's layouts)."""
+def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[int], solver: Solver) -> tuple[bool, float]:
+    """Generate candidates and run the ILP-proposes / simulator-disposes loop; returns (proved optimal, gap)."""
     cl = search.cluster
     search.floor = 0.0  # this search's bound is not known yet
     times = BlockTimes(setting)
@@ -114,11 +101,7 @@ def branch_and_bound(search: Search, structures, setting: Setting, ms: Sequence[
         if search.out_of_time():
             break
         search.report(f"{structure}: candidate layouts", 0.05 + 0.45 * si / len(structures))
-        order = _m_order(units, setting, ms, times, cl)
-        cands = _candidates(search, structure, units, setting, order, times)
-        for policies in more_policies:
-            more = _candidates(search, structure, units, replace(setting, policies=policies), order, times)
-            cands = [list({lay.key: lay for lay in (*c, *x)}.values()) for c, x in zip(cands, more)]
+        cands = _candidates(search, structure, units, setting, _m_order(units, setting, ms, times, cl), times)
         if any(not c for c in cands):
             continue
         search.candidates += sum(len(c) for c in cands)

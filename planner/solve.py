@@ -9,7 +9,6 @@ from typing import Literal
 
 from cost_models.compute import measured_on
 from cost_models.memory import DTYPE_BYTES
-from cost_models.overhead import calibrated
 from planner.allocate import Solver, pick_solver
 from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
 from planner.diagnosis import check_capacity, no_fit
@@ -32,13 +31,10 @@ from plans.plan import Plan, SolverInfo
 #    simulated (cost_models.evaluate), excluded, and the ILP re-solved, until the smallest remaining bound
 #    reaches the best simulated step (proved optimal over the search space) or a limit is hit (the branch and
 #    bound of planner/search.py);
-# 4. memory tiers: with memory tiers on (the default) steps 2-3 search GPU-only and CPU / NVMe tier policies
-#    together (uniform per stage: each stage the fastest that fits; on a calibrated cluster with the GPU-only
-#    policies' own candidates beside them, see _search), also when GPU-only plans fit (offloading can be
-#    faster; searching the tiers only when nothing fit made more GPU memory give a slower plan); the best
-#    plan, when it offloads or recomputes anything, gets its tiers refined per block by the ILP of
-#    planner/tiers.py (kept if the simulator says it is faster); when nothing fits at all,
-#    planner/diagnosis.py says by how much;
+# 4. memory tiers: when nothing fits in GPU memory the search is repeated with CPU / NVMe tier policies
+#    (uniform per stage); the best plan, when it offloads or recomputes anything, gets its tiers refined
+#    per block by the ILP of planner/tiers.py (kept if the simulator says it is faster); when nothing fits
+#    at all, planner/diagnosis.py says by how much;
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is
 #    faster (or when the search found none): the solver never returns a plan slower than it under the same
 #    cost model.
@@ -165,9 +161,10 @@ def solve(
         chain = [("chain", profile_units(profile, "chain"))]
     proved = True
     gap = 0.0
+    offload = False
     if chain and emit != "megatron":
         quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
-        proved, gap = _search(search, chain, setting, ms, solver, memory_tiers)
+        proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
     homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline and emit != "megatron" else None
     if emit == "homogeneous":
         if homogeneous is None:
@@ -187,7 +184,7 @@ def solve(
         return _baseline_solution(megatron, search, started, "megatron")
     # 3. the heterogeneous structures, pruned by the best step so far
     if rest and not search.out_of_time():
-        p, g = _search(search, rest, setting, ms, solver, memory_tiers)
+        p, g, offload = _search(search, rest, setting, ms, solver, memory_tiers, offload)
         proved, gap = proved and p, max(gap, g)
     if search.best is not None and memory_tiers and not search.out_of_time():
         note("choosing memory tiers", 0.9)
@@ -226,23 +223,18 @@ def _baseline_solution(plan: Plan, search: Search, started: float, name: str) ->
                     False, search.stopped_early, 0.0, plan if name == "megatron" else None)
 
 
-def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool) -> tuple[bool, float]:
-    """Branch and bound over `structures`: the candidates of the GPU-only tier policies and, with memory tiers on,
-    those of GPU-only and CPU / NVMe policies together, in one search; returns (proved, gap).
-
-    The tier policies are searched also when GPU-only plans fit: an offloading plan can be faster than every GPU-only
-    one (optimizer state on the host makes room for fewer, larger micro-batches), and searching them only when no
-    GPU-only plan fit made the space shrink as memory grew: more memory gave a slower plan. The GPU-only candidates
-    stay on a calibrated cluster: there the DP picks each stage's policy by the segments' estimate, a lower one for a
-    host-tier optimizer step (overhead.optimizer_tensor_time), so the larger policy set alone could drop a faster
-    GPU-only layout; elsewhere the estimate is the cost model's and the larger set alone is searched."""
-    if not memory_tiers:
-        return branch_and_bound(search, structures, setting, ms, solver)
-    check_capacity(search.profile, search.cluster, setting.dtype)
-    tiers = GPU_ONLY + OFFLOAD
-    if calibrated(search.cluster):
-        return branch_and_bound(search, structures, setting, ms, solver, more_policies=(tiers,))
-    return branch_and_bound(search, structures, replace(setting, policies=tiers), ms, solver)
+def _search(search: Search, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool,
+            offload: bool) -> tuple[bool, float, bool]:
+    """Branch and bound over `structures` with GPU-only tiers, then (memory tiers on, nothing fits yet, or an
+    earlier structure needed them) with CPU / NVMe tiers too; returns (proved, gap, tiers were needed)."""
+    if not offload:
+        proved, gap = branch_and_bound(search, structures, setting, ms, solver)
+        if search.best is not None or not memory_tiers or search.out_of_time():
+            return proved, gap, False
+        search.progress("nothing fits in GPU memory: searching with CPU / NVMe tiers", 0.6)
+        check_capacity(search.profile, search.cluster, setting.dtype)
+    proved, gap = branch_and_bound(search, structures, replace(setting, policies=GPU_ONLY + OFFLOAD), ms, solver)
+    return proved, gap, True
 
 
 def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
