@@ -79,6 +79,7 @@ def test_every_guide_command_runs_in_order(scratch):
         assert res.returncode == 0, f"{command}\n{res.stderr[-2000:]}"
 
 
+@pytest.mark.slow  # 45 s; the default suite runs stock HF models from the CLI in tests/hf/test_hf_runtime.py
 def test_every_hugging_face_command_runs_in_order(scratch):
     """The "Your Hugging Face model" section; needs transformers (pip install -e ".[hf]")."""
     pytest.importorskip("transformers")

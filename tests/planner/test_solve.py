@@ -233,9 +233,10 @@ def check_never_worse(profile: Profile, gpus: int) -> None:
 TINY = ["tiny-vlm", "tiny-avlm", "tiny-flamingo", "tiny-clip", "tiny-vlm-heavy"]
 
 
-# 512 GPUs and tiny-avlm at 64 take 4-9 s each: in the slow set (python -m pytest -m slow tests/planner/test_solve.py)
-@pytest.mark.parametrize("gpus", [8, 64, pytest.param(512, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("model", TINY)
+# 512 GPUs and tiny-avlm at 64 take 4-10 s each: in the slow set (python -m pytest -m slow tests/planner/test_solve.py)
+@pytest.mark.parametrize(("model", "gpus"), [
+    pytest.param(model, gpus, marks=pytest.mark.slow, id=f"{model}-{gpus}") if gpus == 512 or (model, gpus) == ("tiny-avlm", 64)
+    else pytest.param(model, gpus, id=f"{model}-{gpus}") for gpus in (8, 64, 512) for model in TINY])
 def test_never_worse_than_homogeneous_tiny(zoo_profiles, model, gpus):
     check_never_worse(zoo_profiles(model), gpus)
 
@@ -260,6 +261,7 @@ def test_every_zoo_model_is_covered(zoo_profiles):
 # --- what the solver emits ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 23 s (vit22b-llama70b on 128 GPUs): python -m pytest -m slow tests/planner/test_solve.py
 def test_heterogeneous_layouts_and_modality_aware_gpus(zoo_profiles):
     """On an encoder-heavy model in the pipeline regime the best plan gives the encoder its own layout and a
     GPU share near its FLOP share."""
