@@ -44,11 +44,12 @@ def measured_compute_scale(cluster: Cluster) -> float:
     return cluster.compute_slowdown
 
 
-def zero_block_time(blocks: int, zero: int, cluster: Cluster, param_bytes: float = 0.0) -> float:
+def zero_block_time(blocks, zero: int, cluster: Cluster, param_bytes=0.0):
     """Seconds per micro-batch (forward + backward) that ZeRO's FSDP2 costs a rank beyond its collectives for
     `blocks` sharded blocks holding `param_bytes` of (tp-local, unsharded) parameters (runtime/zero.py: one
     fully_shard unit per block with parameters): the hooks and DTensor views per block (Cluster.zero_block_s), the
-    copy-in / copy-out of the flat all-gather and reduce-scatter buffers per byte (Cluster.zero_byte_s)."""
+    copy-in / copy-out of the flat all-gather and reduce-scatter buffers per byte (Cluster.zero_byte_s). Works on
+    numpy arrays of blocks and bytes too (the solver's segments)."""
     return blocks * cluster.zero_block_s + param_bytes * cluster.zero_byte_s if zero else 0.0
 
 

@@ -203,8 +203,7 @@ class Segments:
         st, cl, dp, z = self.setting, self.setting.cluster, self.dp, self.zero
         recompute = policy.activations == "recompute"
         param_bytes = self.params * self.width
-        # ZeRO's FSDP2 work per block and per parameter byte, both ways
-        hooks = (zero_block_time(1, z, cl) * self.sharded + zero_block_time(0, z, cl, 1.0) * param_bytes) / 2
+        hooks = zero_block_time(self.sharded, z, cl, param_bytes) / 2  # ZeRO's FSDP2 work per block and byte, both ways
         fwd, fwd_comm = self.fwd + hooks, self.fwd_comm
         bwd = self.bwd + hooks + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
         bwd = bwd + grad_accumulation_time(self.trained, micro_batches=self.micro_batches, dp=dp, zero=z,

@@ -315,7 +315,6 @@ def test_memory_reserve_leaves_that_share_of_every_gpu_free(zoo_profiles):
         assert max(m.gpu for m in b.predicted.memory) <= 0.5 * cap
 
 
-
 # --- more device memory never slows the plan ---------------------------------------------------------------------
 
 MONOTONE = Path(__file__).resolve().parents[1] / "fixtures" / "solve_monotone"
