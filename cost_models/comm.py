@@ -48,7 +48,7 @@ def pair_link(cluster: Cluster, src: Iterable[int], dst: Iterable[int]) -> Link 
 def fastest_link(cluster: Cluster) -> Link:
     """A link at least as fast as any the cluster has: the higher bandwidth and the lower latency (lower bounds)."""
     a, b = cluster.intra_node, cluster.inter_node
-    return Link(max(a.bandwidth, b.bandwidth), min(a.latency_s, b.latency_s))
+    return Link(max(a.bandwidth, b.bandwidth), min(a.latency_s, b.latency_s), min(a.collective_s, b.collective_s))
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
@@ -68,7 +68,8 @@ def hand_over_time(nbytes: float, tp: int, link: Link, tp_link: Link) -> float:
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce: 2(n-1) alpha + 2(n-1)/n * bytes / bandwidth.
+    """Ring all-reduce: 2(n-1) alpha + 2(n-1)/n * bytes / bandwidth, plus the link's fixed cost per collective call
+    (Link.collective_s: every collective here pays it once).
 
     Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
     section 4.5 (reduce-scatter then all-gather on a ring); NCCL's busbw = algbw * 2(n-1)/n (nccl-tests
@@ -76,14 +77,14 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return link.collective_s + 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather of a result of `nbytes`: (n-1) alpha + (n-1)/n * bytes / bandwidth (Thakur et al. 2005, 4.1)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth
+    return link.collective_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth
 
 
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
@@ -99,7 +100,7 @@ def broadcast_time(nbytes: float, n: int, link: Link) -> float:
     steps = math.ceil(math.log2(n))
     tree = steps * (link.latency_s + nbytes / link.bandwidth)
     scatter_allgather = (steps + n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth
-    return min(tree, scatter_allgather)
+    return link.collective_s + min(tree, scatter_allgather)
 
 
 def ring_bytes_sent(nbytes: float, n: int, *, all_reduce: bool) -> float:

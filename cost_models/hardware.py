@@ -532,8 +532,10 @@ def _link(table: dict[str, Any] | None, base: Link | None, where: str, source: s
         else base.bandwidth
     latency = float(_in_range(Decimal(table["latency_us"]), f"{where} latency_us", source).scaleb(-6)) \
         if "latency_us" in table else (base.latency_s if base else 0.0)
+    collective = float(_in_range(Decimal(table["collective_us"]), f"{where} collective_us", source).scaleb(-6)) \
+        if "collective_us" in table else (base.collective_s if base else 0.0)
     try:
-        return Link(bandwidth, latency)
+        return Link(bandwidth, latency, collective)
     except FormatError as e:  # a finite decimal too large for a float
         raise FormatError(f"{source}: {where} {e}") from None
 
@@ -570,6 +572,8 @@ def cluster_to_toml(cluster: Cluster) -> str:
         link: Link = getattr(cluster, key)
         lines += ["", f"[links.{key}]", f"bandwidth_gbps = {_number(link.bandwidth, -9)}",
                   f"latency_us = {_number(link.latency_s, 6)}"]
+        if link.collective_s:
+            lines.append(f"collective_us = {_number(link.collective_s, 6)}")
     if any(getattr(cluster, name) != Cluster.__dataclass_fields__[name].default for name, _ in _RUNTIME.values()):
         lines += ["", "[runtime]  # measured by mmplan calibrate"]
         lines += [f"{key} = {_number(getattr(cluster, name), -exponent)}" for key, (name, exponent) in _RUNTIME.items()]

@@ -19,16 +19,25 @@ def _positive(value: float, what: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """An alpha-beta link: time(bytes) = latency_s + bytes / bandwidth (bytes/s, one direction)."""
+    """An alpha-beta link: time(bytes) = latency_s + bytes / bandwidth (bytes/s, one direction).
+
+    collective_s: the fixed cost of one collective call beyond its ring's hops (cost_models/comm.py) -- on a CPU
+    host gloo hands every call to its worker thread and wakes the peers' threads, measured by `mmplan calibrate`
+    at ~1 ms on a 2-core machine against ~0.2 ms for a send; 0 in the GPU catalog (NCCL's launch cost is
+    microseconds)."""
 
     bandwidth: float
     latency_s: float = 0.0
+    collective_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise FormatError(f"link bandwidth must be > 0, got {self.bandwidth}")
         if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise FormatError(f"link latency must be >= 0, got {self.latency_s}")
+        if isinstance(self.collective_s, bool) or not (isinstance(self.collective_s, (int, float))
+                                                       and math.isfinite(self.collective_s) and self.collective_s >= 0):
+            raise FormatError(f"link collective cost must be >= 0, got {self.collective_s}")
 
     def time(self, nbytes: float) -> float:
         """Seconds to move nbytes over this link (Hockney's alpha-beta model)."""

@@ -49,6 +49,17 @@ def test_ring_latency_terms_count_the_ring_steps():
         assert all_gather_time(1e6, n, slow) - all_gather_time(1e6, n, fast) == pytest.approx((n - 1) * 1e-5)
 
 
+def test_every_collective_call_pays_the_links_fixed_cost_once_and_a_send_does_not():
+    bare, gloo = Link(1e9, 1e-4), Link(1e9, 1e-4, 1.2e-3)  # calibrate's collective_s: gloo's per-call cost
+    for n in (2, 8):
+        for collective in (all_reduce_time, all_gather_time, reduce_scatter_time, broadcast_time):
+            assert collective(1e6, n, gloo) - collective(1e6, n, bare) == pytest.approx(1.2e-3)
+        assert collective(1e6, 1, gloo) == 0.0  # no call on one rank
+    assert p2p_time(1e6, gloo) == p2p_time(1e6, bare)
+    # one all-reduce call is cheaper than the reduce-scatter + all-gather calls it is made of, by one call
+    assert all_reduce_time(1e6, 8, gloo) == pytest.approx(reduce_scatter_time(1e6, 8, gloo) + all_gather_time(1e6, 8, gloo) - 1.2e-3)
+
+
 def test_all_reduce_is_a_reduce_scatter_then_an_all_gather():
     link = Link(25e9, 5e-6)
     assert all_reduce_time(3e8, 16, link) == pytest.approx(reduce_scatter_time(3e8, 16, link) + all_gather_time(3e8, 16, link))

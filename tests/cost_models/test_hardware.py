@@ -105,7 +105,7 @@ def test_toml_round_trip_is_exact_for_any_numbers(bw, lat, peak, mem, effs, name
     base = CATALOG["h100-sxm"]
     device = Device(name, {"bf16": peak, "fp8": peak * 3.3}, mem, bw,
                     tuple((10.0 ** (3 + i) * 1.7, e) for i, e in enumerate(effs)))
-    cluster = replace(base, name=name, device=device, inter_node=Link(bw / 3, lat), nvme=Link(bw * 7, lat * 3),
+    cluster = replace(base, name=name, device=device, inter_node=Link(bw / 3, lat, lat / 2), nvme=Link(bw * 7, lat * 3),
                       host_memory_bytes=mem + 1, nvme_bytes=mem * 3, backend="gloo")
     assert cluster_from_toml(cluster_to_toml(cluster)) == cluster
 
@@ -182,6 +182,7 @@ def test_bad_specs(spec, gpus_per_node, words):
     ('base = "h100-sxm"\nnvme_gb = 0\n', ["nvme_gb must be a finite number > 0"]),
     ('base = "h100-sxm"\n[links.nvme]\nbandwidth_gbps = -1\n', ["[links.nvme] bandwidth_gbps", "> 0"]),
     ('base = "h100-sxm"\n[links.nvme]\nlatency_us = -1\n', ["[links.nvme] latency_us", ">= 0"]),
+    ('base = "h100-sxm"\n[links.intra_node]\ncollective_us = -1\n', ["[links.intra_node] collective_us", ">= 0"]),
     ('base = "h100-sxm"\n[links.intra_node]\nbandwith_gbps = 100\n', ["unknown key 'bandwith_gbps'",
                                                                       "[links.intra_node]", "bandwidth_gbps"]),
     ('base = "h100-sxm"\n[links.pcie]\nbandwidth_gbps = 100\n', ["unknown key 'pcie' in [links]"]),
@@ -227,6 +228,8 @@ def test_dataclasses_check_themselves():
         replace(CATALOG["h200"], nvme_bytes=-1)
     with pytest.raises(FormatError, match="bandwidth"):
         Link(float("inf"))
+    with pytest.raises(FormatError, match="collective cost"):
+        Link(1e9, 0.0, -1e-3)
 
 
 # --- efficiency and peaks ----------------------------------------------------------------------------------------

@@ -49,6 +49,29 @@ def test_ring_link_inverts_the_ring_all_reduce_formula():
     assert back.latency_s == pytest.approx(link.latency_s) and back.bandwidth == pytest.approx(link.bandwidth)
 
 
+def test_the_fixed_cost_per_collective_call_is_what_the_ring_model_leaves_out():
+    from cost_models.comm import all_gather_time, all_reduce_time, reduce_scatter_time
+
+    link, p, call = Link(1e9, 1e-4), 2, 1.2e-3
+    samples = {key: tuple((s, call + fn(s, p, link)) for s in SIZES) for key, fn in
+               (("all_reduce", all_reduce_time), ("all_gather", all_gather_time), ("reduce_scatter", reduce_scatter_time))}
+    fitted = calibrate_module.fit_collective_call(link, p, samples)
+    assert fitted == pytest.approx(call)
+    priced = replace(link, collective_s=fitted)  # the cost model then prices every sample as measured
+    assert all_reduce_time(SIZES[3], p, priced) == pytest.approx(samples["all_reduce"][3][1])
+    assert all_gather_time(SIZES[3], p, priced) == pytest.approx(samples["all_gather"][3][1])
+    faster = {key: tuple((s, 0.5 * t) for s, t in pts) for key, pts in samples.items()}
+    assert calibrate_module.fit_collective_call(Link(1e9, 1e-2), p, faster) == 0.0  # never negative
+    assert calibrate_module.fit_collective_call(link, p, {}) == 0.0
+
+
+def test_between_ranks_takes_a_sends_latency_and_the_lower_bandwidth(quick_run):
+    cal, cluster, _, _ = quick_run
+    odd = replace(cal, p2p=Link(3e9, 2e-4), all_reduce=Link(1e9, 9e-4), collective_s=1e-3)
+    assert calibrate_module.between_ranks(odd) == Link(1e9, 2e-4, 1e-3)
+    assert cluster.intra_node == calibrate_module.between_ranks(cal)
+
+
 def test_efficiency_curve_is_relative_to_peak_and_sorted():
     curve = efficiency_curve(((256, 50e9), (64, 25e9), (1024, 100e9)), 100e9)
     assert curve == ((2 * 64.0**3, 0.25), (2 * 256.0**3, 0.5), (2 * 1024.0**3, 1.0))
@@ -124,6 +147,8 @@ def test_quick_calibration_numbers_are_positive_and_finite(quick_run):
     assert 0 < efficiency(d, 1e9) <= 1
     assert cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7  # gloo on loopback
     assert d.memory_bytes * 2 <= cluster.host_memory_bytes
+    assert {"all_reduce", "all_gather", "reduce_scatter", "p2p"} <= set(cal.samples)
+    assert cal.collective_s >= 0 and cluster.intra_node.collective_s == pytest.approx(cal.collective_s, rel=1e-3)
     for name, samples in cal.samples.items():
         assert samples and all(s > 0 and t > 0 for s, t in samples), name
 
