@@ -5,7 +5,7 @@ import re
 
 from dataclasses import dataclass
 
-from cost_models.comm import all_reduce_time
+from cost_models.comm import all_gather_time, all_reduce_time
 from cost_models.hardware import attention_efficiency, efficiency, peak_flops, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
 from cost_models.offload import transfer_time
@@ -129,16 +129,19 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     return fwd, bwd, core
 
 
-def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0) -> tuple[float, float]:
+def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0, *,
+                   sequence_parallel: bool = False, overlapped_regather: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of a block's blocking tensor-parallel collectives on one micro-batch.
 
     Transformer layers: Megatron's f/g operators all-reduce the layer's output twice in the forward and twice in
     the backward (Shoeybi et al. 2019, Figure 3; Narayanan et al. 2021, section 3.1); with sequence parallelism
     they become all-gathers and reduce-scatters of the same ring volume (Korthikanti et al. 2022, section 4.2.2),
-    so the same time. Vocabulary-parallel embedding: one all-reduce of its output in the forward. Vocabulary-
-    parallel head: the input is copied (f), so one all-reduce of the input gradient in the backward, plus the
-    cross-entropy's three all-reduces of one float per token in the forward (max, predicted logit, exp-sum;
-    latency-bound: priced at their alpha terms)."""
+    so the same time -- plus, in the backward, one more all-gather per region (attention, MLP): the region's
+    linears saved only this rank's sequence slice of their input, and the weight gradients need the whole
+    sequence, so the backward gathers it again (regather_time). Vocabulary-parallel embedding: one all-reduce of
+    its output in the forward. Vocabulary-parallel head: the input is copied (f), so one all-reduce of the input
+    gradient in the backward, plus the cross-entropy's three all-reduces of one float per token in the forward
+    (max, predicted logit, exp-sum; latency-bound: priced at their alpha terms)."""
     if t <= 1:
         return 0.0, 0.0
     if block.vocab_parallel == "embedding":
@@ -146,7 +149,20 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     if block.vocab_parallel == "head":
         return 3 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
     one = all_reduce_time(block.output_bytes * samples, t, link)
-    return 2 * one, 2 * one
+    regather = 0.0 if overlapped_regather or not sequence_parallel else regather_time(block, samples, t, link)
+    return 2 * one, 2 * one + regather
+
+
+def regather_time(block: Block, samples: float, t: int, link: Link) -> float:
+    """Seconds of a sequence-parallel transformer layer's backward re-gathers on one micro-batch: each of its two
+    regions (attention, MLP) all-gathers its (b, s, h) input again from the saved 1/t slices, once per backward
+    (runtime/sequence_parallel.py `_RegatherSaved`, a blocking all-gather when the backward first unpacks the
+    slice). Under full recompute too: the recomputed forward saves slices again, which the backward re-gathers.
+    Megatron-LM saves the slice as well, but all-gathers it asynchronously while the input-gradient GEMM runs
+    (megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward, 9aad9203aa, 2022-05-20, the
+    sequence-parallelism merge): tp_collectives(overlapped_regather=True) prices that as hidden (the GEMM is the
+    longer: 2 b s h (3h) / t FLOPs for the smaller, QKV, against b s h bytes gathered)."""
+    return 2 * all_gather_time(block.output_bytes * samples, t, link)
 
 
 def block_time(
@@ -161,6 +177,7 @@ def block_time(
     tp_link: Link | None = None,
     sequence_parallel: bool = False,
     input_bytes: float = 0.0,
+    overlapped_regather: bool = False,
 ) -> OpTime:
     """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
@@ -172,7 +189,8 @@ def block_time(
     TP communication: tp_collectives, over the TP link (inside a node). `recompute`: True / "recompute" runs the
     whole forward again before the backward (Chen et al. 2016), its all-reduces included; "selective" reruns
     only the attention core (Korthikanti et al. 2022, section 5: no communication). `input_bytes`: the block's
-    input per sample (the head's backward all-reduce).
+    input per sample (the head's backward all-reduce). `overlapped_regather`: the runtime hides sequence
+    parallelism's backward re-gathers behind GEMMs (Megatron-LM; tp_collectives).
     """
     t = tp_shard(block, tp)
     core = 0.0
@@ -192,7 +210,8 @@ def block_time(
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard
         fwd = f / (peak * efficiency(cluster.device, f)) if f > 0 else 0.0
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
-    fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes)
+    fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,
+                                        sequence_parallel=sequence_parallel, overlapped_regather=overlapped_regather)
     if recompute is True or recompute == "recompute":
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
     if recompute == "selective":

@@ -130,10 +130,11 @@ class _Cost:
 
 
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
-             blocking_p2p: bool = False, fused_grad_accumulation: bool = False) -> Simulation:
+             blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
+             overlapped_regather: bool = False) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Three switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Four switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
@@ -142,7 +143,9 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     `fused_grad_accumulation=True`, a runtime whose weight-gradient GEMMs add into the accumulated gradient
     themselves (Megatron-LM's gradient accumulation fusion, default since 83b1e42f30, 2022-02-13: the wgrad GEMM
     writes into `main_grad` with beta = 1), so only parameters outside GEMMs (embeddings, norms) pay
-    compute.grad_accumulation_time."""
+    compute.grad_accumulation_time; `overlapped_regather=True`, a runtime that re-gathers sequence parallelism's
+    saved input slices while the input-gradient GEMM runs (Megatron-LM since the sequence-parallelism merge,
+    9aad9203aa, 2022-05-20: compute.regather_time), where mmplan's runtime waits for them."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -159,8 +162,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     group_of = {g.name: g for g in plan.groups}
     inputs = block_input_bytes(profile)
-    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation)
-             for ch in graph.chunks]
+    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
+                         overlapped_regather) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
@@ -237,7 +240,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
 
 
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
-                inputs: dict[str, float], fused_grad_accumulation: bool = False) -> _Cost:
+                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_regather: bool = False
+                ) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
     mem = g.stages[ch.stage].memory
@@ -252,13 +256,15 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         t = tp_shard(b, g.tp)
         tier = mem.activations.get(name, "keep")
         op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
-                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0))
+                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0),
+                        overlapped_regather=overlapped_regather)
         time += op
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,
                                         t, all_reduce=True)
-        elif t > 1:  # ring all-reduces: 2 per forward, 2 per backward (and 2 more when recomputed)
-            tp_bytes += (6 if tier == "recompute" else 4) * ring_bytes_sent(b.output_bytes * samples, t, all_reduce=True)
+        elif t > 1:  # ring all-reduces: 2 per forward, 2 per backward (and 2 more when recomputed); sequence parallelism
+            # re-gathers each region's input in the backward (compute.regather_time): 2 all-gathers, one all-reduce's bytes
+            tp_bytes += ((6 if tier == "recompute" else 4) + g.sequence_parallel) * ring_bytes_sent(b.output_bytes * samples, t, all_reduce=True)
         if tier.startswith("offload-"):
             out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
         params += b.params / t
