@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.comm import all_reduce_time, p2p_time
+from cost_models.comm import all_gather_time, all_reduce_time, p2p_time
 from cost_models.compute import optimizer_step_time
 from cost_models.offload import transfer_time
 from cost_models.pipeline import simulate
@@ -202,6 +202,24 @@ def test_fused_grad_accumulation_leaves_only_parameters_outside_gemms_to_add():
     one_block = (m - 1) / m * 3 * 2 * 10**8 / cluster.device.memory_bandwidth
     assert plain.stages[0].time.bwd - fused.stages[0].time.bwd == pytest.approx(one_block, rel=1e-9)
     assert plain.stages[0].time.fwd == fused.stages[0].time.fwd
+
+
+@pytest.mark.parametrize("tier", ["keep", "selective", "recompute"])
+def test_sequence_parallel_backward_regathers_each_region_unless_the_runtime_overlaps_them(tier):
+    # mmplan's runtime re-gathers each region's saved input slice in the backward (2 blocking all-gathers per layer,
+    # under every tier); overlapped_regather=True (Megatron-LM / TransformerEngine) hides them; without sequence
+    # parallelism neither prices any
+    base = make_profile([("llm", 2, 1e9)], params=10**6, edge_bytes=4e6)
+    profile = Profile.build("synthetic", "bf16", 1, tuple(replace(b, supports_tp=True) for b in base.blocks), base.edges)
+    cluster, tp = make_cluster(), 4
+    group = make_group("llm", [["llm.0", "llm.1"]], tp=tp, memory=P.Memory(activations={"llm.0": tier, "llm.1": tier}))
+    sp = make_plan(profile, [replace(group, sequence_parallel=True)], P.Training(2, 1), cluster)
+    plain, hidden = simulate(sp, profile), simulate(sp, profile, overlapped_regather=True)
+    regathers = 2 * 2 * all_gather_time(4e6 * 2, tp, cluster.intra_node)  # 2 layers x 2 regions, micro-batch of 2
+    assert plain.stages[0].time.bwd_comm - hidden.stages[0].time.bwd_comm == pytest.approx(regathers, rel=1e-12)
+    assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm
+    off = make_plan(profile, [group], P.Training(2, 1), cluster)
+    assert simulate(off, profile).stages[0].time == simulate(off, profile, overlapped_regather=True).stages[0].time
 
 
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():
