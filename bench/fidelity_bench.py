@@ -107,6 +107,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from published_models import gpt_profile, hf_llava_profile, zoo_profile  # noqa: E402
 
+from cost_models.compute import mixed_precision_step_bytes  # noqa: E402
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import parse_cluster  # noqa: E402
 from planner.baselines import homogeneous_plan  # noqa: E402
@@ -164,6 +165,7 @@ class Row:
     blocking_p2p: bool = False  # the run's pipeline sends stopped the compute stream (Megatron-LM 2021)
     fused_grad_accumulation: bool = False  # the run's wgrad GEMMs accumulated into main_grad (Megatron-LM >= 2022-02)
     overlapped_regather: bool = False  # the run re-gathered sequence-parallel slices during the dgrad GEMM (Megatron-LM)
+    optimizer_extra_bytes: float = 0.0  # the run's optimizer step moved this much more per parameter (_MLM21_OPT, _MLM22_OPT)
     note: str = ""
 
     @property
@@ -174,6 +176,13 @@ class Row:
 def _gpt(name, layers, hidden, heads) -> Model:
     return Model(name, layers, hidden, heads)
 
+
+# [MLM] Megatron-LM's mixed-precision optimizer step (compute.mixed_precision_step_bytes): in 2021 ([N21], [MLM175]:
+# fp16 gradients accumulated in `.grad`, set to None after the step) and in 2022 ([K22]: gradient accumulation fusion
+# needs `--accumulate-allreduce-grads-in-fp32`, megatron/arguments.py at 9aad9203aa, so an fp32 contiguous `main_grad`
+# buffer, zeroed every step); fp16 with dynamic loss scaling in both
+_MLM21_OPT = mixed_precision_step_bytes(grad_bytes=2, zeroed_buffer=False, loss_scaling=True)
+_MLM22_OPT = mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True)
 
 LLAMA3_405B = Model("llama3-405b", 126, 16384, 128, seq=8192, vocab=128256, mlp=53248, kv_heads=8,
                     attention="flash", gated=True, dropout=0.0)
@@ -241,6 +250,10 @@ ROWS = (
         schedule="interleaved:2"),
 )
 
+# [MLM] the optimizer step's extra passes on every Megatron-LM row of 2021-2022 (2021: [N21], [MLM175]; 2022: [K22],
+# [K22T4]); not on [MLM24] (2024's distributed optimizer steps a 1/dp shard: its code is not read here), [L3], [LLaVA]
+ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(("N21", "MLM README"))
+                     else _MLM22_OPT if r.source.startswith("K22") else 0.0) for r in ROWS)
 
 # [LLaVA] pretraining (feature alignment): one epoch over the 558,128 image-caption pairs of LCS-558K
 # (blip_laion_cc_sbu_558k.json), global batch 256 = 8 GPUs x 32, so ceil(558128 / 256) = 2181 steps.
@@ -306,7 +319,8 @@ def predict(row: Row) -> tuple[float, float]:
             for st in g.stages)) for g in plan.groups)
         plan = replace(plan, groups=groups)
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
-                  fused_grad_accumulation=row.fused_grad_accumulation, overlapped_regather=row.overlapped_regather)
+                  fused_grad_accumulation=row.fused_grad_accumulation, overlapped_regather=row.overlapped_regather,
+                  optimizer_extra_bytes=row.optimizer_extra_bytes)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step

@@ -239,6 +239,26 @@ def grad_accumulation_time(trained: float, *, micro_batches: int, dp: int, zero:
     return (micro_batches - 1) / micro_batches * 3 * DTYPE_BYTES[dtype] * trained / shard / stream_bandwidth(cluster.device)
 
 
+def mixed_precision_step_bytes(*, grad_bytes: int, zeroed_buffer: bool, loss_scaling: bool) -> int:
+    """Bytes per updated parameter that Megatron-LM's mixed-precision optimizer step moves beyond the update
+    optimizer_step_time prices (Adam: read and write fp32 master, m and v, read the gradient and write the
+    parameter in the compute dtype, 28 B), for a runtime that is not mmplan's (simulate(optimizer_extra_bytes=)).
+
+    Megatron-LM's FP16OptimizerWithFP16Params (152aab304d, 2021-01) / Float16OptimizerWithFloat16Params (de7dc40f88,
+    2021-08; 9aad9203aa, 2022-05), megatron/optimizer/optimizer.py `step()`, each a separate pass over every
+    parameter: (1) the accumulated gradient to the fp32 main gradient, `.float()` / a multi-tensor copy: read 2 +
+    write 4 when the gradient was accumulated in 16 bits (`grad_bytes` 2), nothing when it already is fp32 (a
+    contiguous fp32 `main_grad` buffer); (2) with loss scaling (fp16), unscale and check for inf/nan,
+    torch._amp_foreach_non_finite_check_and_unscale_: read + write fp32, 8; (3) clip_grad_norm's l2 norm
+    (multi_tensor_l2norm): read fp32, 4 (its rescaling pass runs only when the norm exceeds the clip: not counted);
+    (4) the fused Adam reads the fp32 gradient: 2 more than the 16-bit gradient priced; (5) the fp32 master
+    parameters copied into the 16-bit model parameters: the read, 4 (the write is priced); (6) with a contiguous
+    gradient buffer, training.py's zero_grad_buffer() at the start of the step writes it (`grad_bytes`); without one
+    the gradients are set to None (nothing)."""
+    copy = 2 + 4 if grad_bytes < 4 else 0
+    return copy + (8 if loss_scaling else 0) + 4 + 2 + 4 + (grad_bytes if zeroed_buffer else 0)
+
+
 def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:
     """Seconds of the optimizer step on one rank updating `params` parameters (its ZeRO shard).
 

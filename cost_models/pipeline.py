@@ -9,7 +9,7 @@ from typing import Literal
 
 from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
-from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
+from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
 from cost_models.tail import stage_tail
@@ -131,10 +131,10 @@ class _Cost:
 
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
-             overlapped_regather: bool = False) -> Simulation:
+             overlapped_regather: bool = False, optimizer_extra_bytes: float = 0.0) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Four switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Five switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
@@ -145,7 +145,10 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     writes into `main_grad` with beta = 1), so only parameters outside GEMMs (embeddings, norms) pay
     compute.grad_accumulation_time; `overlapped_regather=True`, a runtime that re-gathers sequence parallelism's
     saved input slices while the input-gradient GEMM runs (Megatron-LM since the sequence-parallelism merge,
-    9aad9203aa, 2022-05-20: compute.regather_time), where mmplan's runtime waits for them."""
+    9aad9203aa, 2022-05-20: compute.regather_time), where mmplan's runtime waits for them;
+    `optimizer_extra_bytes`, a runtime whose optimizer step moves that many more bytes per updated parameter than
+    the update mmplan's runtime does (Megatron-LM's mixed-precision optimizer: compute.mixed_precision_step_bytes),
+    at the device's memory bandwidth, for optimizer states on the GPU."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -200,6 +203,10 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
                                 tensors=sum(costs[c].tensors for c in cs),
                                 overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0))
+        if optimizer_extra_bytes and g.stages[ch.stage].memory.optimizer == "gpu":  # see the docstring
+            updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
+            tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
+                                + optimizer_extra_bytes * updated / cluster.device.memory_bandwidth)
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
