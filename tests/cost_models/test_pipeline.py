@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from cost_models.comm import all_gather_time, all_reduce_time, p2p_time
-from cost_models.compute import optimizer_step_time
+from cost_models.compute import mixed_precision_step_bytes, optimizer_step_time
 from cost_models.offload import transfer_time
 from cost_models.pipeline import simulate
 from cost_models.tail import BUCKET_BYTES
@@ -220,6 +220,27 @@ def test_sequence_parallel_backward_regathers_each_region_unless_the_runtime_ove
     assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm
     off = make_plan(profile, [group], P.Training(2, 1), cluster)
     assert simulate(off, profile).stages[0].time == simulate(off, profile, overlapped_regather=True).stages[0].time
+
+
+def test_megatron_mixed_precision_step_bytes_count_its_passes():
+    # 2021 (fp16 .grad, set to None): copy to fp32 6 + unscale 8 + norm 4 + Adam's fp32 grad read 2 + master read 4
+    assert mixed_precision_step_bytes(grad_bytes=2, zeroed_buffer=False, loss_scaling=True) == 24
+    # 2022 (fp32 main_grad buffer, zeroed each step): no copy, + the zeroing 4; bf16 (no loss scaling): no unscale
+    assert mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True) == 22
+    assert mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=False) == 14
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_optimizer_extra_bytes_lengthen_only_the_optimizer_step_of_the_updated_share(zero):
+    profile = make_profile([("llm", 2, 1e9)], params=10**8)
+    cluster = make_cluster()
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=4, zero=zero)], P.Training(4, 1), cluster)
+    plain, extra = simulate(plan, profile), simulate(plan, profile, optimizer_extra_bytes=22)
+    updated = 2 * 10**8 / (4 if zero else 1)  # ZeRO-1 steps a 1/dp shard
+    assert extra.stages[0].optimizer_s - plain.stages[0].optimizer_s == pytest.approx(
+        22 * updated / cluster.device.memory_bandwidth, rel=1e-12)
+    assert extra.step_time_s - plain.step_time_s == pytest.approx(22 * updated / cluster.device.memory_bandwidth, rel=1e-9)
+    assert extra.stages[0].time == plain.stages[0].time
 
 
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():
