@@ -30,13 +30,15 @@ Sources:
   Gradient accumulation: in 2021 ([SC21], [MLM175]) autograd's `.grad += g` in fp16, as mmplan's runtime; from
   83b1e42f30 (2022-02-13, "gradient accumulation fusion", default on: `--no-gradient-accumulation-fusion` turns
   it off; in the [K22] code, megatron/mpu/layers.py at b83477a3e8) the weight-gradient GEMM adds into `main_grad`
-  itself (`fused_grad_accumulation`: the [K22], [K22T4] and [MLM24] rows). Sequence parallelism (merged
-  9aad9203aa, 2022-05-20; megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward) saves
-  the column-parallel linears' input slice and re-gathers it asynchronously while the input-gradient GEMM runs;
-  TransformerEngine's Linear does the same in 2024 (transformer_engine/pytorch/module/linear.py backward at
-  8e039fdcd, `gather_along_first_dim(..., async_op=True)` before the dgrad GEMM): `overlapped_regather` on every
-  sequence-parallel [K22], [K22T4] and [MLM24] row (mmplan's runtime waits for that all-gather:
-  compute.regather_time).
+  itself (`fused_grad_accumulation`: the [K22], [K22T4] and [MLM24] rows). Tensor-parallel backward: from 2021-09
+  (16c90445e7, default on; `--no-async-tensor-model-parallel-allreduce` turns it off) the column-parallel linear
+  all-reduces its input gradient asynchronously while its weight-gradient GEMM runs; with sequence parallelism
+  (merged 9aad9203aa, 2022-05-20; megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward)
+  that collective is a reduce-scatter, and the saved input slice is re-gathered asynchronously while the
+  input-gradient GEMM runs; TransformerEngine's Linear does both in 2024 (transformer_engine/pytorch/module/
+  linear.py backward at 8e039fdcd): `overlapped_tp_backward` on every [K22], [K22T4] and [MLM24] row, not on
+  [N21] / [MLM175] (their code, de7dc40f88 / 152aab304d, all-reduces synchronously) (mmplan's runtime waits for
+  all of them: compute.tp_collectives, compute.regather_time).
 - [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023),
   abstract: the 530B GPT-3-style model (105 layers, hidden 20480, 128 heads; Table 3) on 2240 A100 80GB GPUs
   (TP 8, PP 35, so DP 8) reaches 54.2 % MFU with sequence parallelism + selective recomputation, 42.1 % with full
@@ -164,7 +166,7 @@ class Row:
     grad_sync_overlap: bool = True  # the run's framework overlapped the dp gradient all-reduce with backward
     blocking_p2p: bool = False  # the run's pipeline sends stopped the compute stream (Megatron-LM 2021)
     fused_grad_accumulation: bool = False  # the run's wgrad GEMMs accumulated into main_grad (Megatron-LM >= 2022-02)
-    overlapped_regather: bool = False  # the run re-gathered sequence-parallel slices during the dgrad GEMM (Megatron-LM)
+    overlapped_tp_backward: bool = False  # the run's column-parallel backward collectives ran beside its GEMMs (Megatron-LM >= 2021-09)
     optimizer_extra_bytes: float = 0.0  # the run's optimizer step moved this much more per parameter (_MLM21_OPT, _MLM22_OPT)
     note: str = ""
 
@@ -216,15 +218,15 @@ ROWS = (
     # [K22] abstract (MFU x 312 TFLOP/s)
     Row("K22 530B SP+selective", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.542 * 312, "k22",
         recompute="selective", sequence_parallel=True, grad_sync_overlap=False, blocking_p2p=True,
-        fused_grad_accumulation=True, overlapped_regather=True),
+        fused_grad_accumulation=True, overlapped_tp_backward=True),
     Row("K22 530B full recompute", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.421 * 312, "k22",
-        grad_sync_overlap=False, blocking_p2p=True, fused_grad_accumulation=True),
+        grad_sync_overlap=False, blocking_p2p=True, fused_grad_accumulation=True, overlapped_tp_backward=True),
     # [K22T4] every configuration of Table 4 (full recomputation / sequence parallelism + selective recomputation),
     # data-parallel size 1, the Table 3 layouts as [CALC] reproduces them; Megatron-LM 2022 ([MLM]: blocking sends)
     *(Row(f"K22 T4 {name} {'SP+selective' if sel else 'full recompute'}", _gpt(f"gpt-{name.lower()}", layers, hidden, heads),
           "a100-80g", 8, pp, 1, batch, 0.0, "k22", recompute="selective" if sel else "full", sequence_parallel=sel,
           schedule=f"interleaved:{v}" if v > 1 else "1f1b", micro_batch=mb, published_step_s=step, blocking_p2p=True,
-          fused_grad_accumulation=True, overlapped_regather=sel)
+          fused_grad_accumulation=True, overlapped_tp_backward=True)
       for name, layers, hidden, heads, pp, batch, mb, v, full_s, sel_s in (
           ("22B", 48, 6144, 64, 1, 4, 4, 1, 1.42, 1.10),
           ("175B", 96, 12288, 96, 8, 64, 1, 3, 18.13, 13.75),
@@ -236,7 +238,7 @@ ROWS = (
     *(Row(f"MLM24 {name}", Model(f"gpt-{name.lower()}-v131k", layers, hidden, heads, seq=4096, vocab=131072,
                                  attention="flash"),
           "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1,
-          fused_grad_accumulation=True, overlapped_regather=tp > 1)
+          fused_grad_accumulation=True, overlapped_tp_backward=True)
       for name, heads, hidden, layers, tp, pp, batch, tflops in (
           ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
           ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
@@ -319,7 +321,7 @@ def predict(row: Row) -> tuple[float, float]:
             for st in g.stages)) for g in plan.groups)
         plan = replace(plan, groups=groups)
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
-                  fused_grad_accumulation=row.fused_grad_accumulation, overlapped_regather=row.overlapped_regather,
+                  fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
                   optimizer_extra_bytes=row.optimizer_extra_bytes)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s

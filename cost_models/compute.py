@@ -130,7 +130,7 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
 
 
 def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0, *,
-                   sequence_parallel: bool = False, overlapped_regather: bool = False) -> tuple[float, float]:
+                   sequence_parallel: bool = False, overlapped_tp_backward: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of a block's blocking tensor-parallel collectives on one micro-batch.
 
     Transformer layers: Megatron's f/g operators all-reduce the layer's output twice in the forward and twice in
@@ -141,7 +141,18 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     sequence, so the backward gathers it again (regather_time). Vocabulary-parallel embedding: one all-reduce of
     its output in the forward. Vocabulary-parallel head: the input is copied (f), so one all-reduce of the input
     gradient in the backward, plus the cross-entropy's three all-reduces of one float per token in the forward
-    (max, predicted logit, exp-sum; latency-bound: priced at their alpha terms)."""
+    (max, predicted logit, exp-sum; latency-bound: priced at their alpha terms).
+
+    `overlapped_tp_backward`: a runtime whose column-parallel linears run their backward collectives alongside their
+    own GEMMs (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, megatron/mpu/layers.py: the input-
+    gradient all-reduce during the weight-gradient GEMM since 2021-09, `--no-async-tensor-model-parallel-allreduce`
+    turns it off; with sequence parallelism, 9aad9203aa 2022-05-20, the input-gradient reduce-scatter during the
+    weight-gradient GEMM and the re-gather during the input-gradient GEMM; TransformerEngine's Linear the same,
+    transformer_engine/pytorch/module/linear.py backward at 8e039fdcd). Those are priced hidden: each moves b s h
+    bytes against a GEMM of 2 b s h (3h or 4h) / t FLOPs on the same tokens, shorter at transformer sizes on NVLink
+    (not priced: the SMs NCCL takes from the GEMM while both run). What stays exposed: without sequence
+    parallelism nothing in the backward (g's backward is the identity), with it the row-parallel exits' gradient
+    all-gathers (one all-reduce's time)."""
     if t <= 1:
         return 0.0, 0.0
     if block.vocab_parallel == "embedding":
@@ -149,8 +160,9 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     if block.vocab_parallel == "head":
         return 3 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
     one = all_reduce_time(block.output_bytes * samples, t, link)
-    regather = 0.0 if overlapped_regather or not sequence_parallel else regather_time(block, samples, t, link)
-    return 2 * one, 2 * one + regather
+    if overlapped_tp_backward:
+        return 2 * one, one if sequence_parallel else 0.0
+    return 2 * one, 2 * one + (regather_time(block, samples, t, link) if sequence_parallel else 0.0)
 
 
 def regather_time(block: Block, samples: float, t: int, link: Link) -> float:
@@ -160,8 +172,7 @@ def regather_time(block: Block, samples: float, t: int, link: Link) -> float:
     slice). Under full recompute too: the recomputed forward saves slices again, which the backward re-gathers.
     Megatron-LM saves the slice as well, but all-gathers it asynchronously while the input-gradient GEMM runs
     (megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward, 9aad9203aa, 2022-05-20, the
-    sequence-parallelism merge): tp_collectives(overlapped_regather=True) prices that as hidden (the GEMM is the
-    longer: 2 b s h (3h) / t FLOPs for the smaller, QKV, against b s h bytes gathered)."""
+    sequence-parallelism merge): tp_collectives(overlapped_tp_backward=True) prices that as hidden."""
     return 2 * all_gather_time(block.output_bytes * samples, t, link)
 
 
@@ -177,7 +188,7 @@ def block_time(
     tp_link: Link | None = None,
     sequence_parallel: bool = False,
     input_bytes: float = 0.0,
-    overlapped_regather: bool = False,
+    overlapped_tp_backward: bool = False,
 ) -> OpTime:
     """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
@@ -189,8 +200,8 @@ def block_time(
     TP communication: tp_collectives, over the TP link (inside a node). `recompute`: True / "recompute" runs the
     whole forward again before the backward (Chen et al. 2016), its all-reduces included; "selective" reruns
     only the attention core (Korthikanti et al. 2022, section 5: no communication). `input_bytes`: the block's
-    input per sample (the head's backward all-reduce). `overlapped_regather`: the runtime hides sequence
-    parallelism's backward re-gathers behind GEMMs (Megatron-LM; tp_collectives).
+    input per sample (the head's backward all-reduce). `overlapped_tp_backward`: the runtime hides the column-
+    parallel linears' backward collectives behind their GEMMs (Megatron-LM, TransformerEngine; tp_collectives).
     """
     t = tp_shard(block, tp)
     core = 0.0
@@ -211,7 +222,7 @@ def block_time(
         fwd = f / (peak * efficiency(cluster.device, f)) if f > 0 else 0.0
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
     fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,
-                                        sequence_parallel=sequence_parallel, overlapped_regather=overlapped_regather)
+                                        sequence_parallel=sequence_parallel, overlapped_tp_backward=overlapped_tp_backward)
     if recompute is True or recompute == "recompute":
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
     if recompute == "selective":

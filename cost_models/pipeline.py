@@ -131,7 +131,7 @@ class _Cost:
 
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
-             overlapped_regather: bool = False, optimizer_extra_bytes: float = 0.0) -> Simulation:
+             overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
     Five switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
@@ -143,9 +143,10 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     `fused_grad_accumulation=True`, a runtime whose weight-gradient GEMMs add into the accumulated gradient
     themselves (Megatron-LM's gradient accumulation fusion, default since 83b1e42f30, 2022-02-13: the wgrad GEMM
     writes into `main_grad` with beta = 1), so only parameters outside GEMMs (embeddings, norms) pay
-    compute.grad_accumulation_time; `overlapped_regather=True`, a runtime that re-gathers sequence parallelism's
-    saved input slices while the input-gradient GEMM runs (Megatron-LM since the sequence-parallelism merge,
-    9aad9203aa, 2022-05-20: compute.regather_time), where mmplan's runtime waits for them;
+    compute.grad_accumulation_time; `overlapped_tp_backward=True`, a runtime whose column-parallel linears run their
+    backward collectives (the input-gradient all-reduce / reduce-scatter, sequence parallelism's re-gather) beside
+    their GEMMs (Megatron-LM since 2021-09, TransformerEngine: compute.tp_collectives), where mmplan's runtime
+    waits for them;
     `optimizer_extra_bytes`, a runtime whose optimizer step moves that many more bytes per updated parameter than
     the update mmplan's runtime does (Megatron-LM's mixed-precision optimizer: compute.mixed_precision_step_bytes),
     at the device's memory bandwidth, for optimizer states on the GPU."""
@@ -166,7 +167,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     group_of = {g.name: g for g in plan.groups}
     inputs = block_input_bytes(profile)
     costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
-                         overlapped_regather) for ch in graph.chunks]
+                         overlapped_tp_backward) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
@@ -247,7 +248,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
 
 
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
-                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_regather: bool = False
+                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_tp_backward: bool = False
                 ) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
@@ -264,7 +265,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         tier = mem.activations.get(name, "keep")
         op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
                         sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0),
-                        overlapped_regather=overlapped_regather)
+                        overlapped_tp_backward=overlapped_tp_backward)
         time += op
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,

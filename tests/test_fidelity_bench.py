@@ -48,7 +48,7 @@ def test_the_runtime_switches_move_a_row_the_way_they_should():
     # with sequence parallelism, a runtime that re-gathers behind the dgrad GEMM (Megatron-LM) is faster than mmplan's
     sp = replace(base, recompute="selective", sequence_parallel=True)
     _, blocking = fb.predict(sp)
-    _, hidden = fb.predict(replace(sp, overlapped_regather=True))
+    _, hidden = fb.predict(replace(sp, overlapped_tp_backward=True))
     assert hidden < blocking
     # an optimizer step with more passes (Megatron-LM's mixed-precision step) only costs time
     _, lighter = fb.predict(replace(base, optimizer_extra_bytes=0.0))

@@ -205,21 +205,24 @@ def test_fused_grad_accumulation_leaves_only_parameters_outside_gemms_to_add():
 
 
 @pytest.mark.parametrize("tier", ["keep", "selective", "recompute"])
-def test_sequence_parallel_backward_regathers_each_region_unless_the_runtime_overlaps_them(tier):
-    # mmplan's runtime re-gathers each region's saved input slice in the backward (2 blocking all-gathers per layer,
-    # under every tier); overlapped_regather=True (Megatron-LM / TransformerEngine) hides them; without sequence
-    # parallelism neither prices any
+def test_tp_backward_collectives_blocking_in_mmplan_and_beside_the_gemms_in_megatron(tier):
+    # mmplan's runtime: per layer, 2 all-reduces in the backward (f), and with sequence parallelism 2 reduce-scatters
+    # + 2 gradient all-gathers (the same time) + 2 re-gathers of the saved input slices, under every tier.
+    # overlapped_tp_backward=True (Megatron-LM, TransformerEngine): the column-parallel linears' collectives run beside
+    # their GEMMs; exposed: nothing without sequence parallelism, the exits' gradient all-gathers with it
     base = make_profile([("llm", 2, 1e9)], params=10**6, edge_bytes=4e6)
     profile = Profile.build("synthetic", "bf16", 1, tuple(replace(b, supports_tp=True) for b in base.blocks), base.edges)
-    cluster, tp = make_cluster(), 4
+    cluster, tp, layers, samples = make_cluster(), 4, 2, 2
+    link = cluster.intra_node
+    ar, ag = all_reduce_time(4e6 * samples, tp, link), all_gather_time(4e6 * samples, tp, link)
     group = make_group("llm", [["llm.0", "llm.1"]], tp=tp, memory=P.Memory(activations={"llm.0": tier, "llm.1": tier}))
-    sp = make_plan(profile, [replace(group, sequence_parallel=True)], P.Training(2, 1), cluster)
-    plain, hidden = simulate(sp, profile), simulate(sp, profile, overlapped_regather=True)
-    regathers = 2 * 2 * all_gather_time(4e6 * 2, tp, cluster.intra_node)  # 2 layers x 2 regions, micro-batch of 2
-    assert plain.stages[0].time.bwd_comm - hidden.stages[0].time.bwd_comm == pytest.approx(regathers, rel=1e-12)
-    assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm
-    off = make_plan(profile, [group], P.Training(2, 1), cluster)
-    assert simulate(off, profile).stages[0].time == simulate(off, profile, overlapped_regather=True).stages[0].time
+    recomputed = 2 * ar if tier == "recompute" else 0.0  # the recomputed forward's collectives
+    for sp, mmplan_bwd, megatron_bwd in ((True, 2 * ar + 2 * ag, ar), (False, 2 * ar, 0.0)):
+        plan = make_plan(profile, [replace(group, sequence_parallel=sp)], P.Training(samples, 1), cluster)
+        plain, hidden = simulate(plan, profile), simulate(plan, profile, overlapped_tp_backward=True)
+        assert plain.stages[0].time.bwd_comm == pytest.approx(layers * (mmplan_bwd + recomputed), rel=1e-12)
+        assert hidden.stages[0].time.bwd_comm == pytest.approx(layers * (megatron_bwd + recomputed), rel=1e-12)
+        assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm == pytest.approx(layers * 2 * ar, rel=1e-12)
 
 
 def test_megatron_mixed_precision_step_bytes_count_its_passes():
