@@ -62,11 +62,17 @@ Sources:
   `--overlap-grad-reduce --overlap-param-gather` and `--tp-comm-overlap`. Metric: Megatron-LM's
   num_floating_point_operations of that commit (megatron/training/training.py) = [K22]'s model FLOPs for these
   models. Not published, assumed before any prediction was seen: micro-batch 1, no interleaving, no activation
-  recomputation, flash attention, sequence parallelism for tp > 1 (`--tp-comm-overlap` requires it); the
-  distributed optimizer's overlapped reduce-scatter + all-gather priced as mmplan's overlapped all-reduce
-  (the same volume; mmplan's ZeRO-1 would expose the all-gather, Megatron overlaps it with the next forward).
-  Not modelled: `--tp-comm-overlap` (TP collectives hidden behind GEMMs; priced blocking here). Row rule: every
-  row of the table.
+  recomputation, flash attention, sequence parallelism for tp > 1 (`--tp-comm-overlap` requires it). The
+  distributed optimizer (`--overlap-param-gather` requires `--use-distributed-optimizer`, megatron/training/
+  arguments.py at f2e5db402c) as ZeRO-1: the optimizer steps a 1/dp shard; the gradients reduce-scattered in fp32
+  (bf16 forces `accumulate_allreduce_grads_in_fp32`, same file; the buffer's dtype, megatron/core/distributed/
+  param_and_grad_buffer.py) during the last backward (`--overlap-grad-reduce`, `grad_sync_bytes=4`); the bf16
+  parameters all-gathered bucket by bucket ahead of the next step's forward, the first bucket dispatched at
+  zero_grad and each next one when the previous is waited for (megatron/core/optimizer/distrib_optimizer.py,
+  `_dispatch_gather_model_params`, `_finish_param_sync_helper`; `overlapped_param_gather`). Not modelled:
+  `--tp-comm-overlap`'s forward (TransformerEngine's userbuffers: chunked all-gather / reduce-scatter beside the
+  GEMMs; priced blocking here; its backward is `overlapped_tp_backward`), the optimizer step's extra passes of
+  2024's distributed optimizer (not read). Row rule: every row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -168,6 +174,8 @@ class Row:
     fused_grad_accumulation: bool = False  # the run's wgrad GEMMs accumulated into main_grad (Megatron-LM >= 2022-02)
     overlapped_tp_backward: bool = False  # the run's column-parallel backward collectives ran beside its GEMMs (Megatron-LM >= 2021-09)
     optimizer_extra_bytes: float = 0.0  # the run's optimizer step moved this much more per parameter (_MLM21_OPT, _MLM22_OPT)
+    grad_sync_bytes: int | None = None  # bytes per gradient element the run reduced over dp (None: the compute dtype's)
+    overlapped_param_gather: bool = False  # ZeRO-1's parameter all-gather ran ahead of the next forward (Megatron-LM 2024)
     note: str = ""
 
     @property
@@ -237,8 +245,8 @@ ROWS = (
     # micro-batch 1, no interleaving, no recomputation, flash attention, sequence parallelism when tp > 1
     *(Row(f"MLM24 {name}", Model(f"gpt-{name.lower()}-v131k", layers, hidden, heads, seq=4096, vocab=131072,
                                  attention="flash"),
-          "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1,
-          fused_grad_accumulation=True, overlapped_tp_backward=True)
+          "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1, zero=1,
+          fused_grad_accumulation=True, overlapped_tp_backward=True, grad_sync_bytes=4, overlapped_param_gather=True)
       for name, heads, hidden, layers, tp, pp, batch, tflops in (
           ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
           ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
@@ -253,9 +261,12 @@ ROWS = (
 )
 
 # [MLM] the optimizer step's extra passes on every Megatron-LM row of 2021-2022 (2021: [N21], [MLM175]; 2022: [K22],
-# [K22T4]); not on [MLM24] (2024's distributed optimizer steps a 1/dp shard: its code is not read here), [L3], [LLaVA]
+# [K22T4]); not on [MLM24] (2024's distributed optimizer: its step's passes are not read here), [L3], [LLaVA]
 ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(("N21", "MLM README"))
                      else _MLM22_OPT if r.source.startswith("K22") else 0.0) for r in ROWS)
+# [MLM] 2022 ([K22], [K22T4]): the fp32 `main_grad` buffer (above) is what local DDP all-reduces (megatron/model/
+# distributed.py allreduce_gradients at 9aad9203aa: the buffer's data); 2021 ([N21], [MLM175]) reduced the fp16 `.grad`
+ROWS = tuple(replace(r, grad_sync_bytes=4) if r.source.startswith("K22") else r for r in ROWS)
 
 # [LLaVA] pretraining (feature alignment): one epoch over the 558,128 image-caption pairs of LCS-558K
 # (blip_laion_cc_sbu_558k.json), global batch 256 = 8 GPUs x 32, so ceil(558128 / 256) = 2181 steps.
@@ -322,7 +333,8 @@ def predict(row: Row) -> tuple[float, float]:
         plan = replace(plan, groups=groups)
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
                   fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
-                  optimizer_extra_bytes=row.optimizer_extra_bytes)
+                  optimizer_extra_bytes=row.optimizer_extra_bytes, grad_sync_bytes=row.grad_sync_bytes,
+                  overlapped_param_gather=row.overlapped_param_gather)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step

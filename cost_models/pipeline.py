@@ -131,10 +131,11 @@ class _Cost:
 
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
-             overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0) -> Simulation:
+             overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
+             overlapped_param_gather: bool = False) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Five switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Seven switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
@@ -149,7 +150,11 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     waits for them;
     `optimizer_extra_bytes`, a runtime whose optimizer step moves that many more bytes per updated parameter than
     the update mmplan's runtime does (Megatron-LM's mixed-precision optimizer: compute.mixed_precision_step_bytes),
-    at the device's memory bandwidth, for optimizer states on the GPU."""
+    at the device's memory bandwidth, for optimizer states on the GPU; `grad_sync_bytes`, a runtime that reduces
+    gradients of that many bytes per element across data parallelism (Megatron-LM reduces fp32 gradients of bf16
+    models); `overlapped_param_gather=True`, a runtime whose ZeRO 1-2 parameter all-gather runs ahead of the next
+    step's forward, hidden behind the stage's first forward but for its first bucket (Megatron-LM's distributed
+    optimizer with `--overlap-param-gather`) (both: tail.tail_over)."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -203,7 +208,9 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         # chunk's, under the interleaved schedule)
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
                                 tensors=sum(costs[c].tensors for c in cs),
-                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0))
+                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0,
+                                grad_bytes=grad_sync_bytes,
+                                gather_overlap_s=costs[cs[0]].time.fwd if overlapped_param_gather else None))
         if optimizer_extra_bytes and g.stages[ch.stage].memory.optimizer == "gpu":  # see the docstring
             updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
             tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer

@@ -246,6 +246,22 @@ def test_optimizer_extra_bytes_lengthen_only_the_optimizer_step_of_the_updated_s
     assert extra.stages[0].time == plain.stages[0].time
 
 
+def test_megatron_distributed_optimizer_switches_reach_the_stage_tail():
+    # grad_sync_bytes=4: the reduce-scatter moves fp32 gradients; overlapped_param_gather: the all-gather hides behind
+    # the stage's first forward (one micro-batch) but for its first bucket
+    profile = make_profile([("llm", 2, 1e9)], params=10**9)
+    cluster = make_cluster()
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=4, zero=1)], P.Training(16, 4), cluster)
+    plain = simulate(plan, profile)
+    megatron = simulate(plan, profile, grad_sync_bytes=4, overlapped_param_gather=True)
+    link, params = cluster.intra_node, 2 * 10**9
+    gather = all_gather_time(2 * params, 4, link)
+    assert plain.stages[0].param_gather_s == gather
+    assert megatron.stages[0].param_gather_s == pytest.approx(
+        max(all_gather_time(BUCKET_BYTES, 4, link), gather - megatron.stages[0].time.fwd), rel=1e-12)
+    assert megatron.stages[0].grad_sync_s > plain.stages[0].grad_sync_s  # twice the bytes, the same overlap
+
+
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():
     # grad_sync_overlap=False: a runtime that all-reduces after the backward (Megatron-LM's --DDP-impl local)
     profile = make_profile([("llm", 2, 1e9)], params=10**8)
