@@ -69,7 +69,10 @@ Sources:
   param_and_grad_buffer.py) during the last backward (`--overlap-grad-reduce`, `grad_sync_bytes=4`); the bf16
   parameters all-gathered bucket by bucket ahead of the next step's forward, the first bucket dispatched at
   zero_grad and each next one when the previous is waited for (megatron/core/optimizer/distrib_optimizer.py,
-  `_dispatch_gather_model_params`, `_finish_param_sync_helper`; `overlapped_param_gather`). Not modelled:
+  `_dispatch_gather_model_params`, `_finish_param_sync_helper`; `overlapped_param_gather`). Pipeline sends: without
+  interleaving `overlap_p2p_comm` is forced off (arguments.py), so p2p is batch_isend_irecv, wait, then
+  `torch.cuda.synchronize()` (`batch_p2p_sync` defaults to True, megatron/core/model_parallel_config.py;
+  megatron/core/pipeline_parallel/p2p_communication.py `_communicate`): `blocking_p2p`. Not modelled:
   `--tp-comm-overlap`'s forward (TransformerEngine's userbuffers: chunked all-gather / reduce-scatter beside the
   GEMMs; priced blocking here; its backward is `overlapped_tp_backward`), the optimizer step's extra passes of
   2024's distributed optimizer (not read). Row rule: every row of the table.
@@ -246,7 +249,8 @@ ROWS = (
     *(Row(f"MLM24 {name}", Model(f"gpt-{name.lower()}-v131k", layers, hidden, heads, seq=4096, vocab=131072,
                                  attention="flash"),
           "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1, zero=1,
-          fused_grad_accumulation=True, overlapped_tp_backward=True, grad_sync_bytes=4, overlapped_param_gather=True)
+          fused_grad_accumulation=True, overlapped_tp_backward=True, grad_sync_bytes=4, overlapped_param_gather=True,
+          blocking_p2p=True)
       for name, heads, hidden, layers, tp, pp, batch, tflops in (
           ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
           ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
@@ -345,14 +349,15 @@ _EXPLAIN: dict[str, str] = {}
 
 def _breakdown(sim, micro_batches: int) -> str:
     """Where the busiest stage's step goes, in % of the step: compute (forward + backward with recompute, all
-    micro-batches), blocking TP collectives, exposed gradient sync, optimizer, and the rest (bubble, p2p)."""
+    micro-batches), blocking TP collectives, exposed gradient sync, optimizer, exposed ZeRO-1/2 parameter
+    all-gather, and the rest (bubble, p2p)."""
     stage = max(sim.stages, key=lambda sc: sc.fwd_s + sc.bwd_s)
     step = sim.step_time_s
     compute = micro_batches * (stage.time.fwd + stage.time.bwd) / step
     tp = micro_batches * (stage.time.fwd_comm + stage.time.bwd_comm) / step
-    sync, opt = stage.grad_sync_s / step, stage.optimizer_s / step
-    return (f"compute {compute:.0%}, TP comm {tp:.0%}, dp sync {sync:.0%}, optimizer {opt:.0%}, "
-            f"bubble+p2p {1 - compute - tp - sync - opt:.0%}")
+    sync, opt, gather = stage.grad_sync_s / step, stage.optimizer_s / step, stage.param_gather_s / step
+    return (f"compute {compute:.0%}, TP comm {tp:.0%}, dp sync {sync:.0%}, optimizer {opt:.0%}, param gather "
+            f"{gather:.0%}, bubble+p2p {1 - compute - tp - sync - opt - gather:.0%}")
 
 
 def published(row: Row) -> float:
