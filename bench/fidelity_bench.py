@@ -30,7 +30,15 @@ Sources:
   Gradient accumulation: in 2021 ([SC21], [MLM175]) autograd's `.grad += g` in fp16, as mmplan's runtime; from
   83b1e42f30 (2022-02-13, "gradient accumulation fusion", default on: `--no-gradient-accumulation-fusion` turns
   it off; in the [K22] code, megatron/mpu/layers.py at b83477a3e8) the weight-gradient GEMM adds into `main_grad`
-  itself (`fused_grad_accumulation`: the [K22], [K22T4] and [MLM24] rows).
+  itself (`fused_grad_accumulation`: the [K22], [K22T4] and [MLM24] rows). Tensor-parallel backward: from 2021-09
+  (16c90445e7, default on; `--no-async-tensor-model-parallel-allreduce` turns it off) the column-parallel linear
+  all-reduces its input gradient asynchronously while its weight-gradient GEMM runs; with sequence parallelism
+  (merged 9aad9203aa, 2022-05-20; megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward)
+  that collective is a reduce-scatter, and the saved input slice is re-gathered asynchronously while the
+  input-gradient GEMM runs; TransformerEngine's Linear does both in 2024 (transformer_engine/pytorch/module/
+  linear.py backward at 8e039fdcd): `overlapped_tp_backward` on every [K22], [K22T4] and [MLM24] row, not on
+  [N21] / [MLM175] (their code, de7dc40f88 / 152aab304d, all-reduces synchronously) (mmplan's runtime waits for
+  all of them: compute.tp_collectives, compute.regather_time).
 - [K22] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023),
   abstract: the 530B GPT-3-style model (105 layers, hidden 20480, 128 heads; Table 3) on 2240 A100 80GB GPUs
   (TP 8, PP 35, so DP 8) reaches 54.2 % MFU with sequence parallelism + selective recomputation, 42.1 % with full
@@ -54,11 +62,20 @@ Sources:
   `--overlap-grad-reduce --overlap-param-gather` and `--tp-comm-overlap`. Metric: Megatron-LM's
   num_floating_point_operations of that commit (megatron/training/training.py) = [K22]'s model FLOPs for these
   models. Not published, assumed before any prediction was seen: micro-batch 1, no interleaving, no activation
-  recomputation, flash attention, sequence parallelism for tp > 1 (`--tp-comm-overlap` requires it); the
-  distributed optimizer's overlapped reduce-scatter + all-gather priced as mmplan's overlapped all-reduce
-  (the same volume; mmplan's ZeRO-1 would expose the all-gather, Megatron overlaps it with the next forward).
-  Not modelled: `--tp-comm-overlap` (TP collectives hidden behind GEMMs; priced blocking here). Row rule: every
-  row of the table.
+  recomputation, flash attention, sequence parallelism for tp > 1 (`--tp-comm-overlap` requires it). The
+  distributed optimizer (`--overlap-param-gather` requires `--use-distributed-optimizer`, megatron/training/
+  arguments.py at f2e5db402c) as ZeRO-1: the optimizer steps a 1/dp shard; the gradients reduce-scattered in fp32
+  (bf16 forces `accumulate_allreduce_grads_in_fp32`, same file; the buffer's dtype, megatron/core/distributed/
+  param_and_grad_buffer.py) during the last backward (`--overlap-grad-reduce`, `grad_sync_bytes=4`); the bf16
+  parameters all-gathered bucket by bucket ahead of the next step's forward, the first bucket dispatched at
+  zero_grad and each next one when the previous is waited for (megatron/core/optimizer/distrib_optimizer.py,
+  `_dispatch_gather_model_params`, `_finish_param_sync_helper`; `overlapped_param_gather`). Pipeline sends: without
+  interleaving `overlap_p2p_comm` is forced off (arguments.py), so p2p is batch_isend_irecv, wait, then
+  `torch.cuda.synchronize()` (`batch_p2p_sync` defaults to True, megatron/core/model_parallel_config.py;
+  megatron/core/pipeline_parallel/p2p_communication.py `_communicate`): `blocking_p2p`. Not modelled:
+  `--tp-comm-overlap`'s forward (TransformerEngine's userbuffers: chunked all-gather / reduce-scatter beside the
+  GEMMs; priced blocking here; its backward is `overlapped_tp_backward`), the optimizer step's extra passes of
+  2024's distributed optimizer (not read). Row rule: every row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -101,6 +118,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from published_models import gpt_profile, hf_llava_profile, zoo_profile  # noqa: E402
 
+from cost_models.compute import mixed_precision_step_bytes  # noqa: E402
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import parse_cluster  # noqa: E402
 from planner.baselines import homogeneous_plan  # noqa: E402
@@ -157,6 +175,10 @@ class Row:
     grad_sync_overlap: bool = True  # the run's framework overlapped the dp gradient all-reduce with backward
     blocking_p2p: bool = False  # the run's pipeline sends stopped the compute stream (Megatron-LM 2021)
     fused_grad_accumulation: bool = False  # the run's wgrad GEMMs accumulated into main_grad (Megatron-LM >= 2022-02)
+    overlapped_tp_backward: bool = False  # the run's column-parallel backward collectives ran beside its GEMMs (Megatron-LM >= 2021-09)
+    optimizer_extra_bytes: float = 0.0  # the run's optimizer step moved this much more per parameter (_MLM21_OPT, _MLM22_OPT)
+    grad_sync_bytes: int | None = None  # bytes per gradient element the run reduced over dp (None: the compute dtype's)
+    overlapped_param_gather: bool = False  # ZeRO-1's parameter all-gather ran ahead of the next forward (Megatron-LM 2024)
     note: str = ""
 
     @property
@@ -167,6 +189,13 @@ class Row:
 def _gpt(name, layers, hidden, heads) -> Model:
     return Model(name, layers, hidden, heads)
 
+
+# [MLM] Megatron-LM's mixed-precision optimizer step (compute.mixed_precision_step_bytes): in 2021 ([N21], [MLM175]:
+# fp16 gradients accumulated in `.grad`, set to None after the step) and in 2022 ([K22]: gradient accumulation fusion
+# needs `--accumulate-allreduce-grads-in-fp32`, megatron/arguments.py at 9aad9203aa, so an fp32 contiguous `main_grad`
+# buffer, zeroed every step); fp16 with dynamic loss scaling in both
+_MLM21_OPT = mixed_precision_step_bytes(grad_bytes=2, zeroed_buffer=False, loss_scaling=True)
+_MLM22_OPT = mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True)
 
 LLAMA3_405B = Model("llama3-405b", 126, 16384, 128, seq=8192, vocab=128256, mlp=53248, kv_heads=8,
                     attention="flash", gated=True, dropout=0.0)
@@ -200,15 +229,15 @@ ROWS = (
     # [K22] abstract (MFU x 312 TFLOP/s)
     Row("K22 530B SP+selective", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.542 * 312, "k22",
         recompute="selective", sequence_parallel=True, grad_sync_overlap=False, blocking_p2p=True,
-        fused_grad_accumulation=True),
+        fused_grad_accumulation=True, overlapped_tp_backward=True),
     Row("K22 530B full recompute", _gpt("gpt-530b", 105, 20480, 128), "a100-80g", 8, 35, 8, 2240, 0.421 * 312, "k22",
-        grad_sync_overlap=False, blocking_p2p=True, fused_grad_accumulation=True),
+        grad_sync_overlap=False, blocking_p2p=True, fused_grad_accumulation=True, overlapped_tp_backward=True),
     # [K22T4] every configuration of Table 4 (full recomputation / sequence parallelism + selective recomputation),
     # data-parallel size 1, the Table 3 layouts as [CALC] reproduces them; Megatron-LM 2022 ([MLM]: blocking sends)
     *(Row(f"K22 T4 {name} {'SP+selective' if sel else 'full recompute'}", _gpt(f"gpt-{name.lower()}", layers, hidden, heads),
           "a100-80g", 8, pp, 1, batch, 0.0, "k22", recompute="selective" if sel else "full", sequence_parallel=sel,
           schedule=f"interleaved:{v}" if v > 1 else "1f1b", micro_batch=mb, published_step_s=step, blocking_p2p=True,
-          fused_grad_accumulation=True)
+          fused_grad_accumulation=True, overlapped_tp_backward=True)
       for name, layers, hidden, heads, pp, batch, mb, v, full_s, sel_s in (
           ("22B", 48, 6144, 64, 1, 4, 4, 1, 1.42, 1.10),
           ("175B", 96, 12288, 96, 8, 64, 1, 3, 18.13, 13.75),
@@ -219,8 +248,9 @@ ROWS = (
     # micro-batch 1, no interleaving, no recomputation, flash attention, sequence parallelism when tp > 1
     *(Row(f"MLM24 {name}", Model(f"gpt-{name.lower()}-v131k", layers, hidden, heads, seq=4096, vocab=131072,
                                  attention="flash"),
-          "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1,
-          fused_grad_accumulation=True)
+          "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1, zero=1,
+          fused_grad_accumulation=True, overlapped_tp_backward=True, grad_sync_bytes=4, overlapped_param_gather=True,
+          blocking_p2p=True)
       for name, heads, hidden, layers, tp, pp, batch, tflops in (
           ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
           ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
@@ -234,6 +264,13 @@ ROWS = (
         schedule="interleaved:2"),
 )
 
+# [MLM] the optimizer step's extra passes on every Megatron-LM row of 2021-2022 (2021: [N21], [MLM175]; 2022: [K22],
+# [K22T4]); not on [MLM24] (2024's distributed optimizer: its step's passes are not read here), [L3], [LLaVA]
+ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(("N21", "MLM README"))
+                     else _MLM22_OPT if r.source.startswith("K22") else 0.0) for r in ROWS)
+# [MLM] 2022 ([K22], [K22T4]): the fp32 `main_grad` buffer (above) is what local DDP all-reduces (megatron/model/
+# distributed.py allreduce_gradients at 9aad9203aa: the buffer's data); 2021 ([N21], [MLM175]) reduced the fp16 `.grad`
+ROWS = tuple(replace(r, grad_sync_bytes=4) if r.source.startswith("K22") else r for r in ROWS)
 
 # [LLaVA] pretraining (feature alignment): one epoch over the 558,128 image-caption pairs of LCS-558K
 # (blip_laion_cc_sbu_558k.json), global batch 256 = 8 GPUs x 32, so ceil(558128 / 256) = 2181 steps.
@@ -299,7 +336,9 @@ def predict(row: Row) -> tuple[float, float]:
             for st in g.stages)) for g in plan.groups)
         plan = replace(plan, groups=groups)
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
-                  fused_grad_accumulation=row.fused_grad_accumulation)
+                  fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
+                  optimizer_extra_bytes=row.optimizer_extra_bytes, grad_sync_bytes=row.grad_sync_bytes,
+                  overlapped_param_gather=row.overlapped_param_gather)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step
@@ -310,14 +349,15 @@ _EXPLAIN: dict[str, str] = {}
 
 def _breakdown(sim, micro_batches: int) -> str:
     """Where the busiest stage's step goes, in % of the step: compute (forward + backward with recompute, all
-    micro-batches), blocking TP collectives, exposed gradient sync, optimizer, and the rest (bubble, p2p)."""
+    micro-batches), blocking TP collectives, exposed gradient sync, optimizer, exposed ZeRO-1/2 parameter
+    all-gather, and the rest (bubble, p2p)."""
     stage = max(sim.stages, key=lambda sc: sc.fwd_s + sc.bwd_s)
     step = sim.step_time_s
     compute = micro_batches * (stage.time.fwd + stage.time.bwd) / step
     tp = micro_batches * (stage.time.fwd_comm + stage.time.bwd_comm) / step
-    sync, opt = stage.grad_sync_s / step, stage.optimizer_s / step
-    return (f"compute {compute:.0%}, TP comm {tp:.0%}, dp sync {sync:.0%}, optimizer {opt:.0%}, "
-            f"bubble+p2p {1 - compute - tp - sync - opt:.0%}")
+    sync, opt, gather = stage.grad_sync_s / step, stage.optimizer_s / step, stage.param_gather_s / step
+    return (f"compute {compute:.0%}, TP comm {tp:.0%}, dp sync {sync:.0%}, optimizer {opt:.0%}, param gather "
+            f"{gather:.0%}, bubble+p2p {1 - compute - tp - sync - opt - gather:.0%}")
 
 
 def published(row: Row) -> float:

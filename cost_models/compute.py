@@ -5,7 +5,7 @@ import re
 
 from dataclasses import dataclass
 
-from cost_models.comm import all_reduce_time
+from cost_models.comm import all_gather_time, all_reduce_time
 from cost_models.hardware import attention_efficiency, efficiency, peak_flops, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
 from cost_models.offload import transfer_time
@@ -129,16 +129,30 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     return fwd, bwd, core
 
 
-def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0) -> tuple[float, float]:
+def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0, *,
+                   sequence_parallel: bool = False, overlapped_tp_backward: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of a block's blocking tensor-parallel collectives on one micro-batch.
 
     Transformer layers: Megatron's f/g operators all-reduce the layer's output twice in the forward and twice in
     the backward (Shoeybi et al. 2019, Figure 3; Narayanan et al. 2021, section 3.1); with sequence parallelism
     they become all-gathers and reduce-scatters of the same ring volume (Korthikanti et al. 2022, section 4.2.2),
-    so the same time. Vocabulary-parallel embedding: one all-reduce of its output in the forward. Vocabulary-
-    parallel head: the input is copied (f), so one all-reduce of the input gradient in the backward, plus the
-    cross-entropy's three all-reduces of one float per token in the forward (max, predicted logit, exp-sum;
-    latency-bound: priced at their alpha terms)."""
+    so the same time -- plus, in the backward, one more all-gather per region (attention, MLP): the region's
+    linears saved only this rank's sequence slice of their input, and the weight gradients need the whole
+    sequence, so the backward gathers it again (regather_time). Vocabulary-parallel embedding: one all-reduce of
+    its output in the forward. Vocabulary-parallel head: the input is copied (f), so one all-reduce of the input
+    gradient in the backward, plus the cross-entropy's three all-reduces of one float per token in the forward
+    (max, predicted logit, exp-sum; latency-bound: priced at their alpha terms).
+
+    `overlapped_tp_backward`: a runtime whose column-parallel linears run their backward collectives alongside their
+    own GEMMs (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, megatron/mpu/layers.py: the input-
+    gradient all-reduce during the weight-gradient GEMM since 2021-09, `--no-async-tensor-model-parallel-allreduce`
+    turns it off; with sequence parallelism, 9aad9203aa 2022-05-20, the input-gradient reduce-scatter during the
+    weight-gradient GEMM and the re-gather during the input-gradient GEMM; TransformerEngine's Linear the same,
+    transformer_engine/pytorch/module/linear.py backward at 8e039fdcd). Those are priced hidden: each moves b s h
+    bytes against a GEMM of 2 b s h (3h or 4h) / t FLOPs on the same tokens, shorter at transformer sizes on NVLink
+    (not priced: the SMs NCCL takes from the GEMM while both run). What stays exposed: without sequence
+    parallelism nothing in the backward (g's backward is the identity), with it the row-parallel exits' gradient
+    all-gathers (one all-reduce's time)."""
     if t <= 1:
         return 0.0, 0.0
     if block.vocab_parallel == "embedding":
@@ -146,7 +160,20 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     if block.vocab_parallel == "head":
         return 3 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
     one = all_reduce_time(block.output_bytes * samples, t, link)
-    return 2 * one, 2 * one
+    if overlapped_tp_backward:
+        return 2 * one, one if sequence_parallel else 0.0
+    return 2 * one, 2 * one + (regather_time(block, samples, t, link) if sequence_parallel else 0.0)
+
+
+def regather_time(block: Block, samples: float, t: int, link: Link) -> float:
+    """Seconds of a sequence-parallel transformer layer's backward re-gathers on one micro-batch: each of its two
+    regions (attention, MLP) all-gathers its (b, s, h) input again from the saved 1/t slices, once per backward
+    (runtime/sequence_parallel.py `_RegatherSaved`, a blocking all-gather when the backward first unpacks the
+    slice). Under full recompute too: the recomputed forward saves slices again, which the backward re-gathers.
+    Megatron-LM saves the slice as well, but all-gathers it asynchronously while the input-gradient GEMM runs
+    (megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward, 9aad9203aa, 2022-05-20, the
+    sequence-parallelism merge): tp_collectives(overlapped_tp_backward=True) prices that as hidden."""
+    return 2 * all_gather_time(block.output_bytes * samples, t, link)
 
 
 def block_time(
@@ -161,6 +188,7 @@ def block_time(
     tp_link: Link | None = None,
     sequence_parallel: bool = False,
     input_bytes: float = 0.0,
+    overlapped_tp_backward: bool = False,
 ) -> OpTime:
     """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
@@ -172,7 +200,8 @@ def block_time(
     TP communication: tp_collectives, over the TP link (inside a node). `recompute`: True / "recompute" runs the
     whole forward again before the backward (Chen et al. 2016), its all-reduces included; "selective" reruns
     only the attention core (Korthikanti et al. 2022, section 5: no communication). `input_bytes`: the block's
-    input per sample (the head's backward all-reduce).
+    input per sample (the head's backward all-reduce). `overlapped_tp_backward`: the runtime hides the column-
+    parallel linears' backward collectives behind their GEMMs (Megatron-LM, TransformerEngine; tp_collectives).
     """
     t = tp_shard(block, tp)
     core = 0.0
@@ -192,7 +221,8 @@ def block_time(
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard
         fwd = f / (peak * efficiency(cluster.device, f)) if f > 0 else 0.0
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
-    fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes)
+    fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,
+                                        sequence_parallel=sequence_parallel, overlapped_tp_backward=overlapped_tp_backward)
     if recompute is True or recompute == "recompute":
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
     if recompute == "selective":
@@ -218,6 +248,26 @@ def grad_accumulation_time(trained: float, *, micro_batches: int, dp: int, zero:
         return 0.0 * trained
     shard = dp if zero >= 2 else 1
     return (micro_batches - 1) / micro_batches * 3 * DTYPE_BYTES[dtype] * trained / shard / stream_bandwidth(cluster.device)
+
+
+def mixed_precision_step_bytes(*, grad_bytes: int, zeroed_buffer: bool, loss_scaling: bool) -> int:
+    """Bytes per updated parameter that Megatron-LM's mixed-precision optimizer step moves beyond the update
+    optimizer_step_time prices (Adam: read and write fp32 master, m and v, read the gradient and write the
+    parameter in the compute dtype, 28 B), for a runtime that is not mmplan's (simulate(optimizer_extra_bytes=)).
+
+    Megatron-LM's FP16OptimizerWithFP16Params (152aab304d, 2021-01) / Float16OptimizerWithFloat16Params (de7dc40f88,
+    2021-08; 9aad9203aa, 2022-05), megatron/optimizer/optimizer.py `step()`, each a separate pass over every
+    parameter: (1) the accumulated gradient to the fp32 main gradient, `.float()` / a multi-tensor copy: read 2 +
+    write 4 when the gradient was accumulated in 16 bits (`grad_bytes` 2), nothing when it already is fp32 (a
+    contiguous fp32 `main_grad` buffer); (2) with loss scaling (fp16), unscale and check for inf/nan,
+    torch._amp_foreach_non_finite_check_and_unscale_: read + write fp32, 8; (3) clip_grad_norm's l2 norm
+    (multi_tensor_l2norm): read fp32, 4 (its rescaling pass runs only when the norm exceeds the clip: not counted);
+    (4) the fused Adam reads the fp32 gradient: 2 more than the 16-bit gradient priced; (5) the fp32 master
+    parameters copied into the 16-bit model parameters: the read, 4 (the write is priced); (6) with a contiguous
+    gradient buffer, training.py's zero_grad_buffer() at the start of the step writes it (`grad_bytes`); without one
+    the gradients are set to None (nothing)."""
+    copy = 2 + 4 if grad_bytes < 4 else 0
+    return copy + (8 if loss_scaling else 0) + 4 + 2 + 4 + (grad_bytes if zeroed_buffer else 0)
 
 
 def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
-from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes
+from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
 from cost_models.tail import stage_tail
@@ -130,10 +130,12 @@ class _Cost:
 
 
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
-             blocking_p2p: bool = False, fused_grad_accumulation: bool = False) -> Simulation:
+             blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
+             overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
+             overlapped_param_gather: bool = False) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Three switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Seven switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
@@ -142,7 +144,17 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     `fused_grad_accumulation=True`, a runtime whose weight-gradient GEMMs add into the accumulated gradient
     themselves (Megatron-LM's gradient accumulation fusion, default since 83b1e42f30, 2022-02-13: the wgrad GEMM
     writes into `main_grad` with beta = 1), so only parameters outside GEMMs (embeddings, norms) pay
-    compute.grad_accumulation_time."""
+    compute.grad_accumulation_time; `overlapped_tp_backward=True`, a runtime whose column-parallel linears run their
+    backward collectives (the input-gradient all-reduce / reduce-scatter, sequence parallelism's re-gather) beside
+    their GEMMs (Megatron-LM since 2021-09, TransformerEngine: compute.tp_collectives), where mmplan's runtime
+    waits for them;
+    `optimizer_extra_bytes`, a runtime whose optimizer step moves that many more bytes per updated parameter than
+    the update mmplan's runtime does (Megatron-LM's mixed-precision optimizer: compute.mixed_precision_step_bytes),
+    at the device's memory bandwidth, for optimizer states on the GPU; `grad_sync_bytes`, a runtime that reduces
+    gradients of that many bytes per element across data parallelism (Megatron-LM reduces fp32 gradients of bf16
+    models); `overlapped_param_gather=True`, a runtime whose ZeRO 1-2 parameter all-gather runs ahead of the next
+    step's forward, hidden behind the stage's first forward but for its first bucket (Megatron-LM's distributed
+    optimizer with `--overlap-param-gather`) (both: tail.tail_over)."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -159,8 +171,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     group_of = {g.name: g for g in plan.groups}
     inputs = block_input_bytes(profile)
-    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation)
-             for ch in graph.chunks]
+    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
+                         overlapped_tp_backward) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
@@ -196,7 +208,13 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         # chunk's, under the interleaved schedule)
         tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
                                 tensors=sum(costs[c].tensors for c in cs),
-                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0))
+                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0,
+                                grad_bytes=grad_sync_bytes,
+                                gather_overlap_s=costs[cs[0]].time.fwd if overlapped_param_gather else None))
+        if optimizer_extra_bytes and g.stages[ch.stage].memory.optimizer == "gpu":  # see the docstring
+            updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
+            tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
+                                + optimizer_extra_bytes * updated / cluster.device.memory_bandwidth)
     sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
     gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
     optimizer: dict[tuple[int, int], int] = {}
@@ -237,7 +255,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
 
 
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
-                inputs: dict[str, float], fused_grad_accumulation: bool = False) -> _Cost:
+                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_tp_backward: bool = False
+                ) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
     mem = g.stages[ch.stage].memory
@@ -252,13 +271,15 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         t = tp_shard(b, g.tp)
         tier = mem.activations.get(name, "keep")
         op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
-                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0))
+                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0),
+                        overlapped_tp_backward=overlapped_tp_backward)
         time += op
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,
                                         t, all_reduce=True)
-        elif t > 1:  # ring all-reduces: 2 per forward, 2 per backward (and 2 more when recomputed)
-            tp_bytes += (6 if tier == "recompute" else 4) * ring_bytes_sent(b.output_bytes * samples, t, all_reduce=True)
+        elif t > 1:  # ring all-reduces: 2 per forward, 2 per backward (and 2 more when recomputed); sequence parallelism
+            # re-gathers each region's input in the backward (compute.regather_time): 2 all-gathers, one all-reduce's bytes
+            tp_bytes += ((6 if tier == "recompute" else 4) + g.sequence_parallel) * ring_bytes_sent(b.output_bytes * samples, t, all_reduce=True)
         if tier.startswith("offload-"):
             out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
         params += b.params / t

@@ -32,17 +32,20 @@ BUCKET_BYTES = 25 * 2**20
 
 
 def stage_tail(group: Group, stage_index: int, params_per_rank: float, training: Training, cluster: Cluster,
-               *, overlap_s: float = 0.0, tensors: int = 0) -> StageTail:
+               *, overlap_s: float = 0.0, tensors: int = 0, grad_bytes: int | None = None,
+               gather_overlap_s: float | None = None) -> StageTail:
     """The tail of stage `stage_index` of `group` holding `params_per_rank` parameters on each rank (tp-parallel
     blocks divided by tp), its collectives over the link of its dp group (dp_link); see tail_over."""
     stage = group.stages[stage_index]
     return tail_over(params_per_rank, dp=group.dp, zero=group.zero, memory=stage.memory,
                      link=dp_link(cluster, stage.ranks, group.tp), cluster=cluster, dtype=training.dtype,
-                     optimizer=training.optimizer, overlap_s=overlap_s, tensors=tensors)
+                     optimizer=training.optimizer, overlap_s=overlap_s, tensors=tensors, grad_bytes=grad_bytes,
+                     gather_overlap_s=gather_overlap_s)
 
 
 def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers, link: Link, cluster: Cluster,
-              dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0, tensors: int = 0) -> StageTail:
+              dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0, tensors: int = 0,
+              grad_bytes: int | None = None, gather_overlap_s: float | None = None) -> StageTail:
     """The tail of a stage whose dp group communicates over `link` (stage_tail, for callers that know the link
     but not the ranks yet: the solver's candidates).
 
@@ -56,14 +59,22 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     behind the `overlap_s` seconds of that backward, except the last bucket, which is ready only at its end.
     `grad_sync` is the exposed part. `tensors`: the stage's trained parameter tensors, for a cluster with a measured
     per-tensor optimizer cost (cost_models/overhead.py; each rank steps every tensor's shard under ZeRO too).
+    Two keywords price other runtimes than mmplan's (cost_models.pipeline.simulate's switches): `grad_bytes`, the
+    bytes of a gradient element as the runtime reduces it (default: `dtype`'s; Megatron-LM reduces fp32 gradients
+    of bf16 models); `gather_overlap_s`, ZeRO 1-2's parameter all-gather issued bucket by bucket ahead of the next
+    step's forward and hidden behind that many seconds of it but for its first bucket (Megatron-LM's
+    `--overlap-param-gather`), where mmplan's runtime gathers after the optimizer step.
     """
     nbytes = params_per_rank * DTYPE_BYTES[dtype]  # this rank's gradients (and parameters)
+    gbytes = nbytes if grad_bytes is None else params_per_rank * grad_bytes
     sync, sent = 0.0, 0.0
     collective = all_reduce_time if zero == 0 else reduce_scatter_time
     if zero in (0, 1):
-        sync = max(collective(min(nbytes, BUCKET_BYTES), dp, link), collective(nbytes, dp, link) - overlap_s)
-        sent = ring_bytes_sent(nbytes, dp, all_reduce=zero == 0)
+        sync = max(collective(min(gbytes, BUCKET_BYTES), dp, link), collective(gbytes, dp, link) - overlap_s)
+        sent = ring_bytes_sent(gbytes, dp, all_reduce=zero == 0)
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
+    if gather and gather_overlap_s is not None:
+        gather = max(all_gather_time(min(nbytes, BUCKET_BYTES), dp, link), gather - gather_overlap_s)
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer
     opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors) \

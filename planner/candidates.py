@@ -110,7 +110,8 @@ class Setting:
     policies: tuple[Policy, ...] = GPU_ONLY
     zeros: tuple[int, ...] = (0, 1, 2, 3)
     # sequence parallelism of tp > 1 layouts (Group.sequence_parallel); where it costs no more in every stage figure
-    # (BlockTimes.sp_dominates: always, with this cost model) only the layouts with it are built
+    # (BlockTimes.sp_dominates) only the layouts with it are built; its backward re-gathers (compute.regather_time)
+    # make it slower in one figure at tp > 1, so both are built there
     sequence_parallel: tuple[bool, ...] = (False, True)
     # interleaved 1F1B layouts of the chain unit with these model chunks per rank (solve --schedule interleaved), besides
     # the 1F1B ones: chunk cut points balance the chunks' op time (_interleaved)

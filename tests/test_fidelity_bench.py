@@ -45,6 +45,14 @@ def test_the_runtime_switches_move_a_row_the_way_they_should():
     # the 39.1B row accumulates over 12 micro-batches: GEMMs that add into the gradient themselves save that add
     _, fused = fb.predict(replace(base, fused_grad_accumulation=True))
     assert fused < overlapped
+    # with sequence parallelism, a runtime that re-gathers behind the dgrad GEMM (Megatron-LM) is faster than mmplan's
+    sp = replace(base, recompute="selective", sequence_parallel=True)
+    _, blocking = fb.predict(sp)
+    _, hidden = fb.predict(replace(sp, overlapped_tp_backward=True))
+    assert hidden < blocking
+    # an optimizer step with more passes (Megatron-LM's mixed-precision step) only costs time
+    _, lighter = fb.predict(replace(base, optimizer_extra_bytes=0.0))
+    assert base.optimizer_extra_bytes == fb._MLM21_OPT and lighter < overlapped
 
 
 def test_table_4_times_give_the_readme_mfu():

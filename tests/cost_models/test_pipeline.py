@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.comm import all_reduce_time, p2p_time
-from cost_models.compute import optimizer_step_time
+from cost_models.comm import all_gather_time, all_reduce_time, p2p_time
+from cost_models.compute import mixed_precision_step_bytes, optimizer_step_time
 from cost_models.offload import transfer_time
 from cost_models.pipeline import simulate
 from cost_models.tail import BUCKET_BYTES
@@ -202,6 +202,64 @@ def test_fused_grad_accumulation_leaves_only_parameters_outside_gemms_to_add():
     one_block = (m - 1) / m * 3 * 2 * 10**8 / cluster.device.memory_bandwidth
     assert plain.stages[0].time.bwd - fused.stages[0].time.bwd == pytest.approx(one_block, rel=1e-9)
     assert plain.stages[0].time.fwd == fused.stages[0].time.fwd
+
+
+@pytest.mark.parametrize("tier", ["keep", "selective", "recompute"])
+def test_tp_backward_collectives_blocking_in_mmplan_and_beside_the_gemms_in_megatron(tier):
+    # mmplan's runtime: per layer, 2 all-reduces in the backward (f), and with sequence parallelism 2 reduce-scatters
+    # + 2 gradient all-gathers (the same time) + 2 re-gathers of the saved input slices, under every tier.
+    # overlapped_tp_backward=True (Megatron-LM, TransformerEngine): the column-parallel linears' collectives run beside
+    # their GEMMs; exposed: nothing without sequence parallelism, the exits' gradient all-gathers with it
+    base = make_profile([("llm", 2, 1e9)], params=10**6, edge_bytes=4e6)
+    profile = Profile.build("synthetic", "bf16", 1, tuple(replace(b, supports_tp=True) for b in base.blocks), base.edges)
+    cluster, tp, layers, samples = make_cluster(), 4, 2, 2
+    link = cluster.intra_node
+    ar, ag = all_reduce_time(4e6 * samples, tp, link), all_gather_time(4e6 * samples, tp, link)
+    group = make_group("llm", [["llm.0", "llm.1"]], tp=tp, memory=P.Memory(activations={"llm.0": tier, "llm.1": tier}))
+    recomputed = 2 * ar if tier == "recompute" else 0.0  # the recomputed forward's collectives
+    for sp, mmplan_bwd, megatron_bwd in ((True, 2 * ar + 2 * ag, ar), (False, 2 * ar, 0.0)):
+        plan = make_plan(profile, [replace(group, sequence_parallel=sp)], P.Training(samples, 1), cluster)
+        plain, hidden = simulate(plan, profile), simulate(plan, profile, overlapped_tp_backward=True)
+        assert plain.stages[0].time.bwd_comm == pytest.approx(layers * (mmplan_bwd + recomputed), rel=1e-12)
+        assert hidden.stages[0].time.bwd_comm == pytest.approx(layers * (megatron_bwd + recomputed), rel=1e-12)
+        assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm == pytest.approx(layers * 2 * ar, rel=1e-12)
+
+
+def test_megatron_mixed_precision_step_bytes_count_its_passes():
+    # 2021 (fp16 .grad, set to None): copy to fp32 6 + unscale 8 + norm 4 + Adam's fp32 grad read 2 + master read 4
+    assert mixed_precision_step_bytes(grad_bytes=2, zeroed_buffer=False, loss_scaling=True) == 24
+    # 2022 (fp32 main_grad buffer, zeroed each step): no copy, + the zeroing 4; bf16 (no loss scaling): no unscale
+    assert mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True) == 22
+    assert mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=False) == 14
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_optimizer_extra_bytes_lengthen_only_the_optimizer_step_of_the_updated_share(zero):
+    profile = make_profile([("llm", 2, 1e9)], params=10**8)
+    cluster = make_cluster()
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=4, zero=zero)], P.Training(4, 1), cluster)
+    plain, extra = simulate(plan, profile), simulate(plan, profile, optimizer_extra_bytes=22)
+    updated = 2 * 10**8 / (4 if zero else 1)  # ZeRO-1 steps a 1/dp shard
+    assert extra.stages[0].optimizer_s - plain.stages[0].optimizer_s == pytest.approx(
+        22 * updated / cluster.device.memory_bandwidth, rel=1e-12)
+    assert extra.step_time_s - plain.step_time_s == pytest.approx(22 * updated / cluster.device.memory_bandwidth, rel=1e-9)
+    assert extra.stages[0].time == plain.stages[0].time
+
+
+def test_megatron_distributed_optimizer_switches_reach_the_stage_tail():
+    # grad_sync_bytes=4: the reduce-scatter moves fp32 gradients; overlapped_param_gather: the all-gather hides behind
+    # the stage's first forward (one micro-batch) but for its first bucket
+    profile = make_profile([("llm", 2, 1e9)], params=10**9)
+    cluster = make_cluster()
+    plan = make_plan(profile, [make_group("llm", [["llm.0", "llm.1"]], dp=4, zero=1)], P.Training(16, 4), cluster)
+    plain = simulate(plan, profile)
+    megatron = simulate(plan, profile, grad_sync_bytes=4, overlapped_param_gather=True)
+    link, params = cluster.intra_node, 2 * 10**9
+    gather = all_gather_time(2 * params, 4, link)
+    assert plain.stages[0].param_gather_s == gather
+    assert megatron.stages[0].param_gather_s == pytest.approx(
+        max(all_gather_time(BUCKET_BYTES, 4, link), gather - megatron.stages[0].time.fwd), rel=1e-12)
+    assert megatron.stages[0].grad_sync_s > plain.stages[0].grad_sync_s  # twice the bytes, the same overlap
 
 
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():

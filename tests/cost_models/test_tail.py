@@ -6,7 +6,7 @@ import pytest
 from cost_models.comm import all_gather_time, all_reduce_time, reduce_scatter_time
 from cost_models.compute import optimizer_step_time
 from cost_models.hardware import catalog_cluster
-from cost_models.tail import stage_tail, tail_over
+from cost_models.tail import BUCKET_BYTES, stage_tail, tail_over
 from plans.plan import Group, Memory, Stage, Training
 
 CLUSTER = catalog_cluster("16xh100-sxm")
@@ -35,3 +35,31 @@ def test_one_node_syncs_over_nvlink_and_tail_over_is_the_same_formula():
     inside = stage_tail(group(0, range(8)), 0, PARAMS, training, CLUSTER)
     assert inside == tail_over(PARAMS, dp=4, zero=0, memory=Memory(), link=CLUSTER.intra_node, cluster=CLUSTER)
     assert inside.grad_sync < stage_tail(group(0, range(16)), 0, PARAMS, training, CLUSTER).grad_sync
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_fp32_gradient_reduction_moves_twice_the_bytes_of_bf16(zero):
+    # grad_bytes=4 (Megatron-LM reduces fp32 gradients of a bf16 model): the collective's volume doubles; nothing
+    # else moves
+    link = CLUSTER.inter_node
+    bf16 = tail_over(PARAMS, dp=8, zero=zero, memory=Memory(), link=link, cluster=CLUSTER)
+    fp32 = tail_over(PARAMS, dp=8, zero=zero, memory=Memory(), link=link, cluster=CLUSTER, grad_bytes=4)
+    collective = all_reduce_time if zero == 0 else reduce_scatter_time
+    assert fp32.grad_sync == collective(4 * PARAMS, 8, link)
+    assert fp32.bytes_sent - bf16.bytes_sent == pytest.approx((2 if zero == 0 else 1) * 7 / 8 * 2 * PARAMS)
+    assert (fp32.optimizer, fp32.param_gather) == (bf16.optimizer, bf16.param_gather)
+
+
+def test_parameter_gather_ahead_of_the_next_forward_exposes_what_the_forward_does_not_hide():
+    # gather_overlap_s (Megatron-LM's --overlap-param-gather): the ZeRO-1 all-gather hides behind that much of the
+    # next forward, but its first bucket is waited for before the forward starts
+    link, dp = CLUSTER.inter_node, 8
+    full = all_gather_time(2 * PARAMS, dp, link)
+    plain = tail_over(PARAMS, dp=dp, zero=1, memory=Memory(), link=link, cluster=CLUSTER)
+    assert plain.param_gather == full
+    some = tail_over(PARAMS, dp=dp, zero=1, memory=Memory(), link=link, cluster=CLUSTER, gather_overlap_s=full / 2)
+    assert some.param_gather == pytest.approx(full / 2)
+    hidden = tail_over(PARAMS, dp=dp, zero=1, memory=Memory(), link=link, cluster=CLUSTER, gather_overlap_s=10 * full)
+    assert hidden.param_gather == all_gather_time(BUCKET_BYTES, dp, link)
+    assert tail_over(PARAMS, dp=dp, zero=0, memory=Memory(), link=link, cluster=CLUSTER,
+                     gather_overlap_s=full).param_gather == 0.0  # ZeRO 0 gathers nothing

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -128,6 +129,48 @@ def test_sequence_parallel_layers_match_unsharded(kind, selective):
             else:
                 assert rel_err(grad, want) <= 1e-5, name
     assert torch.equal(results[0]["got"]["out"], results[1]["got"]["out"])
+
+
+def gather_count_worker(ctx: RankContext, tier: str) -> dict:
+    """All-gathers in the forward and in the backward of a two-layer sequence-parallel run, per activation tier."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(TransformerLayer(D * 2, 4, 32, norm="layernorm", mlp="gelu", causal=True) for _ in range(2)))
+    group = dist.group.WORLD
+    for i, layer in enumerate(layers):
+        apply_tp(layer, group, ctx.rank, 2, sequence_parallel=True)
+        set_sequence_ends(layer, group, scatter_in=i == 0, gather_out=i == 1)
+    calls, phase, all_gather = {"fwd": 0, "bwd": 0}, ["fwd"], dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls[phase[0]] += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        h = torch.randn(B, S, D * 2, requires_grad=True)
+        for layer in layers:
+            if tier == "recompute":
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            else:
+                with recompute_attention_core() if tier == "selective" else torch.enable_grad():
+                    h = layer(h)
+        phase[0] = "bwd"
+        h.sum().backward()
+    finally:
+        dist.all_gather = all_gather
+    return calls
+
+
+@pytest.mark.parametrize("tier", ["keep", "selective", "recompute"])
+def test_sequence_parallel_backward_regathers_each_regions_input_under_every_tier(tier):
+    """What compute.tp_collectives prices for sequence parallelism: per layer, the forward all-gathers each region's
+    input (2); the backward all-gathers each region's output gradient (2) and re-gathers each region's saved input
+    slice (2, compute.regather_time) -- under full recompute too, on top of the recomputed forward's 2. One more
+    each way at the run's ends (the last layer's output gathered; the first layer's input-slice gradient)."""
+    calls = launch(gather_count_worker, 2, tier, timeout_s=60)[0]
+    layers = 2
+    assert calls["fwd"] == 2 * layers + 1
+    assert calls["bwd"] == (2 + 2 + (2 if tier == "recompute" else 0)) * layers + 1
 
 
 # ----------------------------------------------------------------------------------------------- whole runs
