@@ -5,7 +5,7 @@ import re
 
 from dataclasses import dataclass
 
-from cost_models.comm import all_gather_time, all_reduce_time
+from cost_models.comm import all_gather_time, all_reduce_time, reduce_scatter_time
 from cost_models.hardware import attention_efficiency, efficiency, peak_flops, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
 from cost_models.offload import transfer_time
@@ -133,15 +133,21 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
                    sequence_parallel: bool = False, overlapped_tp_backward: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of a block's blocking tensor-parallel collectives on one micro-batch.
 
-    Transformer layers: Megatron's f/g operators all-reduce the layer's output twice in the forward and twice in
-    the backward (Shoeybi et al. 2019, Figure 3; Narayanan et al. 2021, section 3.1); with sequence parallelism
-    they become all-gathers and reduce-scatters of the same ring volume (Korthikanti et al. 2022, section 4.2.2),
-    so the same time -- plus, in the backward, one more all-gather per region (attention, MLP): the region's
-    linears saved only this rank's sequence slice of their input, and the weight gradients need the whole
-    sequence, so the backward gathers it again (regather_time). Vocabulary-parallel embedding: one all-reduce of
-    its output in the forward. Vocabulary-parallel head: the input is copied (f), so one all-reduce of the input
-    gradient in the backward, plus the cross-entropy's three all-reduces of one float per token in the forward
-    (max, predicted logit, exp-sum; latency-bound: priced at their alpha terms).
+    Every collective is priced as the call it is (cost_models/comm.py: each pays the link's fixed cost per call,
+    Link.collective_s, ~1 ms for gloo on a CPU host). Transformer layers: Megatron's f/g operators all-reduce the
+    layer's output twice in the forward and twice in the backward (Shoeybi et al. 2019, Figure 3; Narayanan et al.
+    2021, section 3.1); with sequence parallelism each all-reduce becomes an all-gather and a reduce-scatter of the
+    same ring volume (Korthikanti et al. 2022, section 4.2.2), twice the calls -- plus, in the backward, one more
+    all-gather per region (attention, MLP): the region's linears saved only this rank's sequence slice of their
+    input, and the weight gradients need the whole sequence, so the backward gathers it again (regather_time).
+    Vocabulary-parallel embedding: one all-reduce of its output in the forward. Vocabulary-parallel head: the
+    input is copied (f), so one all-reduce of the input gradient in the backward, plus the cross-entropy's
+    all-reduces of one float per token in the forward, latency-bound: two calls in mmplan's runtime (the max, then
+    the exp-sum and the target logit stacked: runtime/vocab_parallel.py; Megatron-LM makes three, a few
+    microseconds more on NVLink, not priced). Not priced (one call each, per stage rather than per block): a
+    sequence-parallel run's gather of its output where it leaves the run and the all-gather of its input
+    gradient where it enters, per micro-batch, and the all-reduce of the norms' partial gradients once per step
+    (runtime/sequence_parallel.py).
 
     `overlapped_tp_backward`: a runtime whose column-parallel linears run their backward collectives alongside their
     own GEMMs (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, megatron/mpu/layers.py: the input-
@@ -152,17 +158,22 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     bytes against a GEMM of 2 b s h (3h or 4h) / t FLOPs on the same tokens, shorter at transformer sizes on NVLink
     (not priced: the SMs NCCL takes from the GEMM while both run). What stays exposed: without sequence
     parallelism nothing in the backward (g's backward is the identity), with it the row-parallel exits' gradient
-    all-gathers (one all-reduce's time)."""
+    all-gathers (two calls, one all-reduce's volume)."""
     if t <= 1:
         return 0.0, 0.0
     if block.vocab_parallel == "embedding":
         return all_reduce_time(block.output_bytes * samples, t, link), 0.0
     if block.vocab_parallel == "head":
-        return 3 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
-    one = all_reduce_time(block.output_bytes * samples, t, link)
+        return 2 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
+    size = block.output_bytes * samples
+    if not sequence_parallel:  # per region: g all-reduces the output forward, f the input gradient backward
+        one = all_reduce_time(size, t, link)
+        return 2 * one, 0.0 if overlapped_tp_backward else 2 * one
+    # per region: all-gather on entry, reduce-scatter at the row-parallel exit; the backward the reverse
+    gather, scatter = all_gather_time(size, t, link), reduce_scatter_time(size, t, link)
     if overlapped_tp_backward:
-        return 2 * one, one if sequence_parallel else 0.0
-    return 2 * one, 2 * one + (regather_time(block, samples, t, link) if sequence_parallel else 0.0)
+        return 2 * (gather + scatter), 2 * gather
+    return 2 * (gather + scatter), 2 * (gather + scatter) + regather_time(block, samples, t, link)
 
 
 def regather_time(block: Block, samples: float, t: int, link: Link) -> float:

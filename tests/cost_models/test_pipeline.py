@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from cost_models.comm import all_gather_time, all_reduce_time, p2p_time
+from cost_models.comm import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
 from cost_models.compute import mixed_precision_step_bytes, optimizer_step_time
 from cost_models.offload import transfer_time
 from cost_models.pipeline import simulate
@@ -204,25 +204,32 @@ def test_fused_grad_accumulation_leaves_only_parameters_outside_gemms_to_add():
     assert plain.stages[0].time.fwd == fused.stages[0].time.fwd
 
 
+@pytest.mark.parametrize("call_s", [0.0, 1e-3])
 @pytest.mark.parametrize("tier", ["keep", "selective", "recompute"])
-def test_tp_backward_collectives_blocking_in_mmplan_and_beside_the_gemms_in_megatron(tier):
-    # mmplan's runtime: per layer, 2 all-reduces in the backward (f), and with sequence parallelism 2 reduce-scatters
-    # + 2 gradient all-gathers (the same time) + 2 re-gathers of the saved input slices, under every tier.
+def test_tp_backward_collectives_blocking_in_mmplan_and_beside_the_gemms_in_megatron(tier, call_s):
+    # mmplan's runtime: per layer, 2 all-reduces each way (g forward, f backward); with sequence parallelism each
+    # becomes a reduce-scatter + an all-gather (the same volume, twice the calls: each pays Link.collective_s, as
+    # gloo does) and the backward adds 2 re-gathers of the saved input slices, under every tier.
     # overlapped_tp_backward=True (Megatron-LM, TransformerEngine): the column-parallel linears' collectives run beside
     # their GEMMs; exposed: nothing without sequence parallelism, the exits' gradient all-gathers with it
     base = make_profile([("llm", 2, 1e9)], params=10**6, edge_bytes=4e6)
     profile = Profile.build("synthetic", "bf16", 1, tuple(replace(b, supports_tp=True) for b in base.blocks), base.edges)
     cluster, tp, layers, samples = make_cluster(), 4, 2, 2
+    cluster = replace(cluster, intra_node=replace(cluster.intra_node, collective_s=call_s))
     link = cluster.intra_node
     ar, ag = all_reduce_time(4e6 * samples, tp, link), all_gather_time(4e6 * samples, tp, link)
+    rs = reduce_scatter_time(4e6 * samples, tp, link)
     group = make_group("llm", [["llm.0", "llm.1"]], tp=tp, memory=P.Memory(activations={"llm.0": tier, "llm.1": tier}))
-    recomputed = 2 * ar if tier == "recompute" else 0.0  # the recomputed forward's collectives
-    for sp, mmplan_bwd, megatron_bwd in ((True, 2 * ar + 2 * ag, ar), (False, 2 * ar, 0.0)):
+    for sp, fwd, mmplan_bwd, megatron_bwd in ((True, 2 * (ag + rs), 2 * (ag + rs) + 2 * ag, 2 * ag),
+                                              (False, 2 * ar, 2 * ar, 0.0)):
+        recomputed = fwd if tier == "recompute" else 0.0  # the recomputed forward's collectives
         plan = make_plan(profile, [replace(group, sequence_parallel=sp)], P.Training(samples, 1), cluster)
         plain, hidden = simulate(plan, profile), simulate(plan, profile, overlapped_tp_backward=True)
         assert plain.stages[0].time.bwd_comm == pytest.approx(layers * (mmplan_bwd + recomputed), rel=1e-12)
         assert hidden.stages[0].time.bwd_comm == pytest.approx(layers * (megatron_bwd + recomputed), rel=1e-12)
-        assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm == pytest.approx(layers * 2 * ar, rel=1e-12)
+        assert plain.stages[0].time.fwd_comm == hidden.stages[0].time.fwd_comm == pytest.approx(layers * fwd, rel=1e-12)
+    if call_s:  # on gloo sequence parallelism's extra calls make it the slower of the two
+        assert 2 * (ag + rs) > 2 * ar
 
 
 def test_megatron_mixed_precision_step_bytes_count_its_passes():
