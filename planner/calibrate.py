@@ -51,6 +51,7 @@ class Settings:
     timeout_s: float  # process-group timeout: no single wait lasts longer
     deadline_s: float  # hard wall-clock limit of the whole multi-process part
     probe_s: float = 1.0  # seconds of the compute_slowdown probe, alone and with every rank at once
+    probe: "Probe | None" = None  # builds the probe's step (model_probe); None: the MLP block of mlp_probe
 
     @staticmethod
     def for_run(quick: bool) -> Settings:
@@ -204,20 +205,21 @@ def between_ranks(cal: "Calibration") -> Link:
 
 def calibrate(*, ranks: int = 2, quick: bool = False, progress: Progress | None = None,
               scratch_dir: str | os.PathLike | None = None,
-              start_method: Literal["fork", "spawn"] = "fork") -> Cluster:
+              start_method: Literal["fork", "spawn"] = "fork", probe: Probe | None = None) -> Cluster:
     """Measure this machine and describe it as a one-node Cluster of `ranks` ranks (see measure / to_cluster)."""
     return to_cluster(measure(ranks=ranks, quick=quick, progress=progress, scratch_dir=scratch_dir,
-                              start_method=start_method))
+                              start_method=start_method, probe=probe))
 
 
 def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = None,
             scratch_dir: str | os.PathLike | None = None,
-            start_method: Literal["fork", "spawn"] = "fork") -> Calibration:
+            start_method: Literal["fork", "spawn"] = "fork", probe: Probe | None = None) -> Calibration:
     """Run the measurements: `ranks` gloo processes (one thread each) for matmul, memory copy, all-reduce and
-    send/recv; then CUDA (bf16 matmul, HBM copy, pinned host<->device) when present; then the disk."""
+    send/recv; then CUDA (bf16 matmul, HBM copy, pinned host<->device) when present; then the disk. `probe`:
+    the step compute_slowdown times (model_probe; default mlp_probe)."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 2 <= ranks <= 64:
         raise MmplanError(f"calibrate needs 2 <= ranks <= 64 to measure gloo collectives, got {ranks!r}")
-    settings = Settings.for_run(quick)
+    settings = replace(Settings.for_run(quick), probe=probe)
     report = _Reporter(progress)
     started = time.perf_counter()
     report("start", 0.0)
@@ -356,23 +358,50 @@ def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
     return max(0.0, measured - evaluate(plan, profile, cluster).predicted.step_time_s)
 
 
-# compute_slowdown's probe: the forward and backward of a small MLP block (256 -> 1024 -> 256 on 128 tokens, GELU,
-# LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them), timed for Settings.probe_s
-# seconds (median), once by this process alone and once by every rank at once. Medians, not the lower quartiles of
-# the other points: the probe is to see the sharing of cores, caches and memory bandwidth.
+# compute_slowdown's probe: a training step's forward and backward, timed for Settings.probe_s seconds (median), once
+# by this process alone and once by every rank at once. Medians, not the lower quartiles of the other points: the
+# probe is to see the sharing of cores, caches and memory bandwidth. By default a small MLP block (256 -> 1024 -> 256
+# on 128 tokens, GELU, LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them); with a
+# model (`mmplan calibrate --model`, `mmplan demo`) that model's own step, whose working set decides how much the
+# ranks slow each other through the shared last-level cache and memory bandwidth: on the reference 2-core machine
+# the MLP block's fits each core's L2 and measures no slowdown, while the demo's convolutional encoder measures
+# ~1.2x (its per-image activations spill into the shared L3).
 _PROBE_WIDTH, _PROBE_TOKENS = 256, 128
+Probe = Callable[[], Callable[[], Any]]  # builds the state once, returns the step to time
 
 
-def _probe(seconds: float) -> float:
-    """Median seconds of one probe over `seconds` of repetitions (at least 5)."""
+def mlp_probe() -> Callable[[], Any]:
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.LayerNorm(_PROBE_WIDTH), torch.nn.Linear(_PROBE_WIDTH, 4 * _PROBE_WIDTH),
                                 torch.nn.GELU(), torch.nn.Linear(4 * _PROBE_WIDTH, _PROBE_WIDTH))
     x = torch.randn(_PROBE_TOKENS, _PROBE_WIDTH, requires_grad=True)
+    return lambda: block(x).square().mean().backward()
 
-    def step() -> None:
-        block(x).square().mean().backward()
 
+def model_probe(spec: Any, micro_batch: int) -> Probe:
+    """The probe of a model (a MODEL spec, or a runtime.source.ModelSource): one forward + backward of its example
+    batch of `micro_batch` samples (the micro-batch `mmplan profile --measure` times it at), as
+    `profile.measure_model` times it. Raises MmplanError for a bad spec."""
+    from planner.profile import scalar_loss
+    from runtime.source import call_factory, resolve
+
+    source = resolve(spec) if isinstance(spec, str) else spec
+
+    def build() -> Callable[[], Any]:
+        torch.manual_seed(0)
+        model, batch = call_factory(source, micro_batch)
+
+        def step() -> None:
+            scalar_loss(model(**batch)).backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    return build
+
+
+def _probe(seconds: float, build: Probe | None = None) -> float:
+    """Median seconds of one probe step over `seconds` of repetitions (at least 5)."""
+    step = (build or mlp_probe)()
     step()  # warm-up
     times: list[float] = []
     end = time.perf_counter() + seconds
@@ -391,7 +420,7 @@ def _measure_alone(settings: Settings) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(RANK_THREADS)
     try:
-        return _probe(settings.probe_s)
+        return _probe(settings.probe_s, settings.probe)
     finally:
         torch.set_num_threads(before)
 
@@ -550,7 +579,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     points += [("bf16", torch.bfloat16, j, n) for j, n in enumerate(settings.bf16_sizes)]
     points += [("fp16", torch.float16, j, n) for j, n in enumerate(settings.fp16_sizes)]
     dist.barrier()  # all ranks busy at once, as in training
-    out["probe"] = [_probe(settings.probe_s)]
+    out["probe"] = [_probe(settings.probe_s, settings.probe)]
     progress("matmul", 0.0)
     for r in rounds:
         for i, (key, dtype, j, n) in enumerate(points):
