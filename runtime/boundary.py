@@ -6,11 +6,15 @@ replica go to which consumer replica. Remote pieces travel by isend/irecv with a
 (route, piece, tensor, direction, micro-batch); pieces between stages on the same rank are handed over
 through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
 guarantees the matching send was issued first. With tensor parallelism a replica's tp ranks hold
-identical block outputs and input gradients: its tp-rank 0 sends for the replica, and every tp rank of
-the receiving replica gets its own copy — in both directions.
+identical block outputs and input gradients. Between stages of equal tp > 1 on different ranks, Megatron's
+scatter/gather (Narayanan et al. 2021, section 4.1; cost_models/pipeline.route_time prices it so): tp-rank j
+of the sending replica sends the j-th 1/tp of each floating-point piece to tp-rank j of the receiving replica,
+and the receiving tp ranks all-gather the parts over their tp group — in both directions. Otherwise (and for
+integer leaves) the sending replica's tp-rank 0 sends each tp rank of the receiving replica its own copy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,7 @@ class Exchange:
         self.sends: list[dist.Work] = []
         self.wait_s = 0.0
         self.bytes_sent = 0
+        self.tp_groups: dict[str, Any] = {}  # stage key -> this rank's tp group there (set by the trainer)
         self._tag: dict[tuple, int] = {}
         for i, route in enumerate(layout.routes):
             for k in range(len(route.pieces)):
@@ -79,10 +84,25 @@ class Exchange:
         self.wait_s += _now() - t0
         return buf
 
+    def _scattered(self, route: Route) -> int:
+        """tp when the route hands over by scatter/gather (see the module docstring), else 0."""
+        src, dst = self.layout.stages[route.src], self.layout.stages[route.dst]
+        return src.tp if src.tp == dst.tp > 1 and src.ranks != dst.ranks else 0
+
+    def _gather(self, part: torch.Tensor, stage: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole tensor of `shape` from this rank's part and its tp group's (parts in tp-rank order)."""
+        group = self.tp_groups[self.layout.stages[stage].key]
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        t0 = _now()
+        dist.all_gather(parts, part, group=group)
+        self.wait_s += _now() - t0
+        return torch.cat(parts)[:math.prod(shape)].view(shape)
+
     # forward: producer replica -> consumer replicas
     def send_forward(self, route_idx: int, replica: int, mb: int, value: Any) -> None:
         route = self.layout.routes[route_idx]
-        if not self._leads(route.src, replica):
+        tp, stage = self._scattered(route), self.layout.stages[route.src]
+        if not self._leads(route.src, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
         start0, _ = self.layout.slice(route.src, replica)
         spec = self.specs[route.block]
@@ -90,24 +110,36 @@ class Exchange:
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
                 continue
-            for dst in self.layout.stages[route.dst].tp_ranks(p.dst_replica):
+            for j, dst in enumerate(self.layout.stages[route.dst].tp_ranks(p.dst_replica)):
                 for leaf, t in enumerate(leaves):
                     key = (route_idx, k, leaf, 0, mb)
                     r = spec.rows_of(leaf)
-                    self._put(dst, t[(p.start - start0) * r:(p.stop - start0) * r], key, self.tag(*key[:4], mb))
+                    piece = t[(p.start - start0) * r:(p.stop - start0) * r]
+                    if tp and piece.is_floating_point():
+                        if stage.tp_index(self.rank) == j:
+                            self._put(dst, _part(piece, j, tp), key, self.tag(*key[:4], mb))
+                    elif self._leads(route.src, replica):
+                        self._put(dst, piece, key, self.tag(*key[:4], mb))
 
     def recv_forward(self, route_idx: int, replica: int, mb: int, needs_grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
         """The producer's output for this consumer replica's samples, as fresh leaves (requiring grad when
         `needs_grad`: the producer runs a backward)."""
         route = self.layout.routes[route_idx]
         spec = self.specs[route.block]
+        tp = self._scattered(route)
+        j = self.layout.stages[route.dst].tp_index(self.rank) if tp else 0
         parts: list[list[torch.Tensor]] = [[] for _ in spec.leaves]
         for k, p in self._pieces_into(route, replica):
-            src = self._rank(route.src, p.src_replica)
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 key = (route_idx, k, leaf, 0, mb)
-                rows = (p.stop - p.start) * spec.rows_of(leaf)
-                parts[leaf].append(self._get(src, (rows, *shape), dtype, key, self.tag(*key[:4], mb)))
+                full = ((p.stop - p.start) * spec.rows_of(leaf), *shape)
+                if tp and dtype.is_floating_point:
+                    src = self.layout.stages[route.src].tp_ranks(p.src_replica)[j]
+                    part = self._get(src, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
+                    parts[leaf].append(self._gather(part, route.dst, full))
+                else:
+                    parts[leaf].append(self._get(self._rank(route.src, p.src_replica), full, dtype, key,
+                                                 self.tag(*key[:4], mb)))
         leaves = [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in parts]
         leaves = [t.requires_grad_() if needs_grad and t.is_floating_point() else t for t in leaves]
         return tree_unflatten(leaves, spec.tree), leaves
@@ -115,35 +147,46 @@ class Exchange:
     # backward: consumer replica -> producer replicas
     def send_backward(self, route_idx: int, replica: int, mb: int, leaves: list[torch.Tensor]) -> None:
         route = self.layout.routes[route_idx]
-        if not self._leads(route.dst, replica):
+        tp, stage = self._scattered(route), self.layout.stages[route.dst]
+        if not self._leads(route.dst, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
         spec = self.specs[route.block]
         start0, _ = self.layout.slice(route.dst, replica)
         for k, p in self._pieces_into(route, replica):
-            for src in self.layout.stages[route.src].tp_ranks(p.src_replica):
+            for j, src in enumerate(self.layout.stages[route.src].tp_ranks(p.src_replica)):
+                if tp and stage.tp_index(self.rank) != j:
+                    continue  # scatter/gather: tp-rank j sends the j-th part to its counterpart only
                 for leaf, t in enumerate(leaves):
                     if not t.is_floating_point():
                         continue
                     grad = t.grad if t.grad is not None else torch.zeros_like(t)
                     key = (route_idx, k, leaf, 1, mb)
                     r = spec.rows_of(leaf)
-                    self._put(src, grad[(p.start - start0) * r:(p.stop - start0) * r], key, self.tag(*key[:4], mb))
+                    piece = grad[(p.start - start0) * r:(p.stop - start0) * r]
+                    self._put(src, _part(piece, j, tp) if tp else piece, key, self.tag(*key[:4], mb))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
         """Add the gradients of this producer replica's output that the route's consumers send back."""
         route = self.layout.routes[route_idx]
         spec = self.specs[route.block]
         start0, _ = self.layout.slice(route.src, replica)
+        tp = self._scattered(route)
+        j = self.layout.stages[route.src].tp_index(self.rank) if tp else 0
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
                 continue
-            dst = self._rank(route.dst, p.dst_replica)
+            dst = self.layout.stages[route.dst].tp_ranks(p.dst_replica)[j] if tp else self._rank(route.dst, p.dst_replica)
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 if not dtype.is_floating_point:
                     continue
                 key = (route_idx, k, leaf, 1, mb)
                 r = spec.rows_of(leaf)
-                piece = self._get(dst, ((p.stop - p.start) * r, *shape), dtype, key, self.tag(*key[:4], mb))
+                full = ((p.stop - p.start) * r, *shape)
+                if tp:
+                    part = self._get(dst, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
+                    piece = self._gather(part, route.src, full)
+                else:
+                    piece = self._get(dst, full, dtype, key, self.tag(*key[:4], mb))
                 if grads[leaf] is None:
                     n = self.layout.slice(route.src, replica)
                     grads[leaf] = torch.zeros(((n[1] - n[0]) * r, *shape), dtype=dtype, device=self.device)
@@ -161,6 +204,19 @@ class Exchange:
         self.wait_s += _now() - t0
         if self.mailbox:
             raise RuntimeError(f"{len(self.mailbox)} local hand-overs were never consumed: schedule bug")
+
+
+def _part_len(shape: tuple[int, ...], tp: int) -> int:
+    """Elements of each of the tp parts of a tensor of `shape` (the last part zero-padded)."""
+    return -(-math.prod(shape) // tp)
+
+
+def _part(t: torch.Tensor, j: int, tp: int) -> torch.Tensor:
+    """The j-th of tp equal parts of t's elements, zero-padded to _part_len."""
+    n = _part_len(tuple(t.shape), tp)
+    flat = t.detach().reshape(-1)
+    part = flat[j * n:(j + 1) * n]
+    return part if part.numel() == n else torch.cat([part, part.new_zeros(n - part.numel())])
 
 
 def _now() -> float:

@@ -110,7 +110,7 @@ class RankTrainer:
         self.tasks: list[Task] = rank_tasks(self.layout, self.plan.training.schedule, ctx.rank)
         self.exchange = Exchange(self.layout, ctx.rank, self.rm.specs, ctx.device)
         self.dp_groups, tp_groups = self._process_groups()
-        self.tp_groups = tp_groups
+        self.tp_groups = self.exchange.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
         self.zero_replicated: dict[str, list] = {}  # stage key -> adopted parameters ZeRO leaves whole
         self.zero_blocks = self._apply_zero()  # stage key -> its blocks sharded by FSDP2 (ZeRO 1-3)

@@ -136,3 +136,34 @@ def test_clip_plan_splits_the_towers_on_disjoint_ranks():
     image = set(plan.group("image").ranks)
     text = set(plan.group("text").ranks)
     assert image.isdisjoint(text)
+
+def sent_bytes_worker(ctx, job):
+    from runtime.train import RankTrainer
+
+    torch.manual_seed(job.seed)
+    trainer = RankTrainer(ctx, job)
+    try:
+        trainer.run()
+        return trainer.exchange.bytes_sent
+    finally:
+        trainer.close()
+
+
+def test_equal_tp_stages_hand_over_by_scatter_gather_as_priced():
+    """tp2 x pp2 (stages on ranks 0,1 and 2,3): each tp rank sends its counterpart half of every floating-point
+    piece, forward and backward, and the receivers all-gather (Megatron's scatter/gather, which
+    cost_models/pipeline.route_time prices); the losses matching the reference is test_plan_matches_single_process_
+    reference[tp2xpp2]. Without it the leader (rank 0 / 2) would send a whole copy to each receiving tp rank."""
+    from cost_models.pipeline import route_time
+    from plans.stage_graph import stage_graph
+
+    model, groups, training = PLANS["tp2xpp2"]
+    plan = make_plan(model, groups, **training)
+    job = Job(plan=plan, model=model, steps=1, seed=0)
+    sent = launch(sent_bytes_worker, plan.world_size, job, timeout_s=120)
+    assert sent[0] == sent[1] > 0 and sent[2] == sent[3] > 0  # every tp rank sends its part
+    graph = stage_graph(plan)
+    priced = sum(route_time(graph, r, plan.cluster)[1] for r in graph.routes)  # the pieces' bytes, per micro-batch
+    m = training["micro_batches"]
+    assert (sent[2] + sent[3]) / m == pytest.approx(priced, rel=0.01)  # gradients: once, in halves
+    assert (sent[0] + sent[1]) / m == pytest.approx(priced, rel=0.01)  # activations: once, in halves
