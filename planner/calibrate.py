@@ -494,7 +494,7 @@ def _expected(times: list[float]) -> float:
 
 
 def _busy_gap(rank: int) -> Callable[[], Any]:
-    """The compute a training rank does between two messages (~0.5 ms of matmul), run before every timed message:
+    """The compute a training rank does between two messages (~1 ms of matmul), run before every timed message:
     gloo's threads then wake from idle onto cores that compute, as in a step ("gloo latency under load"), not
     from a tight loop of messages that keeps them hot."""
     a, b = torch.randn(160, 160, generator=torch.Generator().manual_seed(rank)), torch.randn(160, 160)
