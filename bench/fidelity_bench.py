@@ -179,6 +179,7 @@ class Row:
     optimizer_extra_bytes: float = 0.0  # the run's optimizer step moved this much more per parameter (_MLM21_OPT, _MLM22_OPT)
     grad_sync_bytes: int | None = None  # bytes per gradient element the run reduced over dp (None: the compute dtype's)
     overlapped_param_gather: bool = False  # ZeRO-1's parameter all-gather ran ahead of the next forward (Megatron-LM 2024)
+    tp_comm_overlap: bool = False  # the run's SP layers communicated inside their GEMMs (TransformerEngine userbuffers)
     note: str = ""
 
     @property
@@ -338,7 +339,7 @@ def predict(row: Row) -> tuple[float, float]:
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
                   fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
                   optimizer_extra_bytes=row.optimizer_extra_bytes, grad_sync_bytes=row.grad_sync_bytes,
-                  overlapped_param_gather=row.overlapped_param_gather)
+                  overlapped_param_gather=row.overlapped_param_gather, tp_comm_overlap=row.tp_comm_overlap)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step
