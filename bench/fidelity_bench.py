@@ -72,10 +72,13 @@ Sources:
   `_dispatch_gather_model_params`, `_finish_param_sync_helper`; `overlapped_param_gather`). Pipeline sends: without
   interleaving `overlap_p2p_comm` is forced off (arguments.py), so p2p is batch_isend_irecv, wait, then
   `torch.cuda.synchronize()` (`batch_p2p_sync` defaults to True, megatron/core/model_parallel_config.py;
-  megatron/core/pipeline_parallel/p2p_communication.py `_communicate`): `blocking_p2p`. Not modelled:
-  `--tp-comm-overlap`'s forward (TransformerEngine's userbuffers: chunked all-gather / reduce-scatter beside the
-  GEMMs; priced blocking here; its backward is `overlapped_tp_backward`), the optimizer step's extra passes of
-  2024's distributed optimizer (not read). Row rule: every row of the table.
+  megatron/core/pipeline_parallel/p2p_communication.py `_communicate`): `blocking_p2p`. `--tp-comm-overlap`
+  (tp > 1; it requires sequence parallelism): TransformerEngine's userbuffers with the defaults Megatron passes
+  (no `--tp-comm-overlap-cfg`; transformer_engine/pytorch/module/base.py initialize_ub at 8e039fdcd): ring-exchange
+  all-gather GEMMs (qkv / fc1 forward, proj / fc2 dgrad), the 4-split pipelined GEMM + reduce-scatter (proj / fc2
+  forward), bulk overlaps beside the qkv / fc1 dgrad and wgrad GEMMs, on 16 SMs taken from the GEMMs
+  (`tp_comm_overlap`: compute.userbuffers_tp_time). Not modelled: the optimizer step's extra passes of 2024's
+  distributed optimizer (not read). Row rule: every row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -251,7 +254,7 @@ ROWS = (
                                  attention="flash"),
           "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1, zero=1,
           fused_grad_accumulation=True, overlapped_tp_backward=True, grad_sync_bytes=4, overlapped_param_gather=True,
-          blocking_p2p=True)
+          blocking_p2p=True, tp_comm_overlap=tp > 1)
       for name, heads, hidden, layers, tp, pp, batch, tflops in (
           ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
           ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
