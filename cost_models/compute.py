@@ -214,7 +214,11 @@ def userbuffers_tp_time(block: Block, samples: float, t: int, link: Link, cluste
       gradient's reduce-scatter beside the wgrad GEMM: each exposes what it exceeds its GEMM;
     - the 16-SM kernels (pipelined splits but the last, bulk) take their SMs from the GEMM they run beside: the GEMM
       loses 16 / (SMs of the device) of its throughput for as long as both run (hardware.sm_count; not priced on a
-      device of unknown SM count).
+      device of unknown SM count);
+    - the split GEMMs are kernels of their own size (t chunks for a ring exchange, 4 for the pipelined split),
+      each priced on the device's efficiency curve as every GEMM is (gemm_time: a per-kernel cost, so n chunks
+      cost n - 1 more than one kernel). An upper bound: TE launches the chunks on up to 3 compute streams
+      (_NUM_MAX_UB_STREAMS), so one chunk's tail may overlap the next one's start.
 
     GEMMs of the layer, by FLOPs per sample on this rank (1/t): the attention exit (proj) 2 s h^2, its entry (qkv)
     3 x that (multi-head attention; grouped-query entries are smaller: over-estimated), the MLP's entry and exit
@@ -235,6 +239,10 @@ def userbuffers_tp_time(block: Block, samples: float, t: int, link: Link, cluste
     fwd = bwd = 0.0
     for entry, exit_ in ((3 * proj, proj), (mlp, mlp)):
         g_in, g_out = gemm_time(entry * scale, 1, cluster, dtype), gemm_time(exit_ * scale, 1, cluster, dtype)
+        # the split GEMMs: each chunk a kernel of its own size, on the same efficiency curve as every GEMM
+        fwd += gemm_time(entry * scale, t, cluster, dtype) - g_in
+        fwd += gemm_time(exit_ * scale, _UB_SPLITS, cluster, dtype) - g_out
+        bwd += gemm_time(exit_ * scale, t, cluster, dtype) - g_out
         fwd += (t - 1) * max(0.0, P - g_in / t)
         fwd += max(R / _UB_SPLITS, R - (_UB_SPLITS - 1) * g_out / _UB_SPLITS)
         fwd += share * min((_UB_SPLITS - 1) * R, (_UB_SPLITS - 1) * g_out) / _UB_SPLITS
