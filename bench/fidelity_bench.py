@@ -77,8 +77,9 @@ Sources:
   (no `--tp-comm-overlap-cfg`; transformer_engine/pytorch/module/base.py initialize_ub at 8e039fdcd): ring-exchange
   all-gather GEMMs (qkv / fc1 forward, proj / fc2 dgrad), the 4-split pipelined GEMM + reduce-scatter (proj / fc2
   forward), bulk overlaps beside the qkv / fc1 dgrad and wgrad GEMMs, on 16 SMs taken from the GEMMs
-  (`tp_comm_overlap`: compute.userbuffers_tp_time). Not modelled: the optimizer step's extra passes of 2024's
-  distributed optimizer (not read). Row rule: every row of the table.
+  (`tp_comm_overlap`: compute.userbuffers_tp_time). The distributed optimizer's step passes and the zeroing of
+  the whole fp32 gradient buffer every step (`optimizer_extra_bytes`, see [MLM24] below the rows). Row rule: every
+  row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -269,9 +270,18 @@ ROWS = (
 )
 
 # [MLM] the optimizer step's extra passes on every Megatron-LM row of 2021-2022 (2021: [N21], [MLM175]; 2022: [K22],
-# [K22T4]); not on [MLM24] (2024's distributed optimizer: its step's passes are not read here), [L3], [LLaVA]
+# [K22T4]); [MLM24] below; not on [L3], [LLaVA]
 ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(("N21", "MLM README"))
                      else _MLM22_OPT if r.source.startswith("K22") else 0.0) for r in ROWS)
+# [MLM24] the distributed optimizer's step (megatron/core/optimizer/optimizer.py MixedPrecisionOptimizer.step,
+# distrib_optimizer.py at f2e5db402c) on its 1/dp shard: the main_grad views are fp32 already (`.float()` moves
+# nothing), bf16 has no grad scaler, the l2 norm, Adam's fp32 gradient read and the fp32 -> bf16 parameter copy's read
+# (mixed_precision_step_bytes, no zeroing: 10 B); plus training.py's zero_grad_buffer() at the start of every step,
+# which zeroes the whole unsharded fp32 buffer (param_and_grad_buffer.py `reset`: grad_data.zero_()), 4 B per
+# parameter of the rank = 4 x dp per updated (sharded) parameter
+ROWS = tuple(replace(r, optimizer_extra_bytes=mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=False,
+                                                                         loss_scaling=False) + 4 * r.dp)
+             if r.source.startswith("MLM24") else r for r in ROWS)
 # [MLM] 2022 ([K22], [K22T4]): the fp32 `main_grad` buffer (above) is what local DDP all-reduces (megatron/model/
 # distributed.py allreduce_gradients at 9aad9203aa: the buffer's data); 2021 ([N21], [MLM175]) reduced the fp16 `.grad`
 ROWS = tuple(replace(r, grad_sync_bytes=4) if r.source.startswith("K22") else r for r in ROWS)
