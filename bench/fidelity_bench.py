@@ -198,9 +198,12 @@ def _gpt(name, layers, hidden, heads) -> Model:
 # [MLM] Megatron-LM's mixed-precision optimizer step (compute.mixed_precision_step_bytes): in 2021 ([N21], [MLM175]:
 # fp16 gradients accumulated in `.grad`, set to None after the step) and in 2022 ([K22]: gradient accumulation fusion
 # needs `--accumulate-allreduce-grads-in-fp32`, megatron/arguments.py at 9aad9203aa, so an fp32 contiguous `main_grad`
-# buffer, zeroed every step); fp16 with dynamic loss scaling in both
+# buffer, zeroed every step); fp16 with dynamic loss scaling in both. 2022 adds one more pass over that buffer every
+# step: train_step's local DDP `allreduce_gradients` divides it by the data-parallel size before all-reducing it,
+# `buffer_.data /= mpu.get_data_parallel_world_size()` (megatron/model/distributed.py at 9aad9203aa; also at dp 1),
+# read + write fp32, 8 B per parameter
 _MLM21_OPT = mixed_precision_step_bytes(grad_bytes=2, zeroed_buffer=False, loss_scaling=True)
-_MLM22_OPT = mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True)
+_MLM22_OPT = mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True) + 8
 
 LLAMA3_405B = Model("llama3-405b", 126, 16384, 128, seq=8192, vocab=128256, mlp=53248, kv_heads=8,
                     attention="flash", gated=True, dropout=0.0)
