@@ -276,6 +276,15 @@ ROWS = (
 # [K22T4]); [MLM24] below; not on [L3], [LLaVA]
 ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(("N21", "MLM README"))
                      else _MLM22_OPT if r.source.startswith("K22") else 0.0) for r in ROWS)
+# [SC21] `--DDP-impl torch` (the N21 rows up to 18.4B: the ones whose gradient sync overlaps the backward): PyTorch
+# DDP as Megatron-LM builds it (megatron/training.py at de7dc40f88: no gradient_as_bucket_view), whose reducer copies
+# each fp16 gradient into its bucket, dividing by the world size on the way (torch/csrc/distributed/c10d/reducer.cpp
+# Reducer::mark_variable_ready_dense, at::mul_out into the bucket view) and copies the reduced bucket back into
+# `.grad` (copy_bucket_to_grad), once per step (the earlier micro-batches run under no_sync, megatron/schedules.py):
+# 2 x (read 2 + write 2) = 8 B per parameter, on the compute stream
+_TORCH_DDP_COPIES = 8
+ROWS = tuple(replace(r, optimizer_extra_bytes=r.optimizer_extra_bytes + _TORCH_DDP_COPIES)
+             if r.source.startswith("N21") and r.grad_sync_overlap else r for r in ROWS)
 # [MLM24] the distributed optimizer's step (megatron/core/optimizer/optimizer.py MixedPrecisionOptimizer.step,
 # distrib_optimizer.py at f2e5db402c) on its 1/dp shard: the main_grad views are fp32 already (`.float()` moves
 # nothing), bf16 has no grad scaler, the l2 norm, Adam's fp32 gradient read and the fp32 -> bf16 parameter copy's read
