@@ -17,7 +17,8 @@ Sources:
   (commit de7dc40f883c, 2021-08-10, "scripts for sc21"): per row the micro-batch size (16, 16, 16, 8, 4, 2, 2,
   1, 1, 1), `--num-layers-per-virtual-pipeline-stage` (76B: 5, 145B: 5, 310B: 3, 530B: 1; the others 1F1B
   without interleaving), `--DDP-impl` (torch up to 18B, local from 39B), `--checkpoint-activations`, `--fp16`
-  (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048.
+  (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048. The DDPs' gradient copies per step (PyTorch
+  DDP's bucket copies, Megatron's flatten / divide / copy back) as `optimizer_extra_bytes` (below the rows).
 - [MLM175] NVIDIA/Megatron-LM README at 152aab304d (2021-01-11): "With full global batch size of 1536 on 1024 A100
   GPUs, each iteration takes around 32 seconds resulting in 138 teraFLOPs per GPU" for examples/pretrain_gpt3_175B.sh
   (same commit; the [N21] formula gives 137.7 TFLOP/s for 32 s, so that is the metric). A100 80GB assumed (Selene,
@@ -283,8 +284,14 @@ ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(
 # `.grad` (copy_bucket_to_grad), once per step (the earlier micro-batches run under no_sync, megatron/schedules.py):
 # 2 x (read 2 + write 2) = 8 B per parameter, on the compute stream
 _TORCH_DDP_COPIES = 8
-ROWS = tuple(replace(r, optimizer_extra_bytes=r.optimizer_extra_bytes + _TORCH_DDP_COPIES)
-             if r.source.startswith("N21") and r.grad_sync_overlap else r for r in ROWS)
+# [SC21] `--DDP-impl local` (39.1B and up) and [MLM175]: Megatron-LM's own DDP without contiguous buffers (the
+# scripts do not pass `--use-contiguous-buffers-in-ddp`) all-reduces after the backward by flattening the fp16
+# gradients into one tensor, dividing it by the dp size and copying the result back (megatron/model/distributed.py
+# allreduce_gradients at de7dc40f88, allreduce_params at 152aab304d): 3 x (read 2 + write 2) = 12 B per parameter
+_LOCAL_DDP_COPIES = 12
+ROWS = tuple(replace(r, optimizer_extra_bytes=r.optimizer_extra_bytes
+                     + (_TORCH_DDP_COPIES if r.grad_sync_overlap else _LOCAL_DDP_COPIES))
+             if r.source.startswith(("N21", "MLM README")) else r for r in ROWS)
 # [MLM24] the distributed optimizer's step (megatron/core/optimizer/optimizer.py MixedPrecisionOptimizer.step,
 # distrib_optimizer.py at f2e5db402c) on its 1/dp shard: the main_grad views are fp32 already (`.float()` moves
 # nothing), bf16 has no grad scaler, the l2 norm, Adam's fp32 gradient read and the fp32 -> bf16 parameter copy's read
