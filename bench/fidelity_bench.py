@@ -149,6 +149,7 @@ class Model:
     zoo: str = ""  # a model of mmplan's zoo (profiled at full depth) instead of the Megatron-style decoder
     hf: str = ""  # transformers' LLaVA-1.5 of this size ("7b" / "13b"), executed eagerly (published_models.hf_llava_profile)
     freeze: tuple[str, ...] = ()
+    softmax_grad_in_memory: bool = False  # the attention dropout is a kernel of its own (Megatron-LM, math attention)
 
     @property
     def params(self) -> float:
@@ -193,7 +194,11 @@ class Row:
 
 
 def _gpt(name, layers, hidden, heads) -> Model:
-    return Model(name, layers, hidden, heads)
+    """A Megatron-LM GPT of 2021-2022 ([N21], [MLM175], [K22], [K22T4]): its attention dropout runs as a torch kernel
+    after the fused scale-mask-softmax (megatron/model/transformer.py at de7dc40f88 / 9aad9203aa), so the
+    probabilities' gradient goes through memory between the two backward kernels (profile_model's
+    softmax_grad_in_memory)."""
+    return Model(name, layers, hidden, heads, softmax_grad_in_memory=True)
 
 
 # [MLM] Megatron-LM's mixed-precision optimizer step (compute.mixed_precision_step_bytes): in 2021 ([N21], [MLM175]:
@@ -350,7 +355,7 @@ def profile_of(m: Model) -> Profile:
     if m not in _PROFILES:
         _PROFILES[m] = gpt_profile(m.name, layers=m.layers, dim=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab,
                                    mlp=m.mlp, kv_heads=m.kv_heads, attention=m.attention, dropout=m.dropout,
-                                   gated=m.gated)
+                                   gated=m.gated, softmax_grad_in_memory=m.softmax_grad_in_memory)
     return _PROFILES[m]
 
 
