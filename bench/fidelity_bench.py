@@ -79,8 +79,9 @@ Sources:
   all-gather GEMMs (qkv / fc1 forward, proj / fc2 dgrad), the 4-split pipelined GEMM + reduce-scatter (proj / fc2
   forward), bulk overlaps beside the qkv / fc1 dgrad and wgrad GEMMs, on 16 SMs taken from the GEMMs
   (`tp_comm_overlap`: compute.userbuffers_tp_time). The distributed optimizer's step passes and the zeroing of
-  the whole fp32 gradient buffer every step (`optimizer_extra_bytes`, see [MLM24] below the rows). Row rule: every
-  row of the table.
+  the whole fp32 gradient buffer every step (`optimizer_extra_bytes`, see [MLM24] below the rows); the unfused
+  vocabulary-parallel cross-entropy (`cross_entropy_bytes`, _MLM_CROSS_ENTROPY, also on the [MLM] rows). Row rule:
+  every row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -186,6 +187,7 @@ class Row:
     grad_sync_bytes: int | None = None  # bytes per gradient element the run reduced over dp (None: the compute dtype's)
     overlapped_param_gather: bool = False  # ZeRO-1's parameter all-gather ran ahead of the next forward (Megatron-LM 2024)
     tp_comm_overlap: bool = False  # the run's SP layers communicated inside their GEMMs (TransformerEngine userbuffers)
+    cross_entropy_bytes: tuple[float, float] | None = None  # (fwd, bwd) bytes per logit of the run's loss (_MLM_CROSS_ENTROPY)
     note: str = ""
 
     @property
@@ -306,6 +308,15 @@ ROWS = tuple(replace(r, optimizer_extra_bytes=r.optimizer_extra_bytes
 ROWS = tuple(replace(r, optimizer_extra_bytes=mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=False,
                                                                          loss_scaling=False) + 4 * r.dp)
              if r.source.startswith("MLM24") else r for r in ROWS)
+# [MLM], [MLM24] Megatron-LM's vocabulary-parallel cross-entropy, unfused (2021-2022: megatron/model/gpt_model.py
+# passes `output.float()` to mpu/cross_entropy.py at de7dc40f88 / 9aad9203aa; 2024: tensor_parallel/cross_entropy.py
+# `calculate_logits_max` does `.float()`, `--cross-entropy-loss-fusion` off by default, at f2e5db402c), per 16-bit
+# logit: forward the fp32 copy (read 2, write 4), max (read 4), sub_ (read 4, write 4), exp (read 4, write 4), sum
+# (read 4), div_ (read 4, write 4) = 38 B; backward mul_ by the loss gradient (read 4, write 4) and the copy's
+# backward to 16 bits (read 4, write 2) = 14 B (the cost model's default prices a fused kernel: 8 and 8)
+_MLM_CROSS_ENTROPY = (2 + 4 + 4 + 8 + 8 + 4 + 8, 8 + 4 + 2)
+ROWS = tuple(replace(r, cross_entropy_bytes=_MLM_CROSS_ENTROPY)
+             if r.source.startswith(("N21", "MLM README", "K22", "MLM24")) else r for r in ROWS)
 # [MLM] 2022 ([K22], [K22T4]): the fp32 `main_grad` buffer (above) is what local DDP all-reduces (megatron/model/
 # distributed.py allreduce_gradients at 9aad9203aa: the buffer's data); 2021 ([N21], [MLM175]) reduced the fp16 `.grad`
 ROWS = tuple(replace(r, grad_sync_bytes=4) if r.source.startswith("K22") else r for r in ROWS)
@@ -376,7 +387,8 @@ def predict(row: Row) -> tuple[float, float]:
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
                   fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
                   optimizer_extra_bytes=row.optimizer_extra_bytes, grad_sync_bytes=row.grad_sync_bytes,
-                  overlapped_param_gather=row.overlapped_param_gather, tp_comm_overlap=row.tp_comm_overlap)
+                  overlapped_param_gather=row.overlapped_param_gather, tp_comm_overlap=row.tp_comm_overlap,
+                  cross_entropy_bytes=row.cross_entropy_bytes)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step

@@ -97,8 +97,8 @@ def memory_time(nbytes: float, cluster: Cluster) -> float:
     return nbytes / stream_bandwidth(cluster.device) if nbytes > 0 else 0.0
 
 
-def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str
-             ) -> tuple[float, float, float]:
+def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str,
+             cross_entropy_bytes: tuple[float, float] | None = None) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one tp shard's compute, by op class: GEMMs (divided
     over the tp ranks; backward = dgrad + wgrad, two kernels per forward GEMM), fused attention (divided), and
     memory-bound bytes, of which the share outside the TP regions (norms, residual) every tp rank repeats unless
@@ -120,10 +120,12 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     if block.vocab_parallel == "head":
         # the fused vocabulary-parallel cross-entropy over this shard's logits: max, exp-sum and the loss forward,
         # the softmax gradient backward, each a pass reading and writing the fp32 logits (Megatron-LM
-        # tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy); logits are output_bytes in `dtype`
-        logits = block.output_bytes * samples / t * 4 / DTYPE_BYTES[dtype]
-        fwd += memory_time(2 * logits, cluster)
-        bwd += memory_time(2 * logits, cluster)
+        # tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy); logits are output_bytes in `dtype`.
+        # `cross_entropy_bytes`: (forward, backward) bytes per logit of a runtime that moves otherwise
+        logits = block.output_bytes * samples / t / DTYPE_BYTES[dtype]
+        per_logit = cross_entropy_bytes or (2 * 4, 2 * 4)
+        fwd += memory_time(per_logit[0] * logits, cluster)
+        bwd += memory_time(per_logit[1] * logits, cluster)
     # selective recompute reruns the core: its fused kernel, and rewrites what it saved (scores, softmax, mask)
     core += memory_time(2 * block.attention_core_bytes * samples / t, cluster)
     return fwd, bwd, core
@@ -265,6 +267,7 @@ def block_time(
     input_bytes: float = 0.0,
     overlapped_tp_backward: bool = False,
     tp_comm_overlap: bool = False,
+    cross_entropy_bytes: tuple[float, float] | None = None,
 ) -> OpTime:
     """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
@@ -281,6 +284,8 @@ def block_time(
     `tp_comm_overlap`: a sequence-parallel transformer layer's communication runs inside its GEMMs as
     TransformerEngine's userbuffers do (Megatron-LM `--tp-comm-overlap`, which requires sequence parallelism:
     userbuffers_tp_time); other blocks, and layers without sequence parallelism, are priced as without it.
+    `cross_entropy_bytes`: (forward, backward) bytes per logit the runtime's cross-entropy moves on the output head
+    (default: the fused vocabulary-parallel cross-entropy, two fp32 passes each way: _compute).
     """
     t = tp_shard(block, tp)
     core = 0.0
@@ -294,7 +299,7 @@ def block_time(
         if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs
             core = fwd * block.fwd_attention_flops / block.fwd_flops
     elif by_op_class(block):
-        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype)
+        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype, cross_entropy_bytes)
     else:
         peak = peak_flops(cluster.device, dtype)
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard

@@ -162,3 +162,20 @@ def test_userbuffers_overlap_exposes_the_last_reduce_scatter_split_and_the_comm_
     off = block_time(block, samples, t, cluster, sequence_parallel=True, overlapped_tp_backward=True)
     assert on.fwd_comm == pytest.approx(fwd) and on.bwd_comm == pytest.approx(bwd) and on.fwd == off.fwd
     assert block_time(block, samples, t, cluster, tp_comm_overlap=True) == block_time(block, samples, t, cluster)
+
+
+def test_cross_entropy_bytes_price_the_head_loss_per_logit():
+    # default: a fused vocabulary-parallel cross-entropy, two fp32 passes each way (8 B per 16-bit logit); a runtime
+    # that moves (38, 14) B per logit (Megatron-LM's unfused loss on an fp32 copy) pays the difference at the
+    # stream bandwidth on this shard's logits, nowhere else
+    cluster = catalog_cluster("a100-80g")
+    V, t, samples = 51200, 8, 2
+    head = Block("head", "g", "Linear", V * H, 2 * V * H, 2.0 * S * V * H, 4.0 * S * V * H, 2 * SBH, 2.0 * S * V,
+                 fwd_matmul_flops=2.0 * S * V * H, bwd_matmul_flops=4.0 * S * V * H, matmuls=1, vocab_parallel="head")
+    default = block_time(head, samples, t, cluster)
+    assert block_time(head, samples, t, cluster, cross_entropy_bytes=(8, 8)) == default
+    unfused = block_time(head, samples, t, cluster, cross_entropy_bytes=(38, 14))
+    logits = S * V * samples / t
+    assert unfused.fwd - default.fwd == pytest.approx(30 * logits / stream_bandwidth(cluster.device))
+    assert unfused.bwd - default.bwd == pytest.approx(6 * logits / stream_bandwidth(cluster.device))
+    assert block_time(layer(), samples, t, cluster, cross_entropy_bytes=(38, 14)) == block_time(layer(), samples, t, cluster)
