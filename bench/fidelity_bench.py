@@ -17,7 +17,8 @@ Sources:
   (commit de7dc40f883c, 2021-08-10, "scripts for sc21"): per row the micro-batch size (16, 16, 16, 8, 4, 2, 2,
   1, 1, 1), `--num-layers-per-virtual-pipeline-stage` (76B: 5, 145B: 5, 310B: 3, 530B: 1; the others 1F1B
   without interleaving), `--DDP-impl` (torch up to 18B, local from 39B), `--checkpoint-activations`, `--fp16`
-  (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048.
+  (fp16 has the bf16 peak on A100), `--clip-grad 1.0`, seq 2048. The DDPs' gradient copies per step (PyTorch
+  DDP's bucket copies, Megatron's flatten / divide / copy back) as `optimizer_extra_bytes` (below the rows).
 - [MLM175] NVIDIA/Megatron-LM README at 152aab304d (2021-01-11): "With full global batch size of 1536 on 1024 A100
   GPUs, each iteration takes around 32 seconds resulting in 138 teraFLOPs per GPU" for examples/pretrain_gpt3_175B.sh
   (same commit; the [N21] formula gives 137.7 TFLOP/s for 32 s, so that is the metric). A100 80GB assumed (Selene,
@@ -72,10 +73,15 @@ Sources:
   `_dispatch_gather_model_params`, `_finish_param_sync_helper`; `overlapped_param_gather`). Pipeline sends: without
   interleaving `overlap_p2p_comm` is forced off (arguments.py), so p2p is batch_isend_irecv, wait, then
   `torch.cuda.synchronize()` (`batch_p2p_sync` defaults to True, megatron/core/model_parallel_config.py;
-  megatron/core/pipeline_parallel/p2p_communication.py `_communicate`): `blocking_p2p`. Not modelled:
-  `--tp-comm-overlap`'s forward (TransformerEngine's userbuffers: chunked all-gather / reduce-scatter beside the
-  GEMMs; priced blocking here; its backward is `overlapped_tp_backward`), the optimizer step's extra passes of
-  2024's distributed optimizer (not read). Row rule: every row of the table.
+  megatron/core/pipeline_parallel/p2p_communication.py `_communicate`): `blocking_p2p`. `--tp-comm-overlap`
+  (tp > 1; it requires sequence parallelism): TransformerEngine's userbuffers with the defaults Megatron passes
+  (no `--tp-comm-overlap-cfg`; transformer_engine/pytorch/module/base.py initialize_ub at 8e039fdcd): ring-exchange
+  all-gather GEMMs (qkv / fc1 forward, proj / fc2 dgrad), the 4-split pipelined GEMM + reduce-scatter (proj / fc2
+  forward), bulk overlaps beside the qkv / fc1 dgrad and wgrad GEMMs, on 16 SMs taken from the GEMMs
+  (`tp_comm_overlap`: compute.userbuffers_tp_time). The distributed optimizer's step passes and the zeroing of
+  the whole fp32 gradient buffer every step (`optimizer_extra_bytes`, see [MLM24] below the rows); the unfused
+  vocabulary-parallel cross-entropy (`cross_entropy_bytes`, _MLM_CROSS_ENTROPY, also on the [MLM] rows). Row rule:
+  every row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
   6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
@@ -144,6 +150,7 @@ class Model:
     zoo: str = ""  # a model of mmplan's zoo (profiled at full depth) instead of the Megatron-style decoder
     hf: str = ""  # transformers' LLaVA-1.5 of this size ("7b" / "13b"), executed eagerly (published_models.hf_llava_profile)
     freeze: tuple[str, ...] = ()
+    softmax_grad_in_memory: bool = False  # the attention dropout is a kernel of its own (Megatron-LM, math attention)
 
     @property
     def params(self) -> float:
@@ -179,6 +186,8 @@ class Row:
     optimizer_extra_bytes: float = 0.0  # the run's optimizer step moved this much more per parameter (_MLM21_OPT, _MLM22_OPT)
     grad_sync_bytes: int | None = None  # bytes per gradient element the run reduced over dp (None: the compute dtype's)
     overlapped_param_gather: bool = False  # ZeRO-1's parameter all-gather ran ahead of the next forward (Megatron-LM 2024)
+    tp_comm_overlap: bool = False  # the run's SP layers communicated inside their GEMMs (TransformerEngine userbuffers)
+    cross_entropy_bytes: tuple[float, float] | None = None  # (fwd, bwd) bytes per logit of the run's loss (_MLM_CROSS_ENTROPY)
     note: str = ""
 
     @property
@@ -187,15 +196,22 @@ class Row:
 
 
 def _gpt(name, layers, hidden, heads) -> Model:
-    return Model(name, layers, hidden, heads)
+    """A Megatron-LM GPT of 2021-2022 ([N21], [MLM175], [K22], [K22T4]): its attention dropout runs as a torch kernel
+    after the fused scale-mask-softmax (megatron/model/transformer.py at de7dc40f88 / 9aad9203aa), so the
+    probabilities' gradient goes through memory between the two backward kernels (profile_model's
+    softmax_grad_in_memory)."""
+    return Model(name, layers, hidden, heads, softmax_grad_in_memory=True)
 
 
 # [MLM] Megatron-LM's mixed-precision optimizer step (compute.mixed_precision_step_bytes): in 2021 ([N21], [MLM175]:
 # fp16 gradients accumulated in `.grad`, set to None after the step) and in 2022 ([K22]: gradient accumulation fusion
 # needs `--accumulate-allreduce-grads-in-fp32`, megatron/arguments.py at 9aad9203aa, so an fp32 contiguous `main_grad`
-# buffer, zeroed every step); fp16 with dynamic loss scaling in both
+# buffer, zeroed every step); fp16 with dynamic loss scaling in both. 2022 adds one more pass over that buffer every
+# step: train_step's local DDP `allreduce_gradients` divides it by the data-parallel size before all-reducing it,
+# `buffer_.data /= mpu.get_data_parallel_world_size()` (megatron/model/distributed.py at 9aad9203aa; also at dp 1),
+# read + write fp32, 8 B per parameter
 _MLM21_OPT = mixed_precision_step_bytes(grad_bytes=2, zeroed_buffer=False, loss_scaling=True)
-_MLM22_OPT = mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True)
+_MLM22_OPT = mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=True, loss_scaling=True) + 8
 
 LLAMA3_405B = Model("llama3-405b", 126, 16384, 128, seq=8192, vocab=128256, mlp=53248, kv_heads=8,
                     attention="flash", gated=True, dropout=0.0)
@@ -250,7 +266,7 @@ ROWS = (
                                  attention="flash"),
           "h100-sxm", tp, pp, 48, batch, tflops, "k22", recompute="none", sequence_parallel=tp > 1, zero=1,
           fused_grad_accumulation=True, overlapped_tp_backward=True, grad_sync_bytes=4, overlapped_param_gather=True,
-          blocking_p2p=True)
+          blocking_p2p=True, tp_comm_overlap=tp > 1)
       for name, heads, hidden, layers, tp, pp, batch, tflops in (
           ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
           ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
@@ -265,9 +281,42 @@ ROWS = (
 )
 
 # [MLM] the optimizer step's extra passes on every Megatron-LM row of 2021-2022 (2021: [N21], [MLM175]; 2022: [K22],
-# [K22T4]); not on [MLM24] (2024's distributed optimizer: its step's passes are not read here), [L3], [LLaVA]
+# [K22T4]); [MLM24] below; not on [L3], [LLaVA]
 ROWS = tuple(replace(r, optimizer_extra_bytes=_MLM21_OPT if r.source.startswith(("N21", "MLM README"))
                      else _MLM22_OPT if r.source.startswith("K22") else 0.0) for r in ROWS)
+# [SC21] `--DDP-impl torch` (the N21 rows up to 18.4B: the ones whose gradient sync overlaps the backward): PyTorch
+# DDP as Megatron-LM builds it (megatron/training.py at de7dc40f88: no gradient_as_bucket_view), whose reducer copies
+# each fp16 gradient into its bucket, dividing by the world size on the way (torch/csrc/distributed/c10d/reducer.cpp
+# Reducer::mark_variable_ready_dense, at::mul_out into the bucket view) and copies the reduced bucket back into
+# `.grad` (copy_bucket_to_grad), once per step (the earlier micro-batches run under no_sync, megatron/schedules.py):
+# 2 x (read 2 + write 2) = 8 B per parameter, on the compute stream
+_TORCH_DDP_COPIES = 8
+# [SC21] `--DDP-impl local` (39.1B and up) and [MLM175]: Megatron-LM's own DDP without contiguous buffers (the
+# scripts do not pass `--use-contiguous-buffers-in-ddp`) all-reduces after the backward by flattening the fp16
+# gradients into one tensor, dividing it by the dp size and copying the result back (megatron/model/distributed.py
+# allreduce_gradients at de7dc40f88, allreduce_params at 152aab304d): 3 x (read 2 + write 2) = 12 B per parameter
+_LOCAL_DDP_COPIES = 12
+ROWS = tuple(replace(r, optimizer_extra_bytes=r.optimizer_extra_bytes
+                     + (_TORCH_DDP_COPIES if r.grad_sync_overlap else _LOCAL_DDP_COPIES))
+             if r.source.startswith(("N21", "MLM README")) else r for r in ROWS)
+# [MLM24] the distributed optimizer's step (megatron/core/optimizer/optimizer.py MixedPrecisionOptimizer.step,
+# distrib_optimizer.py at f2e5db402c) on its 1/dp shard: the main_grad views are fp32 already (`.float()` moves
+# nothing), bf16 has no grad scaler, the l2 norm, Adam's fp32 gradient read and the fp32 -> bf16 parameter copy's read
+# (mixed_precision_step_bytes, no zeroing: 10 B); plus training.py's zero_grad_buffer() at the start of every step,
+# which zeroes the whole unsharded fp32 buffer (param_and_grad_buffer.py `reset`: grad_data.zero_()), 4 B per
+# parameter of the rank = 4 x dp per updated (sharded) parameter
+ROWS = tuple(replace(r, optimizer_extra_bytes=mixed_precision_step_bytes(grad_bytes=4, zeroed_buffer=False,
+                                                                         loss_scaling=False) + 4 * r.dp)
+             if r.source.startswith("MLM24") else r for r in ROWS)
+# [MLM], [MLM24] Megatron-LM's vocabulary-parallel cross-entropy, unfused (2021-2022: megatron/model/gpt_model.py
+# passes `output.float()` to mpu/cross_entropy.py at de7dc40f88 / 9aad9203aa; 2024: tensor_parallel/cross_entropy.py
+# `calculate_logits_max` does `.float()`, `--cross-entropy-loss-fusion` off by default, at f2e5db402c), per 16-bit
+# logit: forward the fp32 copy (read 2, write 4), max (read 4), sub_ (read 4, write 4), exp (read 4, write 4), sum
+# (read 4), div_ (read 4, write 4) = 38 B; backward mul_ by the loss gradient (read 4, write 4) and the copy's
+# backward to 16 bits (read 4, write 2) = 14 B (the cost model's default prices a fused kernel: 8 and 8)
+_MLM_CROSS_ENTROPY = (2 + 4 + 4 + 8 + 8 + 4 + 8, 8 + 4 + 2)
+ROWS = tuple(replace(r, cross_entropy_bytes=_MLM_CROSS_ENTROPY)
+             if r.source.startswith(("N21", "MLM README", "K22", "MLM24")) else r for r in ROWS)
 # [MLM] 2022 ([K22], [K22T4]): the fp32 `main_grad` buffer (above) is what local DDP all-reduces (megatron/model/
 # distributed.py allreduce_gradients at 9aad9203aa: the buffer's data); 2021 ([N21], [MLM175]) reduced the fp16 `.grad`
 ROWS = tuple(replace(r, grad_sync_bytes=4) if r.source.startswith("K22") else r for r in ROWS)
@@ -317,7 +366,7 @@ def profile_of(m: Model) -> Profile:
     if m not in _PROFILES:
         _PROFILES[m] = gpt_profile(m.name, layers=m.layers, dim=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab,
                                    mlp=m.mlp, kv_heads=m.kv_heads, attention=m.attention, dropout=m.dropout,
-                                   gated=m.gated)
+                                   gated=m.gated, softmax_grad_in_memory=m.softmax_grad_in_memory)
     return _PROFILES[m]
 
 
@@ -338,7 +387,8 @@ def predict(row: Row) -> tuple[float, float]:
     ev = evaluate(plan, profile, grad_sync_overlap=row.grad_sync_overlap, blocking_p2p=row.blocking_p2p,
                   fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
                   optimizer_extra_bytes=row.optimizer_extra_bytes, grad_sync_bytes=row.grad_sync_bytes,
-                  overlapped_param_gather=row.overlapped_param_gather)
+                  overlapped_param_gather=row.overlapped_param_gather, tp_comm_overlap=row.tp_comm_overlap,
+                  cross_entropy_bytes=row.cross_entropy_bytes)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step

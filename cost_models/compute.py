@@ -5,8 +5,8 @@ import re
 
 from dataclasses import dataclass
 
-from cost_models.comm import all_gather_time, all_reduce_time, reduce_scatter_time
-from cost_models.hardware import attention_efficiency, efficiency, peak_flops, stream_bandwidth
+from cost_models.comm import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
+from cost_models.hardware import attention_efficiency, efficiency, peak_flops, sm_count, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
 from cost_models.offload import transfer_time
 from plans.cluster import Cluster, Link
@@ -97,8 +97,8 @@ def memory_time(nbytes: float, cluster: Cluster) -> float:
     return nbytes / stream_bandwidth(cluster.device) if nbytes > 0 else 0.0
 
 
-def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str
-             ) -> tuple[float, float, float]:
+def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str,
+             cross_entropy_bytes: tuple[float, float] | None = None) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one tp shard's compute, by op class: GEMMs (divided
     over the tp ranks; backward = dgrad + wgrad, two kernels per forward GEMM), fused attention (divided), and
     memory-bound bytes, of which the share outside the TP regions (norms, residual) every tp rank repeats unless
@@ -120,10 +120,12 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     if block.vocab_parallel == "head":
         # the fused vocabulary-parallel cross-entropy over this shard's logits: max, exp-sum and the loss forward,
         # the softmax gradient backward, each a pass reading and writing the fp32 logits (Megatron-LM
-        # tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy); logits are output_bytes in `dtype`
-        logits = block.output_bytes * samples / t * 4 / DTYPE_BYTES[dtype]
-        fwd += memory_time(2 * logits, cluster)
-        bwd += memory_time(2 * logits, cluster)
+        # tensor_parallel/cross_entropy.py _VocabParallelCrossEntropy); logits are output_bytes in `dtype`.
+        # `cross_entropy_bytes`: (forward, backward) bytes per logit of a runtime that moves otherwise
+        logits = block.output_bytes * samples / t / DTYPE_BYTES[dtype]
+        per_logit = cross_entropy_bytes or (2 * 4, 2 * 4)
+        fwd += memory_time(per_logit[0] * logits, cluster)
+        bwd += memory_time(per_logit[1] * logits, cluster)
     # selective recompute reruns the core: its fused kernel, and rewrites what it saved (scores, softmax, mask)
     core += memory_time(2 * block.attention_core_bytes * samples / t, cluster)
     return fwd, bwd, core
@@ -187,6 +189,70 @@ def regather_time(block: Block, samples: float, t: int, link: Link) -> float:
     return 2 * all_gather_time(block.output_bytes * samples, t, link)
 
 
+# TransformerEngine's userbuffers defaults (transformer_engine/pytorch/module/base.py initialize_ub at 8e039fdcd,
+# 2024-07, what Megatron-LM f2e5db402c's `--tp-comm-overlap` gets without `--tp-comm-overlap-cfg`): the pipelined
+# and bulk overlaps run their communication kernels on 16 SMs (`num_sm`), the pipelined GEMM + reduce-scatter in 4
+# splits (`num_splits`); the ring exchange moves chunks with the copy engines (`use_ce`); `set_sm_margin` 0, so
+# the GEMMs are launched on every SM (comm_gemm_overlap.h `_math_sms`) and share them with those kernels.
+_UB_COMM_SMS = 16
+_UB_SPLITS = 4
+
+
+def userbuffers_tp_time(block: Block, samples: float, t: int, link: Link, cluster: Cluster, dtype: str
+                        ) -> tuple[float, float]:
+    """(forward, backward) seconds a sequence-parallel transformer layer's tensor-parallel communication adds to one
+    micro-batch under TransformerEngine's userbuffers overlap (Megatron-LM `--tp-comm-overlap`), per region
+    (attention, MLP) as TE 8e039fdcd runs it (base.py `methods`; module/layernorm_linear.py, layernorm_mlp.py,
+    linear.py; csrc/comm_gemm_overlap.h):
+
+    - forward entry (qkv / fc1 fprop), ring exchange (`split_overlap_ag` P2P): the GEMM runs in t chunks, chunk i
+      on the slice received at step i - 1; each of the t - 1 sends of size/t bytes (copy engine) exposes what it
+      exceeds one GEMM chunk;
+    - forward exit (proj / fc2 fprop), pipelined (`split_overlap_rs`): the GEMM in 4 chunks, each chunk's
+      reduce-scatter queued on the communication stream after it: exposed max(R/4, R - 3G/4) for a whole
+      reduce-scatter R and GEMM G (the last split always; more when the splits outrun the GEMM chunks);
+    - backward exit dgrad (proj / fc2), ring exchange of the output gradient: as the forward entry;
+    - backward entry (qkv / fc1), bulk: the sequence re-gather of the saved input beside the dgrad GEMM, the input
+      gradient's reduce-scatter beside the wgrad GEMM: each exposes what it exceeds its GEMM;
+    - the 16-SM kernels (pipelined splits but the last, bulk) take their SMs from the GEMM they run beside: the GEMM
+      loses 16 / (SMs of the device) of its throughput for as long as both run (hardware.sm_count; not priced on a
+      device of unknown SM count);
+    - the split GEMMs are kernels of their own size (t chunks for a ring exchange, 4 for the pipelined split),
+      each priced on the device's efficiency curve as every GEMM is (gemm_time: a per-kernel cost, so n chunks
+      cost n - 1 more than one kernel). An upper bound: TE launches the chunks on up to 3 compute streams
+      (_NUM_MAX_UB_STREAMS), so one chunk's tail may overlap the next one's start.
+
+    GEMMs of the layer, by FLOPs per sample on this rank (1/t): the attention exit (proj) 2 s h^2, its entry (qkv)
+    3 x that (multi-head attention; grouped-query entries are smaller: over-estimated), the MLP's entry and exit
+    each half of the rest of the forward GEMMs (exact for a 2-GEMM MLP; a gated MLP's exit is over-estimated);
+    h = output bytes / (s x dtype bytes), s = block.sequence. A block without a recorded sequence gets the
+    GEMMs-longer-than-communication case (only the last split exposed, no contention)."""
+    size = block.output_bytes * samples
+    R, A, P = reduce_scatter_time(size, t, link), all_gather_time(size, t, link), p2p_time(size / t, link)
+    fwd_gemm = sum(f * c for f, _, c in block.fwd_gemms) or block.fwd_matmul_flops
+    if block.sequence <= 0 or fwd_gemm <= 0:
+        return 2 * R / _UB_SPLITS, 0.0
+    h = block.output_bytes / (block.sequence * DTYPE_BYTES[dtype])
+    proj = 2 * block.sequence * h * h
+    mlp = max(fwd_gemm - 4 * proj, 0.0) / 2
+    scale = samples / t
+    sms = sm_count(cluster.device)
+    share = _UB_COMM_SMS / sms if sms else 0.0
+    fwd = bwd = 0.0
+    for entry, exit_ in ((3 * proj, proj), (mlp, mlp)):
+        g_in, g_out = gemm_time(entry * scale, 1, cluster, dtype), gemm_time(exit_ * scale, 1, cluster, dtype)
+        # the split GEMMs: each chunk a kernel of its own size, on the same efficiency curve as every GEMM
+        fwd += gemm_time(entry * scale, t, cluster, dtype) - g_in
+        fwd += gemm_time(exit_ * scale, _UB_SPLITS, cluster, dtype) - g_out
+        bwd += gemm_time(exit_ * scale, t, cluster, dtype) - g_out
+        fwd += (t - 1) * max(0.0, P - g_in / t)
+        fwd += max(R / _UB_SPLITS, R - (_UB_SPLITS - 1) * g_out / _UB_SPLITS)
+        fwd += share * min((_UB_SPLITS - 1) * R, (_UB_SPLITS - 1) * g_out) / _UB_SPLITS
+        bwd += (t - 1) * max(0.0, P - g_out / t)
+        bwd += max(0.0, A - g_in) + max(0.0, R - g_in) + share * (min(A, g_in) + min(R, g_in))
+    return fwd, bwd
+
+
 def block_time(
     block: Block,
     samples: float,
@@ -200,6 +266,8 @@ def block_time(
     sequence_parallel: bool = False,
     input_bytes: float = 0.0,
     overlapped_tp_backward: bool = False,
+    tp_comm_overlap: bool = False,
+    cross_entropy_bytes: tuple[float, float] | None = None,
 ) -> OpTime:
     """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
@@ -213,6 +281,11 @@ def block_time(
     only the attention core (Korthikanti et al. 2022, section 5: no communication). `input_bytes`: the block's
     input per sample (the head's backward all-reduce). `overlapped_tp_backward`: the runtime hides the column-
     parallel linears' backward collectives behind their GEMMs (Megatron-LM, TransformerEngine; tp_collectives).
+    `tp_comm_overlap`: a sequence-parallel transformer layer's communication runs inside its GEMMs as
+    TransformerEngine's userbuffers do (Megatron-LM `--tp-comm-overlap`, which requires sequence parallelism:
+    userbuffers_tp_time); other blocks, and layers without sequence parallelism, are priced as without it.
+    `cross_entropy_bytes`: (forward, backward) bytes per logit the runtime's cross-entropy moves on the output head
+    (default: the fused vocabulary-parallel cross-entropy, two fp32 passes each way: _compute).
     """
     t = tp_shard(block, tp)
     core = 0.0
@@ -226,14 +299,17 @@ def block_time(
         if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs
             core = fwd * block.fwd_attention_flops / block.fwd_flops
     elif by_op_class(block):
-        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype)
+        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype, cross_entropy_bytes)
     else:
         peak = peak_flops(cluster.device, dtype)
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard
         fwd = f / (peak * efficiency(cluster.device, f)) if f > 0 else 0.0
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
-    fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,
-                                        sequence_parallel=sequence_parallel, overlapped_tp_backward=overlapped_tp_backward)
+    if tp_comm_overlap and sequence_parallel and t > 1 and block.supports_tp and not block.vocab_parallel:
+        fwd_comm, bwd_comm = userbuffers_tp_time(block, samples, t, tp_link or cluster.intra_node, cluster, dtype)
+    else:
+        fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,
+                                            sequence_parallel=sequence_parallel, overlapped_tp_backward=overlapped_tp_backward)
     if recompute is True or recompute == "recompute":
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
     if recompute == "selective":

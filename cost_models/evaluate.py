@@ -48,7 +48,8 @@ class Evaluation:
 def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
              overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
-             overlapped_param_gather: bool = False) -> Evaluation:
+             overlapped_param_gather: bool = False, tp_comm_overlap: bool = False,
+             cross_entropy_bytes: tuple[float, float] | None = None) -> Evaluation:
     """Simulate one step of `plan` and derive its throughput, MFU, memory per rank and whether it fits.
 
     TFLOP/s per GPU = model FLOPs per step (forward + backward of every block for every sample; the
@@ -61,7 +62,8 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     sim = simulate(plan, profile, cluster, grad_sync_overlap=grad_sync_overlap, blocking_p2p=blocking_p2p,
                    fused_grad_accumulation=fused_grad_accumulation, overlapped_tp_backward=overlapped_tp_backward,
                    optimizer_extra_bytes=optimizer_extra_bytes, grad_sync_bytes=grad_sync_bytes,
-                   overlapped_param_gather=overlapped_param_gather)
+                   overlapped_param_gather=overlapped_param_gather, tp_comm_overlap=tp_comm_overlap,
+                   cross_entropy_bytes=cross_entropy_bytes)
     inputs = block_input_bytes(profile)
 
     blocks = {b.name: b for b in profile.blocks}

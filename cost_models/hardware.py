@@ -229,6 +229,17 @@ def stream_bandwidth(device: Device) -> float:
     return device.memory_bandwidth * (_GPU_STREAM_FRACTION if _family(device) else 1.0)
 
 
+# Streaming multiprocessors per GPU (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020: 108 SMs on A100;
+# NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022: 132 SMs on H100 SXM5; H200 is the same GH100 part).
+_SM_COUNT = {"a100": 108, "hopper": 132}
+
+
+def sm_count(device: Device) -> int | None:
+    """Streaming multiprocessors of a catalog GPU (_SM_COUNT); None for other devices (CPUs, custom)."""
+    family = _family(device)
+    return _SM_COUNT[family] if family else None
+
+
 def attention_efficiency(device: Device, flops: float) -> float:
     """Fraction of peak a fused attention kernel achieves (flash attention, see _GPU_ATTENTION_FRACTION); on other
     devices the GEMM curve (a CPU runs attention as its own matmuls)."""
@@ -588,4 +599,4 @@ def _string(text: str) -> str:
 
 
 __all__ = ["CATALOG", "GB", "GBps", "GiB", "MiB", "TB", "TFLOPS", "US", "attention_efficiency", "catalog_cluster",
-           "cluster_from_toml", "cluster_to_toml", "efficiency", "stream_bandwidth", "load_cluster_toml", "parse_cluster", "peak_flops"]
+           "cluster_from_toml", "cluster_to_toml", "efficiency", "sm_count", "stream_bandwidth", "load_cluster_toml", "parse_cluster", "peak_flops"]

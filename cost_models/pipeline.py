@@ -132,10 +132,11 @@ class _Cost:
 def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, grad_sync_overlap: bool = True,
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
              overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
-             overlapped_param_gather: bool = False) -> Simulation:
+             overlapped_param_gather: bool = False, tp_comm_overlap: bool = False,
+             cross_entropy_bytes: tuple[float, float] | None = None) -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Seven switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Nine switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
@@ -154,7 +155,11 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     gradients of that many bytes per element across data parallelism (Megatron-LM reduces fp32 gradients of bf16
     models); `overlapped_param_gather=True`, a runtime whose ZeRO 1-2 parameter all-gather runs ahead of the next
     step's forward, hidden behind the stage's first forward but for its first bucket (Megatron-LM's distributed
-    optimizer with `--overlap-param-gather`) (both: tail.tail_over)."""
+    optimizer with `--overlap-param-gather`) (both: tail.tail_over); `tp_comm_overlap=True`, a runtime whose
+    sequence-parallel layers run their tensor-parallel communication inside their GEMMs (TransformerEngine's
+    userbuffers, Megatron-LM `--tp-comm-overlap`: compute.userbuffers_tp_time); `cross_entropy_bytes`, a runtime
+    whose cross-entropy on the output head moves (forward, backward) bytes per logit (Megatron-LM's unfused
+    vocabulary-parallel cross-entropy on an fp32 copy of the logits: compute._compute)."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -172,7 +177,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     group_of = {g.name: g for g in plan.groups}
     inputs = block_input_bytes(profile)
     costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
-                         overlapped_tp_backward) for ch in graph.chunks]
+                         overlapped_tp_backward, tp_comm_overlap, cross_entropy_bytes) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     m, ncls = graph.micro_batches, len(graph.classes)
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
@@ -255,8 +260,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
 
 
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
-                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_tp_backward: bool = False
-                ) -> _Cost:
+                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_tp_backward: bool = False,
+                tp_comm_overlap: bool = False, cross_entropy_bytes: tuple[float, float] | None = None) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
     training = plan.training
     mem = g.stages[ch.stage].memory
@@ -272,7 +277,8 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         tier = mem.activations.get(name, "keep")
         op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
                         sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0),
-                        overlapped_tp_backward=overlapped_tp_backward)
+                        overlapped_tp_backward=overlapped_tp_backward, tp_comm_overlap=tp_comm_overlap,
+                        cross_entropy_bytes=cross_entropy_bytes)
         time += op
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,

@@ -172,6 +172,7 @@ class _Trace:
     # materialised] (see fuse())
     produced: dict = field(default_factory=dict)
     traffic: list = field(default_factory=list)  # memory-bound ops: (block, backward, outside, reads, writes)
+    softmax_grad_in_memory: bool = False  # the softmax backward reads its incoming gradient from memory (see fuse())
 
     def note_nodes(self, out: Any) -> None:
         for leaf in tree_flatten(out)[0]:
@@ -222,6 +223,10 @@ class _Trace:
         outside = not backward and not any(_holds_linear(m) for m, _ in self.stack)
         reads = [(self.produced.get(x.untyped_storage()._cdata), _nbytes(x)) for x in tree_flatten((args, kwargs))[0]
                  if isinstance(x, torch.Tensor) and tuple(x.shape) not in rec.param_shapes]
+        if self.softmax_grad_in_memory and func._overloadpacket is _aten._softmax_backward_data:
+            for entry, _ in reads:  # made by a kernel of its own (Megatron-LM's attention-dropout backward)
+                if entry is not None:
+                    entry[5] = True
         writes = []
         for x in outputs:
             if tuple(x.shape) not in rec.param_shapes:
@@ -254,7 +259,13 @@ class _Trace:
         of the same block and pass read -- never saved, never an output, never a GEMM's input -- stays on chip
         when the chain is one kernel (Megatron-LM / Transformer Engine fuse bias-GeLU, bias-dropout-add,
         scale-mask-softmax and the norms). `fused=False`: as eager PyTorch moves it, one kernel per op, each op's
-        write and every read (a run that executed the model so: Hugging Face models without torch.compile)."""
+        write and every read (a run that executed the model so: Hugging Face models without torch.compile).
+        `softmax_grad_in_memory` (set by analyse): the softmax backward is a kernel of its own that reads its incoming
+        gradient from memory, so that gradient is written and read back even under `fused` -- Megatron-LM runs the
+        attention dropout as a separate torch kernel after its FusedScaleMaskSoftmax (megatron/model/transformer.py
+        ParallelAttention / CoreAttention: `scale_mask_softmax`, then `attention_dropout` under the RNG tracker,
+        de7dc40f88 and 9aad9203aa), so the dropout's backward writes the probabilities' gradient that the fused
+        softmax backward (scaled_upper_triang_masked_softmax's own kernel) reads."""
         def on_chip(entry, owner, backward) -> bool:
             return fused and entry is not None and entry[4] > 0 and not entry[5] and (entry[1], entry[2]) == (owner, backward)
 
@@ -527,8 +538,9 @@ def _cast(model: nn.Module, batch: dict[str, Any], dtype: torch.dtype) -> dict[s
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
 
 
-def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool, fused: bool = True) -> tuple[list[_BlockRecord], _Trace]:
-    """One forward + backward of the model with every probe installed (`fused`: _Trace.fuse)."""
+def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool, fused: bool = True,
+            softmax_grad_in_memory: bool = False) -> tuple[list[_BlockRecord], _Trace]:
+    """One forward + backward of the model with every probe installed (`fused`, `softmax_grad_in_memory`: _Trace.fuse)."""
     records = {name: _BlockRecord(name, module) for name, module in discover_blocks(model)}
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     restore = lambda: None  # noqa: E731
@@ -537,7 +549,7 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool, fused: bool 
         batch = fake_batch(batch, mode)
     try:
         storages = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-        trace = _Trace(records, storages)
+        trace = _Trace(records, storages, softmax_grad_in_memory=softmax_grad_in_memory)
         for key, value in batch.items():
             if isinstance(value, torch.Tensor):
                 trace.tag(value, frozenset({(f"input:{key}", 0, _nbytes(value))}))
@@ -725,9 +737,12 @@ def profile_model(
     progress: Progress | None = None,
     freeze: Sequence[str] = (),
     fused: bool = True,
+    softmax_grad_in_memory: bool = False,
 ) -> Profile:
     """Profile a model: see the module docstring for what is measured and how. `fused=False` counts memory-bound
-    traffic as eager PyTorch moves it (_Trace.fuse; bench/fidelity_bench.py's Hugging Face rows)."""
+    traffic as eager PyTorch moves it (_Trace.fuse; bench/fidelity_bench.py's Hugging Face rows);
+    `softmax_grad_in_memory=True`, the softmax backward as a kernel of its own reading its incoming gradient from
+    memory (Megatron-LM's separate attention-dropout kernel: _Trace.fuse; the bench's Megatron rows)."""
     note = progress or (lambda step, frac: None)
     if micro_batch < 1:
         raise MmplanError(f"--micro-batch must be >= 1, got {micro_batch}")
@@ -746,7 +761,7 @@ def profile_model(
     freeze_blocks(model, freeze, source.name)
     note("tracing forward and backward", 0.1)
     try:
-        records, trace = analyse(model, batch, fake=fake, fused=fused)
+        records, trace = analyse(model, batch, fake=fake, fused=fused, softmax_grad_in_memory=softmax_grad_in_memory)
     except MmplanError:
         raise
     except Exception as e:

@@ -50,9 +50,12 @@ def test_the_runtime_switches_move_a_row_the_way_they_should():
     _, blocking = fb.predict(sp)
     _, hidden = fb.predict(replace(sp, overlapped_tp_backward=True))
     assert hidden < blocking
-    # an optimizer step with more passes (Megatron-LM's mixed-precision step) only costs time
+    # TransformerEngine's userbuffers also run the forward's collectives inside the GEMMs
+    _, userbuffers = fb.predict(replace(sp, overlapped_tp_backward=True, tp_comm_overlap=True))
+    assert userbuffers < hidden
+    # an optimizer step with more passes (Megatron-LM's mixed-precision step, its local DDP's copies) only costs time
     _, lighter = fb.predict(replace(base, optimizer_extra_bytes=0.0))
-    assert base.optimizer_extra_bytes == fb._MLM21_OPT and lighter < overlapped
+    assert base.optimizer_extra_bytes == fb._MLM21_OPT + fb._LOCAL_DDP_COPIES and lighter < overlapped
 
 
 def test_table_4_times_give_the_readme_mfu():

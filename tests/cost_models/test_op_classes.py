@@ -122,3 +122,60 @@ def test_stage_memory_selective_keeps_all_but_the_core_and_rebuilds_one():
     core = 5 * A * S * S / 8
     assert keep.gpu - sel.gpu == pytest.approx(2 * core - core)  # two micro-batches in flight, one core rebuilt
     assert full.gpu == pytest.approx(2 * 2 * SBH + kept_activation_bytes(b, 8))  # checkpoints + one rebuilt block
+
+
+def test_userbuffers_overlap_exposes_the_last_reduce_scatter_split_and_the_comm_sms():
+    # TransformerEngine's userbuffers (--tp-comm-overlap), per region: ring-exchange all-gathers hidden behind GEMM
+    # chunks longer than a send, the 4-split pipelined GEMM + reduce-scatter exposing its last split, the bulk
+    # backward overlaps hidden behind their GEMMs; the 16 comm SMs slow the GEMMs they run beside (H100: 132 SMs)
+    from cost_models.comm import all_gather_time, reduce_scatter_time
+    from cost_models.compute import _UB_COMM_SMS, tp_collectives, userbuffers_tp_time
+    from cost_models.hardware import sm_count
+
+    # tp 2, hidden 8192: every GEMM (chunk) is longer than its communication (chunk) on NVLink (at tp 8 an h x h
+    # projection is ~t F / (h B) = 2-4x shorter than its reduce-scatter on an H100, which then shows through)
+    cluster, t, samples, h = catalog_cluster("h100-sxm", 8), 2, 2, 2 * H
+    link = cluster.intra_node
+    block = layer(sequence=S, output_bytes=2 * S * h, fwd_gemms=((2 * S * h * h, 0.0, 4), (8 * S * h * h, 0.0, 2)))
+    fwd, bwd = userbuffers_tp_time(block, samples, t, link, cluster, "bf16")
+    rs = reduce_scatter_time(2 * S * h * samples, t, link)
+    share = _UB_COMM_SMS / sm_count(cluster.device)
+    assert sm_count(cluster.device) == 132
+    # every GEMM is longer than its communication here: what stays is the last split per region, the SMs the first
+    # three splits take from the exit GEMM, and the split GEMMs' extra kernels (entry in t chunks, exit in 4;
+    # the backward's exit dgrad in t)
+    def split(flops, n):
+        return gemm_time(flops * samples / t, n, cluster, "bf16") - gemm_time(flops * samples / t, 1, cluster, "bf16")
+    proj, fc = 2 * S * h * h, 8 * S * h * h
+    chunks_fwd = split(3 * proj, t) + split(proj, 4) + split(fc, t) + split(fc, 4)
+    assert fwd == pytest.approx(2 * rs / 4 * (1 + 3 * share) + chunks_fwd, rel=1e-9)
+    ag = all_gather_time(2 * S * h * samples, t, link)
+    assert bwd == pytest.approx(2 * share * (ag + rs) + split(proj, t) + split(fc, t), rel=1e-9)  # bulk overlaps' SMs
+    blocking_fwd, hidden_bwd = tp_collectives(block, samples, t, link, sequence_parallel=True, overlapped_tp_backward=True)
+    assert fwd < blocking_fwd / 2 and bwd < hidden_bwd
+    # GEMMs too short to hide their chunks: the communication shows through
+    tiny = replace(block, fwd_gemms=((2 * S * h * h / 1e3, 0.0, 4), (8 * S * h * h / 1e3, 0.0, 2)))
+    slow_fwd, slow_bwd = userbuffers_tp_time(tiny, samples, t, link, cluster, "bf16")
+    assert slow_fwd > fwd and slow_bwd > bwd
+    # block_time applies it only to sequence-parallel layers: without sequence parallelism, as before
+    on = block_time(block, samples, t, cluster, sequence_parallel=True, tp_comm_overlap=True)
+    off = block_time(block, samples, t, cluster, sequence_parallel=True, overlapped_tp_backward=True)
+    assert on.fwd_comm == pytest.approx(fwd) and on.bwd_comm == pytest.approx(bwd) and on.fwd == off.fwd
+    assert block_time(block, samples, t, cluster, tp_comm_overlap=True) == block_time(block, samples, t, cluster)
+
+
+def test_cross_entropy_bytes_price_the_head_loss_per_logit():
+    # default: a fused vocabulary-parallel cross-entropy, two fp32 passes each way (8 B per 16-bit logit); a runtime
+    # that moves (38, 14) B per logit (Megatron-LM's unfused loss on an fp32 copy) pays the difference at the
+    # stream bandwidth on this shard's logits, nowhere else
+    cluster = catalog_cluster("a100-80g")
+    V, t, samples = 51200, 8, 2
+    head = Block("head", "g", "Linear", V * H, 2 * V * H, 2.0 * S * V * H, 4.0 * S * V * H, 2 * SBH, 2.0 * S * V,
+                 fwd_matmul_flops=2.0 * S * V * H, bwd_matmul_flops=4.0 * S * V * H, matmuls=1, vocab_parallel="head")
+    default = block_time(head, samples, t, cluster)
+    assert block_time(head, samples, t, cluster, cross_entropy_bytes=(8, 8)) == default
+    unfused = block_time(head, samples, t, cluster, cross_entropy_bytes=(38, 14))
+    logits = S * V * samples / t
+    assert unfused.fwd - default.fwd == pytest.approx(30 * logits / stream_bandwidth(cluster.device))
+    assert unfused.bwd - default.bwd == pytest.approx(6 * logits / stream_bandwidth(cluster.device))
+    assert block_time(layer(), samples, t, cluster, cross_entropy_bytes=(38, 14)) == block_time(layer(), samples, t, cluster)

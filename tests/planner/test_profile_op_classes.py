@@ -87,3 +87,35 @@ def test_eager_traffic_counts_every_elementwise_op_and_fused_only_the_chain_ends
     x = S * H * 4  # bytes of one sample's (S, H) fp32 activation
     assert fused.fwd_memory_bytes == 2 * x and eager.fwd_memory_bytes == 4 * x  # read x, (write t, read t,) write y
     assert fused.bwd_memory_bytes == 2 * x and eager.bwd_memory_bytes == 4 * x
+
+
+class _SoftmaxDropout(nn.Module):
+    """softmax, then dropout as its own op, between two Linears (an attention core's probabilities, in miniature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(H, H), nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.ops.aten.native_dropout(torch.softmax(self.proj(x), dim=-1), 0.1, True)[0]
+        return self.out(probs)
+
+
+class _SoftmaxDropoutModel(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_SoftmaxDropout()])
+
+
+def test_softmax_grad_in_memory_writes_and_reads_the_dropout_gradient_once_more():
+    # Megatron-LM: the attention dropout is a kernel of its own after the fused softmax, so in the backward the
+    # dropout's input gradient goes through memory before the softmax backward reads it; fused counting keeps it on
+    # chip. Exactly one (S, H) tensor more is written and read per sample in the backward; the forward is unchanged
+    def factory(micro_batch: int):
+        return _SoftmaxDropoutModel(), {"ids": torch.zeros(micro_batch, S, dtype=torch.long)}
+
+    chip, memory = (profile_model(ModelSource("sd", factory, "fp32"), micro_batch=2, softmax_grad_in_memory=f)
+                    .block("layers.0") for f in (False, True))
+    x = S * H * 4  # bytes of one sample's (S, H) fp32 tensor
+    assert memory.fwd_memory_bytes == chip.fwd_memory_bytes
+    assert memory.bwd_memory_bytes == chip.bwd_memory_bytes + 2 * x
