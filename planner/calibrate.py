@@ -32,6 +32,10 @@ _STEPS = {"start": 0.04, "matmul": 0.24, "memory": 0.1, "optimizer": 0.04, "zero
 # Sizes of 16 MiB and more per step are past the caches, as a model's parameters are.
 _OPTIMIZER_POINTS = ((1, 1 << 22), (1, 1 << 23), (64, 1 << 12), (256, 1 << 10), (32, 1 << 17))
 _OPTIMIZER_POINTS_QUICK = ((1, 1 << 22), (64, 1 << 10), (128, 1 << 8))
+# Adam steps before timing one: the first few steps of a 4M-element tensor take 30-40 ms here, the steady state
+# 12-13 ms (glibc's mmap threshold rises as the step's large temporaries are freed, after which they come from the
+# heap without page faults); training runs in the steady state
+_OPTIMIZER_WARMUP = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +231,6 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     if not scratch.is_dir():
         raise MmplanError(f"scratch directory {scratch} for the disk measurement does not exist")
 
-    alone = _measure_alone(settings)
     ranks_out = _run_ranks(ranks, settings, report, start_method)
     samples: dict[str, tuple[tuple[float, float], ...]] = {}
 
@@ -250,7 +253,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     p2p = fit_alpha_beta(settings.message_bytes, p2p_times)
     link = Link(min(p2p.bandwidth, all_reduce.bandwidth), p2p.latency_s)
     collective_s = fit_collective_call(_rounded(link), ranks, samples)
-    compute_slowdown = max(1.0, statistics.fmean(r["probe"][0] for r in ranks_out) / alone)
+    compute_slowdown = max(1.0, statistics.fmean(r["probe"][1] for r in ranks_out) / ranks_out[0]["probe"][0])
     points = _OPTIMIZER_POINTS_QUICK if quick else _OPTIMIZER_POINTS
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
@@ -358,13 +361,13 @@ def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
     return max(0.0, measured - evaluate(plan, profile, cluster).predicted.step_time_s)
 
 
-# compute_slowdown's probe: a training step's forward and backward, timed for Settings.probe_s seconds (median), once
-# by this process alone and once by every rank at once. Medians, not the lower quartiles of the other points: the
-# probe is to see the sharing of cores, caches and memory bandwidth. By default a small MLP block (256 -> 1024 -> 256
-# on 128 tokens, GELU, LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them); with a
-# model (`mmplan calibrate --model`, `mmplan demo`) that model's own step, whose working set decides how much the
-# ranks slow each other through the shared last-level cache and memory bandwidth (the MLP block's fits a core's L2).
-# On the reference 2-core machine, quiet, both are small: the MLP block 1.00, the demo's model 1.00-1.02 (two
+# compute_slowdown's probe: a training step's forward and backward, timed for Settings.probe_s seconds (median), by
+# rank 0 alone and by every rank at once, in turns (_slowdown_probe). Medians, not the lower quartiles of the other
+# points: the probe is to see the sharing of cores, caches and memory bandwidth. By default a small MLP block (256 ->
+# 1024 -> 256 on 128 tokens, GELU, LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them);
+# with a model (`mmplan calibrate --model`, `mmplan demo`) that model's own step, whose working set decides how much
+# the ranks slow each other through the shared last-level cache and memory bandwidth (the MLP block's fits a core's
+# L2). On the reference 2-core machine, quiet, both are small: the MLP block 1.02, the demo's model 1.00-1.06 (two
 # processes stepping it side by side, timed directly: 1.10-1.13x).
 _PROBE_WIDTH, _PROBE_TOKENS = 256, 128
 Probe = Callable[[], Callable[[], Any]]  # builds the state once, returns the step to time
@@ -403,6 +406,10 @@ def _probe(seconds: float, build: Probe | None = None) -> float:
     """Median seconds of one probe step over `seconds` of repetitions (at least 5)."""
     step = (build or mlp_probe)()
     step()  # warm-up
+    return _median_time(step, seconds)
+
+
+def _median_time(step: Callable[[], Any], seconds: float) -> float:
     times: list[float] = []
     end = time.perf_counter() + seconds
     while len(times) < 5 or time.perf_counter() < end:
@@ -412,17 +419,20 @@ def _probe(seconds: float, build: Probe | None = None) -> float:
     return statistics.median(times)
 
 
-def _measure_alone(settings: Settings) -> float:
-    """The probe in this process alone, with the threads a rank gets (RANK_THREADS), as `mmplan profile --measure`
-    times blocks."""
-    from runtime.launch import RANK_THREADS
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(RANK_THREADS)
-    try:
-        return _probe(settings.probe_s, settings.probe)
-    finally:
-        torch.set_num_threads(before)
+def _slowdown_probe(rank: int, settings: Settings) -> tuple[float, float]:
+    """(rank 0's probe step alone, this rank's with every rank at once), median seconds: measured in turns, twice,
+    by the same processes (threads as in training), so that a drift of the machine's speed between the two hits
+    both alike; ranks not measuring wait in a barrier."""
+    step = (settings.probe or mlp_probe)()
+    step()  # warm-up
+    alone, together = [], []
+    for _ in range(2):
+        dist.barrier()
+        if rank == 0:
+            alone.append(_median_time(step, settings.probe_s / 2))
+        dist.barrier()
+        together.append(_median_time(step, settings.probe_s / 2))
+    return (statistics.fmean(alone) if alone else 0.0), statistics.fmean(together)
 
 
 class _Reporter:
@@ -472,9 +482,10 @@ def _typical(times: list[float]) -> float:
     return sorted(times)[len(times) // 4]
 
 
-def _call_time(fn: Callable[[], Any], budget_s: float, min_reps: int = 3, max_reps: int = 2000) -> float:
-    """Typical seconds of one call, after one warm-up call, over >= min_reps calls or budget_s seconds."""
-    fn()
+def _call_time(fn: Callable[[], Any], budget_s: float, min_reps: int = 3, max_reps: int = 2000, warmup: int = 1) -> float:
+    """Typical seconds of one call, after `warmup` calls, over >= min_reps calls or budget_s seconds."""
+    for _ in range(warmup):
+        fn()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
@@ -578,8 +589,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     points = [("matmul", torch.float32, j, n) for j, n in enumerate(settings.matmul_sizes)]
     points += [("bf16", torch.bfloat16, j, n) for j, n in enumerate(settings.bf16_sizes)]
     points += [("fp16", torch.float16, j, n) for j, n in enumerate(settings.fp16_sizes)]
-    dist.barrier()  # all ranks busy at once, as in training
-    out["probe"] = [_probe(settings.probe_s, settings.probe)]
+    out["probe"] = list(_slowdown_probe(rank, settings))  # [alone (rank 0), all ranks at once]
     progress("matmul", 0.0)
     for r in rounds:
         for i, (key, dtype, j, n) in enumerate(points):
@@ -605,7 +615,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             for p in params:
                 p.grad = torch.randn(n)
             adam = torch.optim.Adam(params, lr=1e-3)
-            keep("optimizer", i, _call_time(adam.step, budget / 2))
+            keep("optimizer", i, _call_time(adam.step, budget / 2, warmup=_OPTIMIZER_WARMUP))
             progress("optimizer", (r * len(points) + i + 1) / (len(points) * len(rounds)))
     params = adam = None
 
