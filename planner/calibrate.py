@@ -55,7 +55,6 @@ class Settings:
     timeout_s: float  # process-group timeout: no single wait lasts longer
     deadline_s: float  # hard wall-clock limit of the whole multi-process part
     probe_s: float = 1.0  # seconds of the compute_slowdown probe, alone and with every rank at once
-    probe: "Probe | None" = None  # builds the probe's step (model_probe); None: the MLP block of mlp_probe
 
     @staticmethod
     def for_run(quick: bool) -> Settings:
@@ -209,21 +208,20 @@ def between_ranks(cal: "Calibration") -> Link:
 
 def calibrate(*, ranks: int = 2, quick: bool = False, progress: Progress | None = None,
               scratch_dir: str | os.PathLike | None = None,
-              start_method: Literal["fork", "spawn"] = "fork", probe: Probe | None = None) -> Cluster:
+              start_method: Literal["fork", "spawn"] = "fork") -> Cluster:
     """Measure this machine and describe it as a one-node Cluster of `ranks` ranks (see measure / to_cluster)."""
     return to_cluster(measure(ranks=ranks, quick=quick, progress=progress, scratch_dir=scratch_dir,
-                              start_method=start_method, probe=probe))
+                              start_method=start_method))
 
 
 def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = None,
             scratch_dir: str | os.PathLike | None = None,
-            start_method: Literal["fork", "spawn"] = "fork", probe: Probe | None = None) -> Calibration:
+            start_method: Literal["fork", "spawn"] = "fork") -> Calibration:
     """Run the measurements: `ranks` gloo processes (one thread each) for matmul, memory copy, all-reduce and
-    send/recv; then CUDA (bf16 matmul, HBM copy, pinned host<->device) when present; then the disk. `probe`:
-    the step compute_slowdown times (model_probe; default mlp_probe)."""
+    send/recv; then CUDA (bf16 matmul, HBM copy, pinned host<->device) when present; then the disk."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 2 <= ranks <= 64:
         raise MmplanError(f"calibrate needs 2 <= ranks <= 64 to measure gloo collectives, got {ranks!r}")
-    settings = replace(Settings.for_run(quick), probe=probe)
+    settings = Settings.for_run(quick)
     report = _Reporter(progress)
     started = time.perf_counter()
     report("start", 0.0)
@@ -361,19 +359,14 @@ def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
     return max(0.0, measured - evaluate(plan, profile, cluster).predicted.step_time_s)
 
 
-# compute_slowdown's probe: a training step's forward and backward, timed for Settings.probe_s seconds (median), by
-# rank 0 alone and by every rank at once, in turns (_slowdown_probe). Medians, not the lower quartiles of the other
-# points: the probe is to see the sharing of cores, caches and memory bandwidth. By default a small MLP block (256 ->
-# 1024 -> 256 on 128 tokens, GELU, LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them);
-# with a model (`mmplan calibrate --model`, `mmplan demo`) that model's own step, whose working set decides how much
-# the ranks slow each other through the shared last-level cache and memory bandwidth (the MLP block's fits a core's
-# L2). On the reference 2-core machine, quiet, both are small: the MLP block 1.02, the demo's model 1.00-1.06 (two
-# processes stepping it side by side, timed directly: 1.10-1.13x).
+# compute_slowdown's probe: the forward and backward of a small MLP block (256 -> 1024 -> 256 on 128 tokens, GELU,
+# LayerNorm: GEMMs and memory-bound elementwise work, as a training step mixes them), timed for Settings.probe_s
+# seconds (median), by rank 0 alone and by every rank at once, in turns (_slowdown_probe). Medians, not the lower
+# quartiles of the other points: the probe is to see the sharing of cores, caches and memory bandwidth.
 _PROBE_WIDTH, _PROBE_TOKENS = 256, 128
-Probe = Callable[[], Callable[[], Any]]  # builds the state once, returns the step to time
 
 
-def mlp_probe() -> Callable[[], Any]:
+def _probe_step() -> Callable[[], Any]:
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.LayerNorm(_PROBE_WIDTH), torch.nn.Linear(_PROBE_WIDTH, 4 * _PROBE_WIDTH),
                                 torch.nn.GELU(), torch.nn.Linear(4 * _PROBE_WIDTH, _PROBE_WIDTH))
@@ -381,35 +374,8 @@ def mlp_probe() -> Callable[[], Any]:
     return lambda: block(x).square().mean().backward()
 
 
-def model_probe(spec: Any, micro_batch: int) -> Probe:
-    """The probe of a model (a MODEL spec, or a runtime.source.ModelSource): one forward + backward of its example
-    batch of `micro_batch` samples (the micro-batch `mmplan profile --measure` times it at), as
-    `profile.measure_model` times it. Raises MmplanError for a bad spec."""
-    from planner.profile import scalar_loss
-    from runtime.source import call_factory, resolve
-
-    source = resolve(spec) if isinstance(spec, str) else spec
-
-    def build() -> Callable[[], Any]:
-        torch.manual_seed(0)
-        model, batch = call_factory(source, micro_batch)
-
-        def step() -> None:
-            scalar_loss(model(**batch)).backward()
-            model.zero_grad(set_to_none=True)
-        return step
-
-    return build
-
-
-def _probe(seconds: float, build: Probe | None = None) -> float:
-    """Median seconds of one probe step over `seconds` of repetitions (at least 5)."""
-    step = (build or mlp_probe)()
-    step()  # warm-up
-    return _median_time(step, seconds)
-
-
 def _median_time(step: Callable[[], Any], seconds: float) -> float:
+    """Median seconds of one call of `step` over `seconds` of repetitions (at least 5)."""
     times: list[float] = []
     end = time.perf_counter() + seconds
     while len(times) < 5 or time.perf_counter() < end:
@@ -423,7 +389,7 @@ def _slowdown_probe(rank: int, settings: Settings) -> tuple[float, float]:
     """(rank 0's probe step alone, this rank's with every rank at once), median seconds: measured in turns, twice,
     by the same processes (threads as in training), so that a drift of the machine's speed between the two hits
     both alike; ranks not measuring wait in a barrier."""
-    step = (settings.probe or mlp_probe)()
+    step = _probe_step()
     step()  # warm-up
     alone, together = [], []
     for _ in range(2):

@@ -330,24 +330,16 @@ def calibrate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the cluster TOML (give it to [cyan]--cluster[/]).")] = Path("cluster.toml"),
     ranks: Annotated[int, typer.Option(help="gloo ranks to launch for the collectives (one thread each).")] = 2,
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repetitions: a few seconds instead of about a minute.")] = False,
-    model: Annotated[Optional[str], typer.Option(
-        help="Time this model's forward + backward (zoo name, .toml or package.module:factory; at --micro-batch) "
-             "alone and on every rank at once for compute_slowdown, the factor `profile --measure` times are scaled "
-             "by: how much the ranks slow each other depends on the model's working set. Default: a small MLP block.")] = None,
-    micro_batch: Annotated[int, typer.Option(help="Samples per step of --model: the micro-batch you profile it at.")] = 4,
 ) -> None:
     """Measure this machine (matmul throughput, memory bandwidth, gloo collectives and p2p under load, the
     optimizer step, host<->device, disk, the runtime's fixed costs) and write it as a cluster TOML."""
     from cost_models.hardware import cluster_to_toml
-    from planner.calibrate import measure, model_probe, to_cluster
+    from planner.calibrate import measure, to_cluster
     from plans.serial import write_atomic
 
-    if micro_batch < 1:
-        raise MmplanError(f"--micro-batch must be >= 1, got {micro_batch}")
-    probe = model_probe(model, micro_batch) if model is not None else None
     check_writable(output)
     with console.progress("calibrating") as note:
-        cal = measure(ranks=ranks, quick=quick, progress=note, probe=probe)
+        cal = measure(ranks=ranks, quick=quick, progress=note)
     cluster = to_cluster(cal)
     write_atomic(output, cluster_to_toml(cluster))
     console.out.print(_calibration_table(cal, cluster))

@@ -89,17 +89,14 @@ def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CL
         raise
 
 
-def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda step, fraction: None,
-                     probe=None) -> Cluster:
+def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda step, fraction: None) -> Cluster:
     """`spec` with this machine's measured device, links and runtime costs (`mmplan calibrate --quick` with its
-    ranks, all busy at once; `probe`: calibrate.model_probe of the demo's model, so that compute_slowdown is how much
-    the ranks slow that model down); its memory capacities (the cap the plans must respect) stay those of `spec`."""
+    ranks, all busy at once); its memory capacities (the cap the plans must respect) stay those of `spec`."""
     from planner.calibrate import calibrate
 
     if spec.world_size < 2:  # gloo collectives need two ranks to be measured
         return spec
-    measured = calibrate(ranks=spec.world_size, quick=True, probe=probe,
-                         progress=lambda step, f: note(f"calibrating: {step}", 0.02 + 0.08 * f))
+    measured = calibrate(ranks=spec.world_size, quick=True, progress=lambda step, f: note(f"calibrating: {step}", 0.02 + 0.08 * f))
     device = replace(measured.device, memory_bytes=spec.device.memory_bytes)
     cluster = replace(measured, name=f"{spec.name} (measured)", device=device, host_memory_bytes=spec.host_memory_bytes,
                       nvme_bytes=spec.nvme_bytes)
@@ -117,13 +114,10 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
     from plans.plan import save_plan
     from plans.serial import write_atomic
 
-    from planner.calibrate import model_probe
-
-    micro_batch = 4
-    cluster = measured_cluster(spec, note, model_probe(source, micro_batch)) if calibrate else spec
+    cluster = measured_cluster(spec, note) if calibrate else spec
     write_atomic(out / "cluster.toml", cluster_to_toml(cluster))
     note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.1)
-    profile = profile_model(source, micro_batch=micro_batch, device="cpu", measure=True, reps=3)
+    profile = profile_model(source, micro_batch=4, device="cpu", measure=True, reps=3)
     save_profile(profile, out / "profile.json")
     note("solving", 0.2)
     solution = solve(profile, cluster, global_batch)

@@ -522,7 +522,7 @@ def _pack_hook(trace: _Trace):
     return pack
 
 
-def scalar_loss(out: Any) -> torch.Tensor:
+def _scalar_loss(out: Any) -> torch.Tensor:
     loss = model_loss(out)  # a tensor, or an output object's `.loss` (transformers)
     if loss is not None and loss.is_floating_point():
         return loss if loss.dim() == 0 else loss.float().sum()
@@ -574,7 +574,7 @@ def analyse(model: nn.Module, batch: dict[str, Any], *, fake: bool, fused: bool 
                     found = model_loss(out)
                     read = out if found is None else found
                     trace.loss = tuple(sorted({src for src, _, _ in trace.prov_of(read) if not src.startswith("input:")}))
-                    loss = scalar_loss(out)
+                    loss = _scalar_loss(out)
                 trace.heads = heads.found()
                 if loss.requires_grad:
                     loss.backward()
@@ -694,7 +694,7 @@ def measure_model(model: nn.Module, batches: list[dict[str, Any]], device: torch
     def once(batch: dict[str, Any]) -> float:
         sync()
         t0 = time.perf_counter()
-        scalar_loss(model(**batch)).backward()
+        _scalar_loss(model(**batch)).backward()
         sync()
         ms = (time.perf_counter() - t0) * 1e3
         model.zero_grad(set_to_none=True)

@@ -238,10 +238,6 @@ CASES: dict[str, Callable[[Inputs], Case]] = {
     "calibrate: output is a directory": lambda x: Case(["calibrate", "--quick", "-o", x.tmp], "is a directory"),
     "calibrate: output in a missing directory": lambda x: Case(
         ["calibrate", "--quick", "-o", x.tmp / "no" / "c.toml"], "does not exist"),
-    "calibrate: unknown probe model": lambda x: Case(["calibrate", "--quick", "--model", "no-such-model", "-o", x.tmp / "c.toml"],
-                                                     "no-such-model"),
-    "calibrate: probe micro-batch 0": lambda x: Case(["calibrate", "--quick", "--model", "tiny-vlm", "--micro-batch", "0",
-                                                      "-o", x.tmp / "c.toml"], "--micro-batch"),
     # demo
     "demo: output is a file": lambda x: Case(["demo", "-o", x.a_file()], "is a file"),
     "demo: output under a regular file": lambda x: Case(["demo", "-o", x.a_file() / "demo"], "cannot create"),

@@ -72,17 +72,6 @@ def test_between_ranks_takes_a_sends_latency_and_the_lower_bandwidth(quick_run):
     assert cluster.intra_node == calibrate_module.between_ranks(cal)
 
 
-def test_a_model_probe_times_that_models_training_step():
-    # compute_slowdown's probe can be the model itself (calibrate --model, demo): its working set decides how much
-    # the ranks slow each other down
-    build = calibrate_module.model_probe("tiny-vlm", 2)
-    step = build()
-    step()
-    assert 0 < calibrate_module._probe(0.0, build) < 10
-    with pytest.raises(MmplanError, match="no-such-model"):
-        calibrate_module.model_probe("no-such-model", 2)
-
-
 def test_efficiency_curve_is_relative_to_peak_and_sorted():
     curve = efficiency_curve(((256, 50e9), (64, 25e9), (1024, 100e9)), 100e9)
     assert curve == ((2 * 64.0**3, 0.25), (2 * 256.0**3, 0.5), (2 * 1024.0**3, 1.0))
