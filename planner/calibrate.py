@@ -581,7 +581,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             for p in params:
                 p.grad = torch.randn(n)
             adam = torch.optim.Adam(params, lr=1e-3)
-            keep("optimizer", i, _call_time(adam.step, budget / 2, warmup=_OPTIMIZER_WARMUP))
+            keep("optimizer", i, _call_time(adam.step, budget / 2, min_reps=8, warmup=_OPTIMIZER_WARMUP))
             progress("optimizer", (r * len(points) + i + 1) / (len(points) * len(rounds)))
     params = adam = None
 
