@@ -478,9 +478,6 @@ def _busy_gap(rank: int) -> Callable[[], Any]:
     return lambda: [torch.mm(a, b) for _ in range(8)]
 
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (renamed in torch 2.x)
-
-
 def _collective_iterations(nbytes: int, budget_s: float) -> int:
     """Repetitions of a collective: a pure function of the size, so that every rank runs the same number."""
     guess = 5e-4 + nbytes / 1e9  # gloo loopback: ~0.5 ms + ~1 GB/s (PLATFORM-NOTES.md)
@@ -588,6 +585,8 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
     dist.barrier()  # ZeRO's FSDP2 beyond its collectives, every rank at once
     out["zero"] = _zero_probe(rank, world, budget)
     progress("zero", 1.0)
+
+    from runtime.sequence_parallel import _reduce_scatter  # the runtime's reduce-scatter, whatever torch names it
 
     sizes = settings.message_bytes
     gap = _busy_gap(rank)
