@@ -113,6 +113,8 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     core = attention_time(block.fwd_attention_flops * samples / t, cluster, dtype)
     fwd += core
     bwd += attention_time(block.bwd_attention_flops * samples / t, cluster, dtype)
+    # a math attention's core GEMMs (QK^T, AV: part of fwd_gemms), which selective recompute reruns with the softmax
+    core += gemm_kernels_time(block.attention_core_gemms, samples / t, cluster, dtype)
     rep = 0.0 if sequence_parallel else block.replicated_memory_fraction
     share = (rep + (1 - rep) / t) * samples  # memory-bound bytes of this shard per profiled sample
     fwd += memory_time(block.fwd_memory_bytes * share, cluster)
@@ -296,8 +298,9 @@ def block_time(
 
         scale = measured_compute_scale(cluster)  # measured in one process, run with every rank busy
         fwd, bwd = fwd * scale, bwd * scale
-        if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs
-            core = fwd * block.fwd_attention_flops / block.fwd_flops
+        if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs (fused kernel or its GEMMs)
+            core_flops = block.fwd_attention_flops + sum(f * n for f, _, n in block.attention_core_gemms)
+            core = fwd * core_flops / block.fwd_flops
     elif by_op_class(block):
         fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype, cross_entropy_bytes)
     else:

@@ -130,6 +130,9 @@ class _BlockRecord:
     matmuls: int = 0
     sequence: int = 0  # dim 1 of a 3-D first input (batch, sequence, hidden): sequence parallelism needs tp to divide it
     gemms: list = field(default_factory=lambda: [{}, {}])  # [fwd, bwd]: (flops, bytes) of a GEMM kernel -> count
+    # forward GEMMs run inside a region but outside its Linears (QK^T and AV of a math attention), by region call:
+    # call id -> {(flops, bytes): count}; those of an attention region are its core's (see _core_gemms)
+    region_gemms: dict = field(default_factory=dict)
     param_shapes: frozenset = frozenset()  # shapes of the block's parameters (their gradients are not activations)
     # saved storages by tensor-parallel class (see _classify_saved): (bytes, kind, module call) in saving order
     saved: list = field(default_factory=list)
@@ -207,8 +210,19 @@ class _Trace:
             rec.matmuls += 1 - backward
             shape = (flops, nbytes)
             rec.gemms[backward][shape] = rec.gemms[backward].get(shape, 0) + 1
+            region = self.region_outside_linears() if not backward else None
+            if region is not None:
+                kernels = rec.region_gemms.setdefault(region, {})
+                kernels[shape] = kernels.get(shape, 0) + 1
         else:
             rec.attention_flops[backward] += flops
+
+    def region_outside_linears(self) -> int | None:
+        """The call id of the innermost region (a Linear-holding module) the running op is in, when it is not inside
+        one of that region's nn.Linear calls (a math attention's QK^T and AV); None otherwise."""
+        if not self.stack or isinstance(self.stack[-1][0], nn.Linear):
+            return None
+        return next((c for m, c in reversed(self.stack) if _holds_linear(m)), None)
 
     def count_bytes(self, func, args, kwargs, out) -> None:
         """Bytes a memory-bound op reads and writes, for its block; tensors of a parameter's shape (weights,
@@ -495,6 +509,18 @@ def _classify_saved(trace: _Trace, rec: "_BlockRecord") -> tuple[int, int]:
         elif kind[0] == "region" and not kind[2] and kind[1] in trace.attends:
             core += nbytes
     return replicated, core
+
+
+def _core_gemms(trace: _Trace, rec: "_BlockRecord") -> dict:
+    """The forward GEMM kernels of a block's attention cores: those run inside an attention region (one that ran
+    softmax or fused attention) but outside its Linears -- a math attention's QK^T and AV, which selective
+    recompute reruns with the softmax (Korthikanti et al. 2022, section 5)."""
+    kernels: dict = {}
+    for call, shapes in rec.region_gemms.items():
+        if call in trace.attends:
+            for shape, n in shapes.items():
+                kernels[shape] = kernels.get(shape, 0) + n
+    return kernels
 
 
 def _pack_hook(trace: _Trace):
@@ -905,7 +931,8 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             replicated_memory_fraction=round(rec.replicated_memory_bytes / rec.memory_bytes[0], 4) if rec.memory_bytes[0] else 0.0,
             matmuls=rec.matmuls, fwd_gemms=_gemm_list(rec.gemms[0], mb), bwd_gemms=_gemm_list(rec.gemms[1], mb),
             activation_replicated_bytes=_per_sample(replicated, mb),
-            attention_core_bytes=_per_sample(core, mb), vocab_parallel=vocab_role(rec, vocab, trace.loss, trace.heads),
+            attention_core_bytes=_per_sample(core, mb), attention_core_gemms=_gemm_list(_core_gemms(trace, rec), mb),
+            vocab_parallel=vocab_role(rec, vocab, trace.loss, trace.heads),
             sequence=rec.sequence, tp_divisor=_tp_divisor(rec.module),
         ))
     order = {r.name: r.order for r in records}

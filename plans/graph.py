@@ -61,6 +61,9 @@ class Block:
     # residual-side dropout): every tp rank holds them whole unless sequence parallelism shards them
     attention_core_bytes: float = 0.0  # saved by the attention core (scores, softmax, its dropout, rotary):
     # what selective recompute drops (Korthikanti et al. 2022, section 5)
+    # of fwd_gemms: the attention core's own GEMM kernels (QK^T and AV of a math attention; a fused attention kernel is
+    # fwd_attention_flops instead), which selective recompute reruns; (FLOPs, bytes, count) per sample
+    attention_core_gemms: tuple[tuple[float, float, int], ...] = field(default=(), metadata={OMIT_DEFAULT: True})
     vocab_parallel: str = ""  # "embedding" | "head": a vocabulary-sized embedding / output projection that tensor
     # parallelism shards along the vocabulary (Shoeybi et al. 2019, section 3); "" otherwise
     # not trained: `mmplan profile --freeze` matched it, or it has parameters and none requires grad (no gradients,

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from cost_models.comm import all_reduce_time
-from cost_models.compute import block_time, gemm_time, memory_time
+from cost_models.compute import block_time, gemm_kernels_time, gemm_time, memory_time
 from cost_models.hardware import catalog_cluster, stream_bandwidth
 from cost_models.memory import kept_activation_bytes
 from cost_models.tail import BUCKET_BYTES, tail_over
@@ -58,6 +58,20 @@ def test_selective_recompute_costs_less_than_full():
     keep, sel, full = (block_time(b, 1, 8, cluster, recompute=r) for r in (False, "selective", "recompute"))
     assert keep.bwd < sel.bwd < full.bwd
     assert sel.bwd_comm == keep.bwd_comm < full.bwd_comm
+
+
+def test_selective_recompute_reruns_a_math_attention_cores_gemms():
+    # QK^T and AV (2 s^2 h FLOPs each per sample) are part of the forward's GEMMs; selective recompute reruns them
+    cluster = catalog_cluster("a100-80g")
+    core = ((2.0 * S * S * H, 3.0 * S * H + 2.0 * A * S * S, 2),)
+    plain = layer(fwd_matmul_flops=24 * S * H * H + 4 * S * S * H)
+    math = replace(plain, attention_core_gemms=core)
+    t = 8
+    extra = block_time(math, 1, t, cluster, recompute="selective").bwd - block_time(plain, 1, t, cluster, recompute="selective").bwd
+    assert extra == pytest.approx(gemm_kernels_time(core, 1 / t, cluster, "bf16"))
+    assert extra > 0
+    # nothing else moves: the forward and the kept backward are the same
+    assert block_time(math, 1, t, cluster).fwd == block_time(plain, 1, t, cluster).fwd
 
 
 def test_vocabulary_parallel_head_and_embedding_shard_over_tp():

@@ -119,3 +119,49 @@ def test_softmax_grad_in_memory_writes_and_reads_the_dropout_gradient_once_more(
     x = S * H * 4  # bytes of one sample's (S, H) fp32 tensor
     assert memory.fwd_memory_bytes == chip.fwd_memory_bytes
     assert memory.bwd_memory_bytes == chip.bwd_memory_bytes + 2 * x
+
+
+class _MathAttentionLayer(nn.Module):
+    """Attention with an explicit softmax (QK^T and AV as batched GEMMs), then a two-Linear MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _MathAttention()
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class _MathAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(H, H) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        q, k, v = (w(x).view(B, S, A, H // A).transpose(1, 2) for w in (self.wq, self.wk, self.wv))  # (B, A, S, hd)
+        probs = torch.softmax(q @ k.transpose(-1, -2), dim=-1)  # (B, A, S, S)
+        return self.wo((probs @ v).transpose(1, 2).flatten(2))
+
+
+class _MathGPT(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_MathAttentionLayer()])
+
+
+def test_a_math_attention_core_records_its_own_gemms_and_a_fused_one_none(profile):
+    # selective recompute reruns the core (Korthikanti et al. 2022, section 5): with an explicit softmax that is
+    # QK^T and AV, GEMMs of fwd_gemms that ran in the attention region outside its Linears; the MLP's GEMMs and the
+    # projections are not the core's, and a fused (SDPA) core is fwd_attention_flops, with no GEMMs of its own
+    def factory(micro_batch: int):
+        return _MathGPT(), {"ids": torch.zeros(micro_batch, S, dtype=torch.long)}
+
+    layer = profile_model(ModelSource("math-gpt", factory, "fp32"), micro_batch=2).block("layers.0")
+    assert sum(n for _, _, n in layer.attention_core_gemms) == 2
+    assert sum(f * n for f, _, n in layer.attention_core_gemms) == 2 * (2 * S * S * H)  # QK^T and AV per sample
+    assert layer.fwd_attention_flops == 0
+    assert layer.fwd_matmul_flops == 2 * S * (4 * H * H + 8 * H * H) + 2 * (2 * S * S * H)
+    assert profile.block("layers.0").attention_core_gemms == ()
