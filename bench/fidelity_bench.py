@@ -84,8 +84,14 @@ Sources:
   every row of the table.
 - [L3] Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 80GB, seq 8192, TP 8,
   PP 16, CP 1, DP 64 / 128, 430 / 400 TFLOP/s per GPU (BF16 MFU 43 % / 41 %). Metric: model FLOPs
-  6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Assumed: micro-batch 1, interleaved
-  1F1B (the paper's section 3.3.2 uses an interleaved schedule; 2 chunks assumed), flash attention,
+  6 N + 12 l h s per token (PaLM, Chowdhery et al. 2022, appendix B). Interleaved 1F1B with one transformer layer
+  per model chunk, so 8 chunks per pipeline rank: section 3.3.2 reduces "one Transformer layer each from the first
+  and the last stages", which "means that the first model chunk on the first stage has only the embedding, and the
+  last model chunk on the last stage has only output projection and loss calculation" -- a chunk of one layer
+  before that reduction, so 126 layers + the embedding and head chunks = 128 = 16 ranks x 8 chunks (the cost
+  model's balanced cut gives that layout: the embedding alone first, the norm and head alone last); derived from
+  the text before the rows were predicted with it (they had 2 chunks, assumed, before). Assumed: micro-batch 1,
+  flash attention,
   no activation recomputation (section 3.3.2: memory allowed it), gradient reduction overlapped. Not reproduced:
   the run's FSDP (section 3.3.2: it "shards optimizer states and gradients", parameters not resharded after the
   forward, "FP32 gradient accumulation ... over multiple micro-batches" and "reduce-scatter gradients in FP32"):
@@ -275,9 +281,9 @@ ROWS = (
           ("462B", 144, 18432, 112, 8, 16, 3072, 459.9))),
     # [L3] Table 4 (tokens per batch 16M = 2048 sequences of 8192)
     Row("L3 T4 405B 8k GPUs", LLAMA3_405B, "h100-sxm", 8, 16, 64, 2048, 430, "palm", recompute="none",
-        schedule="interleaved:2"),
+        schedule="interleaved:8"),  # one layer per chunk (section 3.3.2, see [L3])
     Row("L3 T4 405B 16k GPUs", LLAMA3_405B, "h100-sxm", 8, 16, 128, 2048, 400, "palm", recompute="none",
-        schedule="interleaved:2"),
+        schedule="interleaved:8"),
 )
 
 # [MLM] the optimizer step's extra passes on every Megatron-LM row of 2021-2022 (2021: [N21], [MLM175]; 2022: [K22],
