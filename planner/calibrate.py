@@ -54,7 +54,7 @@ class Settings:
     rounds: int  # sweeps over all sizes; each point keeps its best round (other jobs come and go)
     timeout_s: float  # process-group timeout: no single wait lasts longer
     deadline_s: float  # hard wall-clock limit of the whole multi-process part
-    probe_s: float = 1.0  # seconds of the compute_slowdown probe, alone and with every rank at once
+    probe_s: float = 1.0  # seconds of one turn of the compute_slowdown probe: half alone, half with every rank at once
 
     @staticmethod
     def for_run(quick: bool) -> Settings:
@@ -64,7 +64,7 @@ class Settings:
                 copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB),
                 message_bytes=tuple(4**k for k in range(1, 12)),  # 4 B .. 4 MiB
                 disk_bytes=(1 * MiB, 8 * MiB, 32 * MiB),
-                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60, probe_s=0.5)
+                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60, probe_s=0.3)
         return Settings(
             matmul_sizes=(32, 64, 128, 256, 512, 1024, 2048), bf16_sizes=(256, 1024), fp16_sizes=(256,),
             copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB, 256 * MiB),
@@ -251,7 +251,7 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     p2p = fit_alpha_beta(settings.message_bytes, p2p_times)
     link = Link(min(p2p.bandwidth, all_reduce.bandwidth), p2p.latency_s)
     collective_s = fit_collective_call(_rounded(link), ranks, samples)
-    compute_slowdown = max(1.0, statistics.fmean(r["probe"][1] for r in ranks_out) / ranks_out[0]["probe"][0])
+    compute_slowdown = probe_slowdown(ranks_out[0]["probe"][0], [r["probe"][1] for r in ranks_out])
     points = _OPTIMIZER_POINTS_QUICK if quick else _OPTIMIZER_POINTS
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
@@ -385,20 +385,35 @@ def _median_time(step: Callable[[], Any], seconds: float) -> float:
     return statistics.median(times)
 
 
-def _slowdown_probe(rank: int, settings: Settings) -> tuple[float, float]:
-    """(rank 0's probe step alone, this rank's with every rank at once), median seconds: measured in turns, twice,
-    by the same processes (threads as in training), so that a drift of the machine's speed between the two hits
-    both alike; ranks not measuring wait in a barrier."""
+# turns of the probe (rank 0 alone, then every rank at once); the slowdown is the median of the turns' ratios. A
+# shared VM's speed drifts by +-20 % over seconds whatever runs on it (2 vCPUs of a KVM guest: the same step alone
+# took 469-715 ms in three turns a minute apart); each turn's ratio pairs two measurements a fraction of a second apart,
+# and the median drops a turn that a drift or another job's spike hit (two turns, averaged, gave 1.02-1.63 in five
+# quick calibrations of one machine)
+_PROBE_TURNS = 5
+
+
+def _slowdown_probe(rank: int, settings: Settings) -> tuple[list[float], list[float]]:
+    """(rank 0's probe step alone, this rank's with every rank at once) per turn, median seconds of each: measured in
+    turns by the same processes (threads as in training), so that a drift of the machine's speed between the two
+    hits both alike; ranks not measuring wait in a barrier. Rank 0's first list is empty on the other ranks."""
     step = _probe_step()
     step()  # warm-up
     alone, together = [], []
-    for _ in range(2):
+    for _ in range(_PROBE_TURNS):
         dist.barrier()
         if rank == 0:
             alone.append(_median_time(step, settings.probe_s / 2))
         dist.barrier()
         together.append(_median_time(step, settings.probe_s / 2))
-    return (statistics.fmean(alone) if alone else 0.0), statistics.fmean(together)
+    return alone, together
+
+
+def probe_slowdown(alone: list[float], together: list[list[float]]) -> float:
+    """compute_slowdown from _slowdown_probe's turns: the median over turns of every rank's time at once (mean
+    over the ranks) over rank 0's alone in the same turn; never below 1."""
+    ratios = [statistics.fmean(ranks) / a for a, ranks in zip(alone, zip(*together)) if a > 0]
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 class _Reporter:
@@ -588,6 +603,8 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
 
     from runtime.sequence_parallel import _reduce_scatter  # the runtime's reduce-scatter, whatever torch names it
 
+    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the latter deprecated)
+
     sizes = settings.message_bytes
     gap = _busy_gap(rank)
     for r in rounds:
@@ -595,7 +612,7 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             n = max(world, nbytes // 4 // world * world)  # float32 elements, a multiple of the ranks
             x, part = torch.ones(n), torch.empty(n // world)
             calls = {"all_reduce": lambda: dist.all_reduce(x),  # each on a tensor of `nbytes`: the reduced
-                     "all_gather": lambda: dist.all_gather_into_tensor(x, part),  # input, the gathered
+                     "all_gather": lambda: _all_gather(x, part),  # input, the gathered
                      "reduce_scatter": lambda: _reduce_scatter(part, x)}  # result (cost_models/comm.py)
             for key, call in calls.items():
                 dist.barrier()

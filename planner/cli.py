@@ -329,7 +329,7 @@ def compare(
 def calibrate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the cluster TOML (give it to [cyan]--cluster[/]).")] = Path("cluster.toml"),
     ranks: Annotated[int, typer.Option(help="gloo ranks to launch for the collectives (one thread each).")] = 2,
-    quick: Annotated[bool, typer.Option(help="Fewer sizes and repetitions: a few seconds instead of about a minute.")] = False,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and one round of repetitions (about 25 s on 2 vCPUs).")] = False,
 ) -> None:
     """Measure this machine (matmul throughput, memory bandwidth, gloo collectives and p2p under load, the
     optimizer step, host<->device, disk, the runtime's fixed costs) and write it as a cluster TOML."""
