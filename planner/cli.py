@@ -410,7 +410,7 @@ def demo(
 ) -> None:
     """The whole loop on this machine: profile -> solve -> train the solved plan and the one-layout baselines the
     solver compared with (homogeneous, megatron) -> compare predicted with measured; the speed-up is over the
-    baseline that measured fastest. Takes about a minute on 2 CPU cores."""
+    baseline that measured fastest. Takes one to two minutes on 2 CPU cores (100 s on a 2-vCPU VM)."""
     from planner.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
     from planner.report import demo_json, render_demo
 
