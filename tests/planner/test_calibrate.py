@@ -48,8 +48,6 @@ def test_the_slowdown_pairs_each_turn_and_drops_a_spiked_one():
     true_alone = [0.010, 0.011, 0.012, 0.013, 0.014]
     together = [[1.2 * a for a in true_alone], [1.2 * a * 1.02 for a in true_alone]]  # rank 1 a little slower
     assert probe_slowdown(alone, together) == pytest.approx(1.2 * 1.01)
-    # averaging the turns first (as before) reads the drift and the spike as less contention
-    assert sum(map(sum, together)) / 2 / sum(alone) < 1.1
     assert probe_slowdown([0.01] * 3, [[0.009] * 3, [0.009] * 3]) == 1.0  # never below 1
     assert probe_slowdown([], [[], []]) == 1.0
 
