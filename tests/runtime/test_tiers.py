@@ -69,4 +69,8 @@ def test_training_beyond_device_memory_with_the_solvers_tier_plan():
         assert abs(got - want) <= 1e-4 * abs(want)
     measured = max(max(m["peak_memory_bytes"]) for m in metrics[1:])
     assert measured <= budget
-    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
+    # the predicted peak holds the next block's prefetched parameters (params off the device, brought in one block
+    # ahead by a background thread); whether that prefetch has landed at the moment of the peak is thread timing:
+    # measured 969-985 kB (landed later) or ~1.11 MB (landed) of the same plan in repeated runs
+    prefetched = max(b.param_bytes for b in prof.blocks) if any(s.memory.params != "gpu" for s in stages) else 0
+    assert predicted - prefetched - 0.10 * predicted <= measured <= 1.10 * predicted, (measured, predicted, prefetched)
