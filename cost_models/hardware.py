@@ -163,6 +163,19 @@ _LOCAL_CPU = Cluster(
     host_memory_bytes=_LOCAL_RAM,
     nvme_bytes=50 * GB,  # ~80 GB free on the reference machine; planned against a conservative share
     backend="gloo",
+    # The runtime's own costs (cost_models/overhead.py), which on a CPU are milliseconds where a model's compute is
+    # too: without them a plan for this entry was predicted ~4x fast (README guide: 30 ms predicted, 116 ms
+    # measured) and ZeRO looked free (the guide's dp2 + ZeRO-1 plan ran 2.3x slower than plain dp2). Two full
+    # `mmplan calibrate` runs on a 2-vCPU Sapphire Rapids KVM guest (2026-12, torch 2.13; the mean, rounded):
+    # Adam 24.5-25.5 us per tensor + 0.98-1.03 ns per byte; 1.5-2.2 ms fixed per step; FSDP2 3.4-4.0 ms per
+    # sharded block and micro-batch, 2.2-2.3 ns per byte, 200-207 us per sharded tensor in the step. Every rank
+    # busy slowed compute 1.01x: not applied. `mmplan calibrate` measures the machine at hand.
+    optimizer_tensor_s=25e-6,
+    optimizer_byte_s=1.0e-9,
+    step_overhead_s=2e-3,
+    zero_block_s=3.7e-3,
+    zero_byte_s=2.3e-9,
+    zero_tensor_s=200e-6,
 )
 
 CATALOG: dict[str, Cluster] = {

@@ -56,6 +56,11 @@ def test_local_cpu_describes_a_small_cpu_machine():
     assert 10e9 < local.device.peak_flops["fp32"] < 1e12  # one core, not a GPU
     assert local.device.memory_bytes * local.gpus_per_node <= local.host_memory_bytes  # a share of RAM
     assert 1e-4 <= local.intra_node.latency_s <= 1e-3 and local.intra_node.bandwidth <= 5 * GBps  # gloo loopback
+    # the runtime's own costs are part of the entry: on a CPU they are milliseconds, as its compute is
+    assert local.step_overhead_s > 0 and local.optimizer_tensor_s > 0 and local.optimizer_byte_s > 0
+    assert local.zero_block_s > 0 and local.zero_byte_s > 0 and local.zero_tensor_s > 0
+    assert all(c.step_overhead_s == c.zero_block_s == 0
+               for n, c in CATALOG.items() if n != "local-cpu")  # GPU entries: not measured, microseconds there
 
 
 # --- shorthand ---------------------------------------------------------------------------------------------------

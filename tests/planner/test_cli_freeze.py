@@ -16,7 +16,9 @@ def _profile_and_solve(tmp_path, *freeze: str):
     prof, plan = tmp_path / f"p{len(freeze)}.json", tmp_path / f"plan{len(freeze)}.json"
     args = [a for p in freeze for a in ("--freeze", p)]
     assert runner.invoke(app, ["profile", "tiny-vlm", "-o", str(prof), *args]).exit_code == 0
-    res = runner.invoke(app, ["solve", str(prof), "--cluster", "2xlocal-cpu", "--global-batch", "8", "-o", str(plan)])
+    # one layout for both, so that the predicted peaks differ by the freezing alone (the solver may choose differently)
+    res = runner.invoke(app, ["solve", str(prof), "--cluster", "2xlocal-cpu", "--global-batch", "8", "-o", str(plan),
+                              "--baseline", "homogeneous", "--layout", "tp=1,pp=1,dp=2"])
     assert res.exit_code == 0, res.output
     return json.loads(prof.read_text()), plan
 

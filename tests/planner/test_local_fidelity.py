@@ -18,6 +18,13 @@ from plans.graph import Block, Edge, Profile
 from plans.serial import from_data, to_data
 
 RUNTIME_COSTS = dict(optimizer_tensor_s=2.5e-5, optimizer_byte_s=1.5e-9, step_overhead_s=4e-3)
+NONE_MEASURED = dict(optimizer_tensor_s=0.0, optimizer_byte_s=0.0, step_overhead_s=0.0, compute_slowdown=1.0,
+                     zero_block_s=0.0, zero_byte_s=0.0, zero_tensor_s=0.0)
+
+
+def unmeasured(spec: str = "2xlocal-cpu"):
+    """The cluster without the runtime costs the local-cpu entry carries: what these tests add measured costs to."""
+    return dataclasses.replace(parse_cluster(spec), **NONE_MEASURED)
 
 
 def measured_chain(fwd_ms: float, cluster_name: str = "2xlocal-cpu") -> tuple[P.Plan, Profile]:
@@ -26,19 +33,21 @@ def measured_chain(fwd_ms: float, cluster_name: str = "2xlocal-cpu") -> tuple[P.
                          fwd_ms=fwd_ms, bwd_ms=2 * fwd_ms, param_tensors=3) for i in range(2))
     profile = Profile.build("chain", "fp32", 1, blocks, (Edge("l.0", "l.1", 1e3),), measured_on="cpu")
     stages = tuple(P.Stage((f"l.{i}",), (i,), P.Memory()) for i in range(2))
-    plan = P.Plan(P.ProfileRef("chain", profile.fingerprint), parse_cluster(cluster_name), P.Training(4, 4, dtype="fp32"),
+    plan = P.Plan(P.ProfileRef("chain", profile.fingerprint), unmeasured(cluster_name), P.Training(4, 4, dtype="fp32"),
                   (P.Group("llm", 1, 1, 2, stages),))
     return P.check_plan(plan, profile), profile
 
 
 def test_runtime_costs_round_trip_through_the_cluster_toml_and_the_plan():
-    measured = dataclasses.replace(parse_cluster("2xlocal-cpu"), **RUNTIME_COSTS)
+    measured = dataclasses.replace(unmeasured(), **RUNTIME_COSTS)
     text = cluster_to_toml(measured)
     assert "[runtime]" in text and cluster_from_toml(text) == measured
-    plain = parse_cluster("2xlocal-cpu")
+    plain = unmeasured()
     assert "[runtime]" not in cluster_to_toml(plain)  # files without measured costs stay as they were
-    old = cluster_from_toml('base = "local-cpu"\ngpus_per_node = 2\n')  # a file written before the fields existed
+    old = cluster_from_toml('base = "h100-sxm"\ngpus_per_node = 2\n')  # a file written before the fields existed
     assert (old.optimizer_tensor_s, old.optimizer_byte_s, old.step_overhead_s) == (0.0, 0.0, 0.0)
+    based = cluster_from_toml('base = "local-cpu"\ngpus_per_node = 2\n')  # inherits the entry's measured costs
+    assert based.step_overhead_s == parse_cluster("local-cpu").step_overhead_s > 0
     assert "optimizer_byte_s" not in to_data(plain)  # plan files keep their bytes when not measured
     assert from_data(type(measured), to_data(measured)) == measured
     with pytest.raises(Exception, match="optimizer_ns_per_byte"):
@@ -64,7 +73,7 @@ def test_measured_block_times_scale_by_the_measured_slowdown_with_every_rank_bus
     busy = evaluate(dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, compute_slowdown=1.5)), profile)
     for a, b in zip(alone.stages, busy.stages):  # the measured 5 / 10 ms scale; modelled terms (accumulation) do not
         assert (b.fwd_s - a.fwd_s, b.bwd_s - a.bwd_s) == pytest.approx((0.5 * 5e-3, 0.5 * 10e-3))
-    slow = dataclasses.replace(parse_cluster("2xlocal-cpu"), compute_slowdown=1.5)
+    slow = dataclasses.replace(unmeasured(), compute_slowdown=1.5)
     assert cluster_from_toml(cluster_to_toml(slow)) == slow
     with pytest.raises(Exception, match="compute_slowdown"):
         dataclasses.replace(slow, compute_slowdown=0.5)
@@ -85,7 +94,7 @@ def test_zero_costs_what_fsdp2_measured_per_block_byte_and_tensor_and_nothing_at
             op = (1e-3 + 4e5 * 2e-9) / 2  # one block of 4e5 fp32 parameter bytes per stage, 3 tensors
             extra = (op, op, 3 * 2e-4) if zero else (0.0, 0.0, 0.0)
             assert (b.fwd_s - a.fwd_s, b.bwd_s - a.bwd_s, b.optimizer_s - a.optimizer_s) == pytest.approx(extra, abs=1e-12)
-    measured = dataclasses.replace(parse_cluster("2xlocal-cpu"), **base)
+    measured = dataclasses.replace(unmeasured(), **base)
     assert cluster_from_toml(cluster_to_toml(measured)) == measured
     per_block = [4e-4 + zero_block_bytes(w) * 1e-9 for w in ZERO_WIDTHS]  # 400 us + 1 ns per byte
     priced = (2e-4, 3e-2)  # what the cost model prices the probe's collectives at, per width: not FSDP2's own
@@ -134,6 +143,20 @@ def test_run_warns_in_one_line_for_a_plan_solved_for_another_cluster(tiny_profil
     local = homogeneous_plan(tiny_profile, parse_cluster("2xlocal-cpu"), 4, "tp=1,pp=1,dp=2")
     same = on_actual_cluster(local, tiny_profile, "gloo")
     assert same.same and same.warning is None
+
+
+def test_the_local_cpu_entry_prices_what_the_runtime_pays_for_zero_and_the_optimizer(tiny_profile):
+    """The catalog's local-cpu carries the runtime costs calibrate measures: a ZeRO-1 plan pays FSDP2's hooks per
+    block and micro-batch and its DTensor optimizer step, so on a CPU it is predicted slower than the same plain
+    dp2 plan (with them at 0 the guide's solve chose dp2 + ZeRO-1, which ran 2.3x slower than plain dp2)."""
+    from planner.baselines import homogeneous_plan
+
+    local = parse_cluster("2xlocal-cpu")
+    at = lambda cluster, zero: homogeneous_plan(tiny_profile, cluster, 4, f"tp=1,pp=1,dp=2,zero={zero}").predicted.step_time_s
+    blocks = sum(1 for b in tiny_profile.blocks if b.params)
+    assert at(local, 1) - at(local, 0) >= blocks * local.zero_block_s  # each sharded block's hooks, once per micro-batch
+    assert at(unmeasured(), 1) - at(unmeasured(), 0) < blocks * local.zero_block_s
+    assert at(local, 0) - at(unmeasured(), 0) >= local.step_overhead_s  # the fixed per-step cost is in every plan
 
 
 def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypatch):
