@@ -1,11 +1,12 @@
 """Predicted vs measured on this machine: a tiny model's training step on one rank, cost model against the clock.
 
 Steps: calibrate this machine (`mmplan calibrate --quick` unless --full), profile `tiny-vlm` on the meta device
-(FLOPs, saved activations) and again on the CPU with measured block times, build the 1-rank plan (one group,
-tp = pp = dp = 1) on the calibrated cluster, predict its step with evaluate(), then time the real step --
-forward + backward of every micro-batch and the Adam step, one process, one thread -- as the median of
---steps steps after --warmup warm-up steps. Prints both predictions (FLOP-based with the calibrated matmul
-efficiency; from the profile's measured block times) beside the measurement, with the deviation
+(FLOPs, op counts, saved activations) and again on the CPU with measured block times, build the 1-rank plan (one
+group, tp = pp = dp = 1) on the calibrated cluster, predict its step with evaluate(), then train it with `mmplan
+run`'s own path (run_plan: the runtime, its saved-tensor accounting and Adam) for --steps steps after --warmup
+warm-up steps, and, for reference, time the bare step -- forward + backward of every micro-batch and the Adam step
+in a plain loop, no runtime. Prints both predictions (FLOP-based with the calibrated matmul efficiency and host
+costs; from the profile's measured block times) beside the runtime's median step, with the deviation
 (predicted - measured) / measured.
 
 Run: python bench/predict_bench.py [--model tiny-vlm] [--global-batch 8] [--micro-batch 4] [--steps 20] [--full]
@@ -50,6 +51,14 @@ def measure_step_s(model_name: str, global_batch: int, micro_batch: int, steps: 
     return times
 
 
+def run_step_s(plan_path: Path, model_name: str, steps: int, warmup: int) -> float:
+    """Median step of `mmplan run` training the plan (after `warmup` steps)."""
+    from planner.run import run_plan
+
+    result = run_plan(plan_path, steps=warmup + steps, model=model_name, overwrite=True)
+    return statistics.median(row["step_time_s"] for row in result.metrics[warmup:])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-vlm")
@@ -79,14 +88,22 @@ def main(argv: list[str] | None = None) -> None:
     on_cpu = replace(cluster, device=replace(cluster.device, name=measured_profile.measured_on or "cpu"))
     blocks_ev = evaluate(replace(plan, cluster=on_cpu), measured_profile, on_cpu)
 
+    import tempfile
+
+    from plans.plan import save_plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_plan(plan, Path(tmp) / "plan.json")
+        measured = run_step_s(Path(tmp) / "plan.json", args.model, args.steps, args.warmup)
     times = measure_step_s(args.model, args.global_batch, args.micro_batch, args.steps, args.warmup)
-    measured = statistics.median(f + o for f, o in times)
+    bare = statistics.median(f + o for f, o in times)
     fwd_bwd, opt = statistics.median(f for f, _ in times), statistics.median(o for _, o in times)
     m = plan.training.micro_batches
     print(f"{args.model}: global batch {args.global_batch} = {m} micro-batches of {args.micro_batch}, fp32, Adam, "
           f"1 process x 1 thread; median of {args.steps} steps after {args.warmup} warm-up")
     print(f"{'':<36}{'step':>9}   {'fwd+bwd':>9} {'Adam':>8}   deviation of the step")
-    print(f"{'measured':<36}{measured * 1e3:6.2f} ms   {fwd_bwd * 1e3:6.2f} ms {opt * 1e3:5.2f} ms")
+    print(f"{'measured: mmplan run':<36}{measured * 1e3:6.2f} ms")
+    print(f"{'bare loop, no runtime (reference)':<36}{bare * 1e3:6.2f} ms   {fwd_bwd * 1e3:6.2f} ms {opt * 1e3:5.2f} ms")
     for label, ev in (("predicted, FLOPs / calibrated rate", flops_ev), ("predicted, measured block times", blocks_ev)):
         stage, step = ev.stages[0], ev.predicted.step_time_s
         print(f"{label:<36}{step * 1e3:6.2f} ms   {m * (stage.fwd_s + stage.bwd_s) * 1e3:6.2f} ms "

@@ -277,7 +277,9 @@ def block_time(
     measured fwd_ms / bwd_ms at `samples` (measured_ms: affine in the batch), divided evenly over the shards;
     else by op class (_compute: GEMMs on the efficiency curve by size, fused attention as its own kernel,
     memory-bound bytes at the stream bandwidth), or, for a profile without the split, FLOPs / (peak x
-    efficiency) as if every FLOP were one GEMM.
+    efficiency) as if every FLOP were one GEMM. Then the host's work of running the block op by op
+    (overhead.host_time: per-op dispatch, the runtime's saved-tensor hook; measured clusters only), after the
+    arithmetic on a CPU, overlapped with it on a GPU (overhead.with_host).
     TP communication: tp_collectives, over the TP link (inside a node). `recompute`: True / "recompute" runs the
     whole forward again before the backward (Chen et al. 2016), its all-reduces included; "selective" reruns
     only the attention core (Korthikanti et al. 2022, section 5: no communication). `input_bytes`: the block's
@@ -289,13 +291,14 @@ def block_time(
     `cross_entropy_bytes`: (forward, backward) bytes per logit the runtime's cross-entropy moves on the output head
     (default: the fused vocabulary-parallel cross-entropy, two fp32 passes each way: _compute).
     """
+    from cost_models.overhead import host_time, measured_compute_scale, with_host  # (overhead imports this module)
+
     t = tp_shard(block, tp)
     core = 0.0
-    if measured_micro_batch is not None and block.fwd_ms is not None and block.bwd_ms is not None:
+    measured = measured_micro_batch is not None and block.fwd_ms is not None and block.bwd_ms is not None
+    if measured:
         fwd = measured_ms(block.fwd_ms, block.fwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
         bwd = measured_ms(block.bwd_ms, block.bwd_ms_per_sample, samples, measured_micro_batch) / t / 1e3
-        from cost_models.overhead import measured_compute_scale  # (overhead imports this module)
-
         scale = measured_compute_scale(cluster)  # measured in one process, run with every rank busy
         fwd, bwd = fwd * scale, bwd * scale
         if block.fwd_flops > 0:  # the core's share of the measured forward, by FLOPs (fused kernel or its GEMMs)
@@ -308,6 +311,8 @@ def block_time(
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard
         fwd = f / (peak * efficiency(cluster.device, f)) if f > 0 else 0.0
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
+    host_fwd, host_bwd = host_time(block, cluster, measured=measured)
+    fwd, bwd = with_host(fwd, host_fwd, cluster), with_host(bwd, host_bwd, cluster)
     if tp_comm_overlap and sequence_parallel and t > 1 and block.supports_tp and not block.vocab_parallel:
         fwd_comm, bwd_comm = userbuffers_tp_time(block, samples, t, tp_link or cluster.intra_node, cluster, dtype)
     else:

@@ -176,6 +176,16 @@ _LOCAL_CPU = Cluster(
     zero_block_s=3.7e-3,
     zero_byte_s=2.3e-9,
     zero_tensor_s=200e-6,
+    # The host's work of running a model op by op (Block.fwd_ops / bwd_ops / saved_tensors): a tiny-vlm-heavy layer
+    # dispatches ~40 ops forward and ~100 backward and saves ~15 activation storages whatever its batch, so at
+    # micro-batch 1 its step on a CPU is mostly this (5.4 ms forward where its FLOPs take 0.7 ms). calibrate's host
+    # probe (planner/host_probe.py) in two full calibrations on a 2-vCPU AMD EPYC KVM guest (2026-12, torch 2.13,
+    # both ranks at once): 7.2 / 6.1 us per forward op, 4.7 / 3.7 us per backward op, 10.5 / 9.8 us per storage
+    # through the runtime's saved-tensor hook and its accounting, 3.3 / 3.1 us to release it in the backward.
+    forward_op_s=6.5e-6,
+    backward_op_s=4.2e-6,
+    saved_tensor_s=10e-6,
+    released_tensor_s=3.2e-6,
 )
 
 CATALOG: dict[str, Cluster] = {
@@ -325,13 +335,33 @@ def catalog_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
                           f"multiple of {per_node} or another gpus_per_node")
     cluster = replace(base, name=f"{total}x{name}" if count is not None else name,
                       nodes=total // per_node, gpus_per_node=per_node)
-    return _share_local_memory(cluster) if name in _LOCAL else cluster
+    return _share_local_cores(_share_local_memory(cluster)) if name in _LOCAL else cluster
 
 
 def _share_local_memory(cluster: Cluster) -> Cluster:
     """On a local machine each rank's "device" memory is its share of the node's RAM."""
     share = cluster.host_memory_bytes // cluster.gpus_per_node
     return replace(cluster, device=replace(cluster.device, memory_bytes=share))
+
+
+# what a local-cpu rank's share of the reference machine's cores scales: its speeds down, its measured per-call costs up
+_PER_CORE_COSTS = ("optimizer_tensor_s", "optimizer_byte_s", "step_overhead_s", "zero_block_s", "zero_byte_s",
+                   "zero_tensor_s", "forward_op_s", "backward_op_s", "saved_tensor_s", "released_tensor_s")
+
+
+def _share_local_cores(cluster: Cluster) -> Cluster:
+    """More local ranks than the reference machine has cores (`4xlocal-cpu` on its 2): the ranks time-share the
+    cores, so while all of them compute each runs at cores / ranks of the entry's one-rank-per-core figures --
+    FLOP/s and memory bandwidth, the runtime's measured per-call costs, and profiles measured in one process
+    (compute_slowdown). This is what `mmplan calibrate --ranks N` measures with N ranks busy at once; pipeline
+    bubbles, in which some ranks idle, make it an upper bound."""
+    share = min(1.0, _LOCAL_CORES / cluster.gpus_per_node)
+    if share >= 1.0:
+        return cluster
+    device = replace(cluster.device, peak_flops={k: v * share for k, v in cluster.device.peak_flops.items()},
+                     memory_bandwidth=cluster.device.memory_bandwidth * share)
+    costs = {name: getattr(cluster, name) / share for name in _PER_CORE_COSTS}
+    return replace(cluster, device=device, compute_slowdown=cluster.compute_slowdown / share, **costs)
 
 
 def _regroup(cluster: Cluster, gpus_per_node: int, source: str) -> Cluster:
@@ -396,7 +426,9 @@ def _cluster_from_data(data: dict[str, Any], source: str) -> Cluster:
 _RUNTIME = {"optimizer_us_per_tensor": ("optimizer_tensor_s", -6), "optimizer_ns_per_byte": ("optimizer_byte_s", -9),
             "step_overhead_us": ("step_overhead_s", -6), "compute_slowdown": ("compute_slowdown", 0),
             "zero_us_per_block": ("zero_block_s", -6), "zero_ns_per_byte": ("zero_byte_s", -9),
-            "zero_us_per_tensor": ("zero_tensor_s", -6)}
+            "zero_us_per_tensor": ("zero_tensor_s", -6), "forward_us_per_op": ("forward_op_s", -6),
+            "backward_us_per_op": ("backward_op_s", -6), "us_per_saved_tensor": ("saved_tensor_s", -6),
+            "us_per_released_tensor": ("released_tensor_s", -6)}
 
 
 def _runtime_costs(data: dict[str, Any], base: Cluster | None, source: str) -> dict[str, float]:

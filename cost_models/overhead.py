@@ -1,12 +1,14 @@
 """The runtime's own costs that `mmplan calibrate` measures (Cluster.optimizer_tensor_s, optimizer_byte_s,
-step_overhead_s, zero_block_s, zero_byte_s, zero_tensor_s), applied to the simulated step here and nowhere else: the optimizer
-step's update, the fixed per-step cost of the runtime (Python, metrics, logging) and what ZeRO's FSDP2 costs beyond
-its collectives. Clusters without them (0) are timed as before."""
+step_overhead_s, zero_block_s, zero_byte_s, zero_tensor_s, forward_op_s, backward_op_s, saved_tensor_s,
+released_tensor_s), applied to the simulated step here and nowhere else: the optimizer step's update, the fixed
+per-step cost of the runtime (Python, metrics, logging), what ZeRO's FSDP2 costs beyond its collectives, and the
+host's work of running a block op by op. Clusters without them (0) are timed as before."""
 from __future__ import annotations
 
 from cost_models.compute import optimizer_step_time
 from cost_models.memory import DTYPE_BYTES, StateTiers
 from plans.cluster import Cluster
+from plans.graph import Block
 
 
 def calibrated(cluster: Cluster) -> bool:
@@ -44,6 +46,26 @@ def measured_compute_scale(cluster: Cluster) -> float:
     return cluster.compute_slowdown
 
 
+def host_time(block: Block, cluster: Cluster, *, measured: bool) -> tuple[float, float]:
+    """(forward, backward) seconds the host spends running `block` op by op, beyond its arithmetic: each aten op's
+    dispatch (Python, the dispatcher, the autograd graph: Cluster.forward_op_s; the autograd engine's per op in the
+    backward: backward_op_s) and the runtime's accounting of each tensor the forward saves (its saved-tensor hook,
+    saved_tensor_s; the release of what it held, in the backward, released_tensor_s). The counts are per call,
+    whatever the batch and tp degree (every tp rank dispatches every op). A `measured` block time (`profile
+    --measure`) already holds its ops' dispatch, so only the accounting, which the profiler does not run, is added
+    to it. Profiles without the counts, and clusters without the costs, get 0."""
+    hook, release = block.saved_tensors * cluster.saved_tensor_s, block.saved_tensors * cluster.released_tensor_s
+    if measured:
+        return hook, release
+    return block.fwd_ops * cluster.forward_op_s + hook, block.bwd_ops * cluster.backward_op_s + release
+
+
+def with_host(device_s: float, host_s: float, cluster: Cluster) -> float:
+    """A block's time given its device work and its host work: on a CPU (gloo ranks) one core does both, one after
+    the other; a GPU runs the kernels while the host issues the next ones, so the slower of the two bounds it."""
+    return device_s + host_s if cluster.backend == "gloo" else max(device_s, host_s)
+
+
 def zero_block_time(blocks, zero: int, cluster: Cluster, param_bytes=0.0):
     """Seconds per micro-batch (forward + backward) that ZeRO's FSDP2 costs a rank beyond its collectives for
     `blocks` sharded blocks holding `param_bytes` of (tp-local, unsharded) parameters (runtime/zero.py: one
@@ -64,5 +86,5 @@ def step_overhead(cluster: Cluster) -> float:
     return cluster.step_overhead_s
 
 
-__all__ = ["calibrated", "measured_compute_scale", "optimizer_tensor_time", "optimizer_time", "step_overhead", "zero_block_time",
+__all__ = ["calibrated", "host_time", "measured_compute_scale", "with_host", "optimizer_tensor_time", "optimizer_time", "step_overhead", "zero_block_time",
            "zero_optimizer_time"]

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from plans.cluster import Cluster, Device, Link
+from planner.host_probe import host_probe
 from plans.errors import MmplanError
 
 Progress = Callable[[str, float], None]
 KiB, MiB = 2**10, 2**20
 
 # Steps in the order they run, with their share of the progress bar (roughly their share of the wall time).
-_STEPS = {"start": 0.04, "matmul": 0.24, "memory": 0.1, "optimizer": 0.04, "zero": 0.02, "all-reduce": 0.18, "p2p": 0.14,
+_STEPS = {"start": 0.04, "matmul": 0.21, "memory": 0.1, "optimizer": 0.04, "host": 0.03, "zero": 0.02, "all-reduce": 0.18, "p2p": 0.14,
           "host-to-device": 0.04, "disk": 0.12, "runtime step": 0.08}
 
 # Optimizer measurement: (parameter tensors, elements per tensor) of fp32 Adam steps; the fit of time against
@@ -102,6 +103,10 @@ class Calibration:
     zero_byte_s: float = 0.0  # FSDP2 per byte of a sharded block's parameters and micro-batch (copy-in / copy-out)
     zero_tensor_s: float = 0.0  # FSDP2's extra Adam time per sharded parameter tensor
     collective_s: float = 0.0  # fixed cost per gloo collective call beyond the ring model (fit_collective_call)
+    forward_op_s: float = 0.0  # host time per aten op in a forward, all ranks at once (planner/host_probe.py)
+    backward_op_s: float = 0.0  # host time per aten op in a backward
+    saved_tensor_s: float = 0.0  # the runtime's saved-tensor hook per activation storage, in the forward
+    released_tensor_s: float = 0.0  # its release of that storage, in the backward
     samples: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)  # name -> (bytes, seconds)
 
 
@@ -256,6 +261,8 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
     opt_times = [max(r["optimizer"][i] for r in ranks_out) for i in range(len(points))]
     samples["optimizer"] = tuple((float(k * n * 4), t) for (k, n), t in zip(points, opt_times))
     optimizer_tensor_s, optimizer_byte_s = fit_optimizer(points, opt_times)
+    forward_op_s, backward_op_s, saved_tensor_s, released_tensor_s = (statistics.median(r["host"][i] for r in ranks_out)
+                                                                      for i in range(4))
     zero_block_s, zero_byte_s, zero_tensor_s = zero_costs([r["zero"] for r in ranks_out],
                                                           zero_priced(_rounded(Link(link.bandwidth, link.latency_s, collective_s)), ranks))
 
@@ -281,7 +288,8 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
         device_memory_bytes=device_memory, disk_free_bytes=shutil.disk_usage(scratch).free,
         wall_s=time.perf_counter() - started, samples=samples, optimizer_tensor_s=optimizer_tensor_s,
         optimizer_byte_s=optimizer_byte_s, compute_slowdown=compute_slowdown, collective_s=collective_s, zero_block_s=zero_block_s,
-        zero_byte_s=zero_byte_s, zero_tensor_s=zero_tensor_s)
+        zero_byte_s=zero_byte_s, zero_tensor_s=zero_tensor_s, forward_op_s=forward_op_s, backward_op_s=backward_op_s,
+        saved_tensor_s=saved_tensor_s, released_tensor_s=released_tensor_s)
     report("runtime step", 0.0)
     calibration = replace(calibration, step_overhead_s=measure_step_overhead(to_cluster(calibration), steps=6 if quick else 14),
                           wall_s=time.perf_counter() - started)
@@ -314,7 +322,9 @@ def to_cluster(cal: Calibration) -> Cluster:
                    backend=cal.backend, optimizer_tensor_s=_round(cal.optimizer_tensor_s),
                    optimizer_byte_s=_round(cal.optimizer_byte_s), step_overhead_s=_round(cal.step_overhead_s),
                    compute_slowdown=_round(cal.compute_slowdown, 3), zero_block_s=_round(cal.zero_block_s),
-                   zero_byte_s=_round(cal.zero_byte_s), zero_tensor_s=_round(cal.zero_tensor_s))
+                   zero_byte_s=_round(cal.zero_byte_s), zero_tensor_s=_round(cal.zero_tensor_s),
+                   forward_op_s=_round(cal.forward_op_s), backward_op_s=_round(cal.backward_op_s),
+                   saved_tensor_s=_round(cal.saved_tensor_s), released_tensor_s=_round(cal.released_tensor_s))
 
 
 NEAR_EMPTY_MODEL = "planner.calibrate:near_empty_model"
@@ -596,6 +606,10 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             keep("optimizer", i, _call_time(adam.step, budget / 2, min_reps=8, warmup=_OPTIMIZER_WARMUP))
             progress("optimizer", (r * len(points) + i + 1) / (len(points) * len(rounds)))
     params = adam = None
+
+    dist.barrier()  # the host's work per op and per saved tensor, every rank at once
+    out["host"] = list(host_probe(budget * 8))
+    progress("host", 1.0)
 
     dist.barrier()  # ZeRO's FSDP2 beyond its collectives, every rank at once
     out["zero"] = _zero_probe(rank, world, budget)

@@ -389,6 +389,9 @@ def _calibration_table(cal, cluster):
         ("ZeRO (FSDP2) beyond its collectives", f"{cluster.zero_block_s * 1e6:.3g} us per block and "
                                                  f"{cluster.zero_byte_s * 1e9:.3g} ns per parameter byte and micro-batch + "
                                                  f"{cluster.zero_tensor_s * 1e6:.3g} us per tensor in the step", ""),
+        ("host work per op", f"{cluster.forward_op_s * 1e6:.3g} us forward, {cluster.backward_op_s * 1e6:.3g} us backward", ""),
+        ("runtime's accounting per saved storage", f"{cluster.saved_tensor_s * 1e6:.3g} us forward, "
+                                                   f"{cluster.released_tensor_s * 1e6:.3g} us backward", ""),
     ]
     for row in rows:
         table.add_row(*(row if ref else row[:2]))

@@ -128,6 +128,7 @@ class _BlockRecord:
     memory_bytes: list = field(default_factory=lambda: [0.0, 0.0])
     replicated_memory_bytes: float = 0.0  # of memory_bytes[0]: forward ops outside every tensor-parallel region
     matmuls: int = 0
+    ops: list = field(default_factory=lambda: [0, 0])  # aten ops dispatched for the block: [forward, backward]
     sequence: int = 0  # dim 1 of a 3-D first input (batch, sequence, hidden): sequence parallelism needs tp to divide it
     gemms: list = field(default_factory=lambda: [{}, {}])  # [fwd, bwd]: (flops, bytes) of a GEMM kernel -> count
     # forward GEMMs run inside a region but outside its Linears (QK^T and AV of a math attention), by region call:
@@ -344,6 +345,10 @@ class _FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        owner, backward = self.trace.owner()
+        if owner is not None and func.namespace != "prim":  # the host's work: one dispatch per op, whatever it computes
+            # (prim: metadata queries a fake tensor answers, which a real one never dispatches)
+            self.trace.records[owner].ops[backward] += 1
         packet = func._overloadpacket
         formula = _FLOP_FORMULAS.get(packet)
         if not getattr(func, "is_view", False) and packet not in _NO_TRAFFIC:
@@ -934,6 +939,7 @@ def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, 
             attention_core_bytes=_per_sample(core, mb), attention_core_gemms=_gemm_list(_core_gemms(trace, rec), mb),
             vocab_parallel=vocab_role(rec, vocab, trace.loss, trace.heads),
             sequence=rec.sequence, tp_divisor=_tp_divisor(rec.module),
+            fwd_ops=rec.ops[0], bwd_ops=rec.ops[1], saved_tensors=len(rec.saved),
         ))
     order = {r.name: r.order for r in records}
     edges = tuple(

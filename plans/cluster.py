@@ -114,6 +114,15 @@ class Cluster:
     zero_block_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
     zero_byte_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
     zero_tensor_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    # The host's cost of running the model op by op (0: not measured): per aten op dispatched in a forward (Python,
+    # the dispatcher, recording the autograd graph) and in a backward (the autograd engine), with no arithmetic
+    # in it; and per tensor autograd saves, the runtime's memory accounting of it (runtime/activations.py): its
+    # saved-tensor hook in the forward, the release of what it held in the backward. Blocks of a model made of
+    # small ops are bound by these, not by their FLOPs.
+    forward_op_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    backward_op_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    saved_tensor_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    released_tensor_s: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -123,7 +132,8 @@ class Cluster:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FormatError(f"cluster {self.name}: {what} must be an integer > 0, got {value!r}")
         for what in ("optimizer_tensor_s", "optimizer_byte_s", "step_overhead_s", "zero_block_s", "zero_byte_s",
-                     "zero_tensor_s"):
+                     "zero_tensor_s", "forward_op_s", "backward_op_s", "saved_tensor_s",
+                     "released_tensor_s"):
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise FormatError(f"cluster {self.name}: {what} must be a finite number >= 0, got {value!r}")

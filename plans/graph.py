@@ -77,6 +77,13 @@ class Block:
     # the gcd of the sizes tensor parallelism must divide in the block (heads, kv heads, widths): tp shards it exactly
     # only if tp divides this (runtime/tensor_parallel.tp_divisor); 0: not recorded or no such size (any tp)
     tp_divisor: int = field(default=0, metadata={OMIT_DEFAULT: True})
+    # the host's work, per call at any batch size (0: not recorded): aten ops one forward and one backward of the block
+    # dispatch, and the distinct activation storages its forward saves (parameters left out: what the runtime's
+    # saved-tensor hook accounts and releases); priced by Cluster.forward_op_s / backward_op_s / saved_tensor_s /
+    # released_tensor_s (cost_models/overhead.host_time)
+    fwd_ops: int = field(default=0, metadata={OMIT_DEFAULT: True})
+    bwd_ops: int = field(default=0, metadata={OMIT_DEFAULT: True})
+    saved_tensors: int = field(default=0, metadata={OMIT_DEFAULT: True})
 
     def takes_tp(self, tp: int) -> bool:
         """Whether tensor parallelism of degree tp can run on this block: replicated when it does not support tp,

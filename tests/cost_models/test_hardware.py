@@ -59,6 +59,7 @@ def test_local_cpu_describes_a_small_cpu_machine():
     # the runtime's own costs are part of the entry: on a CPU they are milliseconds, as its compute is
     assert local.step_overhead_s > 0 and local.optimizer_tensor_s > 0 and local.optimizer_byte_s > 0
     assert local.zero_block_s > 0 and local.zero_byte_s > 0 and local.zero_tensor_s > 0
+    assert local.forward_op_s > 0 and local.backward_op_s > 0 and local.saved_tensor_s > 0 and local.released_tensor_s > 0
     assert all(c.step_overhead_s == c.zero_block_s == 0
                for n, c in CATALOG.items() if n != "local-cpu")  # GPU entries: not measured, microseconds there
 
@@ -74,7 +75,7 @@ def test_local_cpu_describes_a_small_cpu_machine():
     ("4xa100-80g", None, "a100-80g", 1, 4),  # less than a node: one partial node
     (" 64XH100-SXM ", None, "h100-sxm", 8, 8),
     ("local-cpu", None, "local-cpu", 1, 2),
-    ("4xlocal-cpu", None, "local-cpu", 1, 4),  # local ranks all live on this one machine
+    ("2xlocal-cpu", None, "local-cpu", 1, 2),  # local ranks all live on this one machine
 ])
 def test_shorthand(spec, gpus_per_node, entry, nodes, per_node):
     cluster = parse_cluster(spec, gpus_per_node=gpus_per_node)
@@ -88,6 +89,18 @@ def test_local_ranks_share_the_machines_memory():
     four = parse_cluster("4xlocal-cpu")
     assert four.device.memory_bytes == four.host_memory_bytes // 4
     assert parse_cluster("local-cpu").device.memory_bytes == CATALOG["local-cpu"].device.memory_bytes
+
+
+def test_local_ranks_beyond_the_machines_cores_share_them():
+    """4 ranks on the reference machine's 2 cores: each computes at half a core's speed while all are busy, and pays
+    twice the measured per-call costs (what calibrate measures with 4 ranks); up to 2 ranks nothing changes."""
+    entry, two, four = CATALOG["local-cpu"], parse_cluster("2xlocal-cpu"), parse_cluster("4xlocal-cpu")
+    assert (two.device.peak_flops, two.forward_op_s, two.compute_slowdown) == (entry.device.peak_flops, entry.forward_op_s, 1.0)
+    assert four.device.peak_flops == {k: v / 2 for k, v in entry.device.peak_flops.items()}
+    assert four.device.memory_bandwidth == entry.device.memory_bandwidth / 2 and four.device.efficiency == entry.device.efficiency
+    assert (four.compute_slowdown, four.forward_op_s, four.optimizer_tensor_s, four.step_overhead_s) == \
+        (2.0, 2 * entry.forward_op_s, 2 * entry.optimizer_tensor_s, 2 * entry.step_overhead_s)
+    assert parse_cluster("3xlocal-cpu").device.peak_flops["fp32"] == pytest.approx(entry.device.peak_flops["fp32"] * 2 / 3)
 
 
 # --- TOML --------------------------------------------------------------------------------------------------------

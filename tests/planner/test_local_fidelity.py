@@ -18,8 +18,10 @@ from plans.graph import Block, Edge, Profile
 from plans.serial import from_data, to_data
 
 RUNTIME_COSTS = dict(optimizer_tensor_s=2.5e-5, optimizer_byte_s=1.5e-9, step_overhead_s=4e-3)
+HOST_COSTS = dict(forward_op_s=5e-6, backward_op_s=4e-6, saved_tensor_s=2e-6, released_tensor_s=1e-6)
 NONE_MEASURED = dict(optimizer_tensor_s=0.0, optimizer_byte_s=0.0, step_overhead_s=0.0, compute_slowdown=1.0,
-                     zero_block_s=0.0, zero_byte_s=0.0, zero_tensor_s=0.0)
+                     zero_block_s=0.0, zero_byte_s=0.0, zero_tensor_s=0.0, forward_op_s=0.0, backward_op_s=0.0,
+                     saved_tensor_s=0.0, released_tensor_s=0.0)
 
 
 def unmeasured(spec: str = "2xlocal-cpu"):
@@ -39,7 +41,7 @@ def measured_chain(fwd_ms: float, cluster_name: str = "2xlocal-cpu") -> tuple[P.
 
 
 def test_runtime_costs_round_trip_through_the_cluster_toml_and_the_plan():
-    measured = dataclasses.replace(unmeasured(), **RUNTIME_COSTS)
+    measured = dataclasses.replace(unmeasured(), **RUNTIME_COSTS, **HOST_COSTS)
     text = cluster_to_toml(measured)
     assert "[runtime]" in text and cluster_from_toml(text) == measured
     plain = unmeasured()

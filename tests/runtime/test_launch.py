@@ -29,7 +29,11 @@ def _alive(pid: int) -> bool:
 
 
 def _record_pid(ctx: RankContext, folder: str, name: str = "rank") -> None:
-    Path(folder, f"{name}-{ctx.rank}.pid").write_text(str(os.getpid()))
+    # written under another name, then renamed: a reader polling the folder never sees a half-written file (a test
+    # read one empty under load: int('') failed)
+    tmp = Path(folder, f".{name}-{ctx.rank}.tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, Path(folder, f"{name}-{ctx.rank}.pid"))
 
 
 def _recorded_pids(folder: Path) -> list[int]:

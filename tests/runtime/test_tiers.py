@@ -40,7 +40,7 @@ def test_tier_options_keep_loss_parity(case, tmp_path):
     assert not any((tmp_path / "nvme").rglob("*")), "nvme tier files left behind"
 
 
-def test_training_beyond_device_memory_with_the_solvers_tier_plan():
+def test_training_beyond_device_memory_with_the_solvers_tier_plan(tmp_path):
     """A device tier of a quarter of tiny-vlm's training state: the solver places state off the device, the
     run keeps parity, stays within the budget, and its measured peak is what the cost model predicted."""
     import torch
@@ -61,7 +61,7 @@ def test_training_beyond_device_memory_with_the_solvers_tier_plan():
                for s in stages), "the plan should move state off the device tier"
     predicted = max(m.gpu for m in plan.predicted.memory)
     assert predicted <= budget
-    job = Job(plan=plan, model="tiny-vlm", steps=STEPS, device_budget=budget)
+    job = Job(plan=plan, model="tiny-vlm", steps=STEPS, device_budget=budget, nvme_dir=str(tmp_path))  # the plan may use the NVMe tier
     ref = reference_run(job)
     res = launch(train_rank, plan.world_size, job, timeout_s=240)
     metrics = res[0]["metrics"]
