@@ -86,5 +86,5 @@ def step_overhead(cluster: Cluster) -> float:
     return cluster.step_overhead_s
 
 
-__all__ = ["calibrated", "host_time", "measured_compute_scale", "with_host", "optimizer_tensor_time", "optimizer_time", "step_overhead", "zero_block_time",
-           "zero_optimizer_time"]
+__all__ = ["calibrated", "host_time", "measured_compute_scale", "optimizer_tensor_time", "optimizer_time", "step_overhead",
+           "with_host", "zero_block_time", "zero_optimizer_time"]

@@ -334,6 +334,12 @@ class _Provenance(TorchFunctionMode):
         return out
 
 
+def dispatched(func) -> bool:
+    """Whether an op that reached a dispatch mode is one the host dispatches in a real run (Block.fwd_ops / bwd_ops,
+    planner/host_probe.py): every aten op, not prim's metadata queries, which only a fake tensor answers."""
+    return func.namespace != "prim"
+
+
 class _FlopCount(TorchDispatchMode):
     """Counts every op's work for its block (see the module docstring), by op class: GEMM FLOPs, fused-attention
     FLOPs (halved under a causal mask, which flash kernels skip), and bytes of every other op (memory-bound)."""
@@ -346,8 +352,7 @@ class _FlopCount(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         owner, backward = self.trace.owner()
-        if owner is not None and func.namespace != "prim":  # the host's work: one dispatch per op, whatever it computes
-            # (prim: metadata queries a fake tensor answers, which a real one never dispatches)
+        if owner is not None and dispatched(func):
             self.trace.records[owner].ops[backward] += 1
         packet = func._overloadpacket
         formula = _FLOP_FORMULAS.get(packet)
