@@ -4,7 +4,7 @@ released_tensor_s).
 A stack of the zoo's transformer layer at width 8 on 4 tokens: the ops, modules and saved tensors of a real layer
 with no arithmetic to speak of, so that each op costs what running a model op by op costs beyond its arithmetic: the
 Python that calls it, the dispatcher, recording the autograd graph (forward), the autograd engine (backward). Ops are
-counted as the profiler counts them (planner/profile.py: every aten op but prim's metadata queries), so that a
+counted as the profiler counts them (profile.dispatched: every aten op but prim's metadata queries), so that a
 profile's op counts x these costs is what its blocks pay. The accounting cost is the same forward with each layer
 run as the runtime runs a `keep` block (runtime/activations.py: its saved-tensor hook and memory accounting) minus
 the plain forward, per activation storage autograd saved (distinct storages, parameters left out: what the runtime

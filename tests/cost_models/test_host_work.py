@@ -63,9 +63,10 @@ def test_profiles_without_the_counts_and_clusters_without_the_costs_are_timed_as
 
 
 def test_the_profiler_counts_the_ops_and_saved_tensors_a_real_cpu_run_dispatches():
-    """Op counts on the meta device (fake tensors) equal those on real CPU tensors -- prim's metadata queries, which
-    only a fake tensor answers, are left out -- and equal what calibrate's probe counts for the same forward and
-    backward (planner/host_probe._CountOps), so op counts x measured per-op costs price what the runtime runs."""
+    """Op and storage counts on the meta device (fake tensors) equal those on real CPU tensors -- prim's metadata
+    queries, which only a fake tensor answers, are left out -- and a layer's counts come close to what calibrate's
+    probe counts when the layer runs alone (planner/host_probe._CountOps; the tolerances below say why not exactly),
+    so op counts x measured per-op costs price what the runtime runs."""
     from planner.host_probe import _CountOps
     from planner.profile import profile_model
     from runtime.source import call_factory, resolve
