@@ -820,13 +820,16 @@ def profile_model(
 
 @contextmanager
 def _rank_threads(device: str):
-    """On the CPU, time with the torch threads `mmplan run` gives each rank (runtime.launch.RANK_THREADS); the
-    caller's setting is restored afterwards. Yields the number of threads the measurement runs with."""
+    """On the CPU, time as `mmplan run`'s ranks run: with the torch threads it gives each rank
+    (runtime.launch.RANK_THREADS; the caller's setting is restored afterwards) and keeping freed memory in the
+    process (runtime.host_memory, which stays in force). Yields the number of threads the measurement runs with."""
+    from runtime.host_memory import keep_freed_memory
     from runtime.launch import RANK_THREADS
 
     before = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(RANK_THREADS)
+        keep_freed_memory()
     try:
         yield torch.get_num_threads()
     finally:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from plans.errors import MmplanError
 from plans.serial import write_atomic
+from runtime.host_memory import keep_freed_memory
 from runtime.signals import default_in_child
 
 GRACE_S = 3.0  # after the first failure, how long the other ranks get to record their own errors
@@ -128,6 +129,7 @@ def _run_torchrun_rank(worker: Worker, world_size: int, payload: Any, backend: s
     if env_world != world_size:
         raise RankFailure(f"torchrun started {env_world} ranks but the plan needs world_size={world_size}", rank=rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    keep_freed_memory()
     ctx = RankContext(rank, world_size, backend, _device(backend, local_rank), local_rank)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -175,6 +177,7 @@ def _child_main(
     default_in_child()
     _die_with_parent(parent)
     torch.set_num_threads(RANK_THREADS)
+    keep_freed_memory()  # steady-state steps without page faults (runtime/host_memory.py)
     run = Path(run_dir)
     code = 0
     try:
