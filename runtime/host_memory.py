@@ -3,15 +3,16 @@
 By default glibc serves every allocation above a threshold (128 KiB, rising as such blocks are freed, to at most
 32 MiB) with a fresh mmap, unmaps it when freed, and returns the top of the heap to the kernel once more than
 128 KiB of it is free. A training step allocates and frees the same activations, gradients and optimizer
-temporaries every step, so on a CPU rank each step pays a page fault per 4 KiB page of them again: measured on a
-2-vCPU KVM guest (2 gloo ranks of `mmplan demo`'s solved plan, 14-step runs alternated), 236-246 ms per step by
-default against 213-218 ms with the memory kept (the Adam step fell from 32-85 ms to 18-20 ms on one rank).
+temporaries every step, so on a CPU rank each step pays a page fault per 4 KiB page of them again. Measured on a
+2-vCPU KVM guest, alternated with glibc's defaults: `mmplan demo`'s solved plan (2 gloo ranks, 14-step runs)
+244-259 ms per step by default against 200-210 ms with the memory kept; the demo model's Adam step in one process
+66.6 ms against 29.8 ms (bench/host_memory_bench.py).
 PyTorch's performance guide recommends jemalloc or TCMalloc for CPU training for the same reason; these settings
 get most of that from glibc itself (mallopt(3)): every block up to 32 MiB (glibc's largest mmap threshold on
 64-bit) from the heap, and freed heap memory kept up to 1 GiB.
 
-Called by every rank process (runtime/launch.py), so `mmplan calibrate` and `mmplan profile --measure` measure
-under it as `mmplan run` trains. A variable the user set (MALLOC_*_, GLIBC_TUNABLES with glibc.malloc) wins; on
+Called by every rank process (runtime/launch.py: `mmplan run`, and `mmplan calibrate`'s probes) and by `mmplan
+profile --measure` on the CPU (planner/profile.py), so what is measured runs as `mmplan run` trains. A variable the user set (MALLOC_*_, GLIBC_TUNABLES with glibc.malloc) wins; on
 a C library without mallopt (macOS, musl) nothing changes.
 """
 from __future__ import annotations
