@@ -31,6 +31,19 @@ _STEPS = {"start": 0.04, "matmul": 0.21, "memory": 0.1, "optimizer": 0.04, "host
 # Optimizer measurement: (parameter tensors, elements per tensor) of fp32 Adam steps; the fit of time against
 # tensors and bytes separates the per-tensor cost (Python, kernel launches) from the per-byte one.
 # Sizes of 16 MiB and more per step are past the caches, as a model's parameters are.
+# The convolution probe: (batch, channels, height = width) of a 3 x 3, stride-1, same-padding convolution, the
+# shape of `mmplan demo`'s encoder blocks. On a CPU, oneDNN runs such convolutions with the Winograd algorithm
+# (fewer multiplications than the direct convolution counted in FLOPs): measured 171-188 GFLOP/s in model FLOPs
+# on a 2-vCPU AMD EPYC guest whose best fp32 matmul reached 86-94 (one thread).
+CONV_SHAPE = (4, 96, 24)
+
+
+def conv_flops(shape: tuple[int, int, int] = CONV_SHAPE) -> int:
+    """Model FLOPs of the convolution probe: 2 x batch x H x W x C_out x C_in x 3 x 3."""
+    b, c, h = shape
+    return 2 * b * h * h * c * c * 9
+
+
 _OPTIMIZER_POINTS = ((1, 1 << 22), (1, 1 << 23), (64, 1 << 12), (256, 1 << 10), (32, 1 << 17))
 _OPTIMIZER_POINTS_QUICK = ((1, 1 << 22), (64, 1 << 10), (128, 1 << 8))
 # Adam steps before timing one: the first few steps of a 4M-element tensor take 30-40 ms here, the steady state
@@ -241,7 +254,12 @@ def measure(*, ranks: int = 2, quick: bool = False, progress: Progress | None = 
         return statistics.fmean(2 * n**3 / r[key][i] for r in ranks_out)
 
     matmul = tuple((n, rate("matmul", i, n)) for i, n in enumerate(settings.matmul_sizes))
-    peaks = {"fp32": max(flops for _, flops in matmul)}
+    conv = statistics.fmean(conv_flops() / r["conv"][0] for r in ranks_out)  # FLOP/s, mean over the ranks
+    samples["conv"] = ((float(conv_flops()), conv_flops() / conv),)
+    # the fp32 peak: the highest rate in model FLOPs that a dense kernel reached -- a 3 x 3 convolution's when
+    # oneDNN runs it as Winograd (CONV_SHAPE), so that a measured profile of a convolutional model is never faster
+    # than the peak; the matmul efficiency curve is relative to it (efficiency_curve), GEMM times are unchanged
+    peaks = {"fp32": max(max(flops for _, flops in matmul), conv)}
     peaks["bf16"] = max(rate("bf16", i, n) for i, n in enumerate(settings.bf16_sizes))
     peaks["fp16"] = max(rate("fp16", i, n) for i, n in enumerate(settings.fp16_sizes))
     copy_times = [statistics.fmean(r["copy"][i] for r in ranks_out) for i in range(len(settings.copy_bytes))]
@@ -586,6 +604,8 @@ def _rank_measure(rank: int, world: int, settings: Settings, messages: Any) -> d
             a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
             keep(key, j, _call_time(lambda: torch.mm(a, b), budget if key == "matmul" else budget / 2))
             progress("matmul", (r * len(points) + i + 1) / (len(points) * len(rounds)))
+        x, w = torch.randn(CONV_SHAPE[:2] + (CONV_SHAPE[2],) * 2), torch.randn(CONV_SHAPE[1], CONV_SHAPE[1], 3, 3)
+        keep("conv", 0, _call_time(lambda: torch.nn.functional.conv2d(x, w, padding=1), budget / 2))
 
     dist.barrier()
     src = torch.ones(max(settings.copy_bytes), dtype=torch.uint8)  # allocated and paged in once; sizes are

@@ -352,6 +352,7 @@ def _calibration_table(cal, cluster):
     from rich.table import Table
 
     from cost_models.hardware import CATALOG, GBps
+    from planner.calibrate import CONV_SHAPE
 
     name = cal.device_name.lower()
     ref_name = "local-cpu" if cluster.backend == "gloo" else next(
@@ -367,10 +368,13 @@ def _calibration_table(cal, cluster):
     def link(l) -> str:
         return f"{l.bandwidth / GBps:.3g} GB/s, {l.latency_s * 1e6:.3g} us"
 
-    rows = [(f"matmul {dtype} peak", f"{cluster.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s",
+    rows = [(f"{dtype} peak" + (" (matmul, 3x3 conv)" if dtype == "fp32" and "conv" in cal.samples else " (matmul)"),
+             f"{cluster.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s",
              f"{ref.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s" if ref and dtype in ref.device.peak_flops else "-")
             for dtype in cluster.device.peak_flops]
     rows += [(f"matmul n={n}", f"{rate / 1e9:,.1f} GFLOP/s", "") for n, rate in cal.matmul]
+    rows += [(f"3x3 conv {'x'.join(map(str, CONV_SHAPE))}", f"{flops / seconds / 1e9:,.1f} GFLOP/s", "")
+             for flops, seconds in cal.samples.get("conv", ())]
     rows += [
         ("memory bandwidth", f"{cluster.device.memory_bandwidth / GBps:.3g} GB/s", f"{ref.device.memory_bandwidth / GBps:.3g} GB/s" if ref else ""),
         ("host <-> device", link(cluster.host_to_device), link(ref.host_to_device) if ref else ""),

@@ -11,7 +11,7 @@ import torch
 
 import planner.calibrate as calibrate_module
 from cost_models.hardware import cluster_to_toml, efficiency, parse_cluster
-from planner.calibrate import Settings, calibrate, efficiency_curve, fit_alpha_beta, probe_slowdown
+from planner.calibrate import Settings, calibrate, conv_flops, efficiency_curve, fit_alpha_beta, probe_slowdown
 from plans.cluster import Link
 from plans.errors import MmplanError
 
@@ -156,7 +156,14 @@ def test_quick_calibration_numbers_are_positive_and_finite(quick_run):
     assert all(math.isfinite(x) and x > 0 for x in numbers)
     assert all(math.isfinite(l.latency_s) and l.latency_s >= 0 for l in links)
     assert 1e8 < d.peak_flops["fp32"] < 1e13  # a CPU core, give or take
-    assert max(e for _, e in d.efficiency) == pytest.approx(1.0, abs=1e-3)  # the curve is relative to the best matmul
+    # the fp32 peak is the fastest dense kernel's rate in model FLOPs (a Winograd 3 x 3 convolution can beat every
+    # matmul); the curve is relative to it, so the curve times the peak gives back each measured matmul's rate
+    (probe_flops, conv_s), = cal.samples["conv"]
+    assert probe_flops == conv_flops()
+    best_matmul = max(rate for _, rate in cal.matmul)
+    assert d.peak_flops["fp32"] == pytest.approx(max(best_matmul, conv_flops() / conv_s), rel=1e-3)
+    for (flops, e), (n, rate) in zip(d.efficiency, sorted(cal.matmul)):
+        assert flops == 2 * n**3 and e * d.peak_flops["fp32"] == pytest.approx(rate, rel=2e-3)
     assert 0 < efficiency(d, 1e9) <= 1
     assert cluster.intra_node.latency_s < 0.1 and cluster.intra_node.bandwidth > 1e7  # gloo on loopback
     assert d.memory_bytes * 2 <= cluster.host_memory_bytes
