@@ -154,7 +154,7 @@ def test_calibrate_writes_a_cluster_toml_and_prints_what_it_measured(tmp_path, m
     assert seen["quick"] is True and seen["ranks"] == 3
     cluster = parse_cluster(str(out))
     assert cluster == calibrate_module.to_cluster(fake_calibration())
-    for needle in ("matmul fp32 peak", "40.0 GFLOP/s", "memory bandwidth", "all-reduce", "disk write", "catalog local-cpu",
+    for needle in ("fp32 peak (matmul)", "40.0 GFLOP/s", "memory bandwidth", "all-reduce", "disk write", "catalog local-cpu",
                    f"--cluster {out}"):
         assert needle in res.stdout, needle
 
