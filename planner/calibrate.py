@@ -28,9 +28,6 @@ KiB, MiB = 2**10, 2**20
 _STEPS = {"start": 0.04, "matmul": 0.21, "memory": 0.1, "optimizer": 0.04, "host": 0.03, "zero": 0.02, "all-reduce": 0.18, "p2p": 0.14,
           "host-to-device": 0.04, "disk": 0.12, "runtime step": 0.08}
 
-# Optimizer measurement: (parameter tensors, elements per tensor) of fp32 Adam steps; the fit of time against
-# tensors and bytes separates the per-tensor cost (Python, kernel launches) from the per-byte one.
-# Sizes of 16 MiB and more per step are past the caches, as a model's parameters are.
 # The convolution probe: (batch, channels, height = width) of a 3 x 3, stride-1, same-padding convolution, the
 # shape of `mmplan demo`'s encoder blocks. On a CPU, oneDNN runs such convolutions with the Winograd algorithm
 # (fewer multiplications than the direct convolution counted in FLOPs): measured 171-188 GFLOP/s in model FLOPs
@@ -44,6 +41,9 @@ def conv_flops(shape: tuple[int, int, int] = CONV_SHAPE) -> int:
     return 2 * b * h * h * c * c * 9
 
 
+# Optimizer measurement: (parameter tensors, elements per tensor) of fp32 Adam steps; the fit of time against
+# tensors and bytes separates the per-tensor cost (Python, kernel launches) from the per-byte one.
+# Sizes of 16 MiB and more per step are past the caches, as a model's parameters are.
 _OPTIMIZER_POINTS = ((1, 1 << 22), (1, 1 << 23), (64, 1 << 12), (256, 1 << 10), (32, 1 << 17))
 _OPTIMIZER_POINTS_QUICK = ((1, 1 << 22), (64, 1 << 10), (128, 1 << 8))
 # Adam steps before timing one: the first few steps of a 4M-element tensor take 30-40 ms here, the steady state

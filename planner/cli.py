@@ -368,7 +368,8 @@ def _calibration_table(cal, cluster):
     def link(l) -> str:
         return f"{l.bandwidth / GBps:.3g} GB/s, {l.latency_s * 1e6:.3g} us"
 
-    rows = [(f"{dtype} peak" + (" (matmul, 3x3 conv)" if dtype == "fp32" and "conv" in cal.samples else " (matmul)"),
+    conv_peak = cluster.backend == "gloo" and "conv" in cal.samples  # a CPU's fp32 peak includes the convolution probe
+    rows = [(f"{dtype} peak ({'matmul, 3x3 conv' if dtype == 'fp32' and conv_peak else 'matmul'})",
              f"{cluster.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s",
              f"{ref.device.peak_flops[dtype] / 1e9:,.1f} GFLOP/s" if ref and dtype in ref.device.peak_flops else "-")
             for dtype in cluster.device.peak_flops]
