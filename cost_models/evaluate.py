@@ -8,7 +8,7 @@ from cost_models.hardware import peak_flops
 from cost_models.memory import TierBytes, block_input_bytes, stage_memory
 from cost_models.pipeline import Busy, Event, Simulation, StageCost, simulate
 from plans.cluster import Cluster
-from plans.errors import MmplanError
+from plans.errors import ImpossiblePrediction
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, RankMemory
 
@@ -113,10 +113,10 @@ def check_possible(predicted: Predicted, sim: Simulation, profile: Profile, clus
     times = [sim.step_time_s, sim.pipeline_time_s] + [t for s in sim.stages for t in (
         s.fwd_s, s.bwd_s, s.grad_sync_s, s.optimizer_s, s.param_gather_s)]
     if any(not t >= 0 for t in times):  # also NaN
-        raise MmplanError(f"impossible prediction for {profile.model} on {cluster.name}: a negative or undefined time "
+        raise ImpossiblePrediction(f"impossible prediction for {profile.model} on {cluster.name}: a negative or undefined time "
                           f"({min(times, key=lambda t: t if t == t else -1.0):g} s); check the profile's measured times")
     if predicted.mfu > 1 + 1e-9:
-        raise MmplanError(
+        raise ImpossiblePrediction(
             f"impossible prediction for {profile.model} on {cluster.name}: {predicted.tflops_per_gpu * 1e3:.4g} GFLOP/s "
             f"per rank is {predicted.mfu:.0%} of the {dtype} peak ({peak_flops(cluster.device, dtype) / 1e9:.4g} GFLOP/s); "
             f"the profile's measured times (measured on {profile.measured_on or 'no device'}) or the cluster's peak are "

@@ -16,7 +16,7 @@ from planner.bounds import stage_body
 from planner.candidates import sp_divides
 from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
-from plans.errors import MmplanError
+from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Block, Profile
 from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
 
@@ -483,6 +483,8 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
             continue
         try:
             plan = _build(profile, cluster, global_batch, spec, SolverInfo(method), schema=False)  # checked when saved
+        except ImpossiblePrediction:  # inconsistent inputs: an error for every plan, never a skipped candidate
+            raise
         except MmplanError:  # e.g. an interleaved order that deadlocks: not a candidate
             continue
         simulated += 1

@@ -24,7 +24,7 @@ from planner.construct import GroupLayout, build_plan
 from planner.segments import BlockTimes, Segments
 from planner.tiers import place_tiers
 from plans.cluster import Cluster
-from plans.errors import MmplanError
+from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Training
 from cost_models.memory import DTYPE_BYTES
@@ -288,6 +288,8 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
     training = Training(global_batch, layouts[0].micro_batches, "interleaved" if chunks > 1 else schedule, chunks, dtype=dtype)
     try:
         return build_plan(profile, cluster, training, groups, schema=False)
+    except ImpossiblePrediction:  # inconsistent inputs: an error for every plan, never a skipped candidate
+        raise
     except MmplanError:
         return None  # e.g. a deadlocking order: not a candidate
 
@@ -300,6 +302,8 @@ def refine_tiers(search: Search) -> None:
         return  # everything on the GPU, nothing recomputed: no other tiers are faster
     try:
         refined = place_tiers(plan, search.profile, time_limit=max(0.05, min(30.0, search.deadline - time.perf_counter())))
+    except ImpossiblePrediction:  # inconsistent inputs: an error for every plan, never a skipped candidate
+        raise
     except MmplanError:
         return
     if refined is not None:

@@ -15,7 +15,7 @@ from planner.diagnosis import check_capacity, no_fit
 from planner import baselines
 from planner.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
 from plans.cluster import Cluster
-from plans.errors import MmplanError
+from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, SolverInfo
 
@@ -261,6 +261,8 @@ def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_b
     try:
         plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
                                        zeros=zeros, sequence_parallels=sequence_parallel)
+    except ImpossiblePrediction:  # inconsistent inputs: an error for every plan, never a skipped candidate
+        raise
     except MmplanError:
         return None
     return replace(plan, cluster=cluster, solver=replace(plan.solver, memory_reserve=reserve))

@@ -7,3 +7,8 @@ class MmplanError(Exception):
 
 class FormatError(MmplanError):
     """A profile, plan or cluster file that is malformed, of the wrong schema version or inconsistent."""
+
+
+class ImpossiblePrediction(MmplanError):
+    """The cost model's figures for a plan are impossible (MFU > 1, a negative time): the profile's measured times or
+    the cluster's peak are wrong. Never a reason to skip a candidate plan: every plan of such inputs is suspect."""

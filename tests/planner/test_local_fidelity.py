@@ -124,6 +124,25 @@ def test_mfu_above_one_is_an_error_never_a_prediction():
         P.check_plan(dataclasses.replace(plan, predicted=bad), profile)
 
 
+def test_solve_fails_on_impossible_figures_instead_of_skipping_the_plans(tmp_path):
+    """A profile measured faster than the cluster's peak makes every plan suspect: solve says so in one line (exit 2)
+    and writes nothing, where it used to drop each such candidate and print whatever plan was left."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+    from planner.solve import solve
+    from plans.graph import save_profile
+
+    _, fast = measured_chain(1e-4)
+    with pytest.raises(MmplanError, match="impossible prediction"):
+        solve(fast, unmeasured(), 4, time_limit=20)
+    save_profile(fast, tmp_path / "profile.json")
+    result = CliRunner().invoke(app, ["solve", str(tmp_path / "profile.json"), "--cluster", "2xlocal-cpu",
+                                      "--global-batch", "4", "-o", str(tmp_path / "plan.json")])
+    assert result.exit_code == 2 and "impossible prediction" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "plan.json").exists()
+
+
 @pytest.fixture(scope="module")
 def tiny_profile():
     from planner.profile import profile_model
