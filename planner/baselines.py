@@ -393,10 +393,24 @@ def gpipe_even_plan(profile: Profile, cluster: Cluster, global_batch: int, *, mi
     """GPipe (Huang et al. 2019): the GPipe schedule with pp = min(world, blocks) -- the largest such pp dividing
     the world -- layers split evenly, tp = 1, dp = world / pp. Without `micro_batch` / `recompute`, the fastest
     fitting micro-batch size and recompute none | full (GPipe itself re-materialises: full)."""
-    world = cluster.world_size
-    pp = max(p for p in range(1, min(world, len(profile.blocks)) + 1) if world % p == 0)
+    world, pp = cluster.world_size, _gpipe_pp(profile, cluster.world_size)
     return _family(profile, cluster, global_batch, "baseline:gpipe-even", tp=1, pp=pp, dp=world // pp, zero=0,
                    schedule="gpipe", micro_batch=micro_batch, recompute=recompute)
+
+
+def _gpipe_pp(profile: Profile, world: int) -> int:
+    """GPipe's pipeline depth: the largest pp <= min(world, blocks) dividing the world."""
+    return max(p for p in range(1, min(world, len(profile.blocks)) + 1) if world % p == 0)
+
+
+def _per_replica(per_step: int | None, dp: int) -> int | None:
+    """Samples per micro-batch on one of `dp` replicas for `per_step` samples per micro-batch over all of them."""
+    if per_step is None:
+        return None
+    if per_step % dp:
+        raise MmplanError(f"--micro-batch {per_step} is not divisible by the baseline's {dp} data-parallel replicas; "
+                          f"use a multiple of {dp}")
+    return per_step // dp
 
 
 def _family(profile: Profile, cluster: Cluster, global_batch: int, method: str, *, tp: int, pp: int, dp: int, zero: int,
@@ -414,20 +428,25 @@ def _family(profile: Profile, cluster: Cluster, global_batch: int, method: str, 
 
 
 def baseline_plan(kind: Baseline, profile: Profile, cluster: Cluster, global_batch: int, *,
-                  layout: LayoutSpec | str | None = None) -> Plan:
-    """One entry for `mmplan solve --baseline KIND [--layout ...]`: the given homogeneous layout, else the best
-    of the kind's search."""
+                  layout: LayoutSpec | str | None = None, per_step_micro_batch: int | None = None) -> Plan:
+    """One entry for `mmplan solve --baseline KIND [--layout ...] [--micro-batch N]`: the given homogeneous
+    layout, else the best of the kind's search; `per_step_micro_batch` (solve's --micro-batch: samples per
+    micro-batch over the data-parallel replicas) fixes the micro-batch of a search."""
     if layout is not None and kind != "homogeneous":
         raise MmplanError(f"--layout applies to --baseline homogeneous only, not {kind!r}")
+    if layout is not None and per_step_micro_batch is not None:
+        raise MmplanError("--layout fixes the micro-batch itself: write micro-batch=N (samples per data-parallel "
+                          "replica) in the layout instead of --micro-batch")
     if kind == "homogeneous":
         return homogeneous_plan(profile, cluster, global_batch, layout) if layout is not None \
             else best_homogeneous(profile, cluster, global_batch)
     if kind == "megatron":
-        return best_megatron(profile, cluster, global_batch)
+        return best_megatron(profile, cluster, global_batch, per_step_micro_batch=per_step_micro_batch)
     if kind == "zero3":
-        return zero3_plan(profile, cluster, global_batch)
+        return zero3_plan(profile, cluster, global_batch, micro_batch=_per_replica(per_step_micro_batch, cluster.world_size))
     if kind == "gpipe-even":
-        return gpipe_even_plan(profile, cluster, global_batch)
+        dp = cluster.world_size // _gpipe_pp(profile, cluster.world_size)
+        return gpipe_even_plan(profile, cluster, global_batch, micro_batch=_per_replica(per_step_micro_batch, dp))
     raise MmplanError(f"unknown baseline {kind!r}; choose one of {', '.join(BASELINES)}")
 
 

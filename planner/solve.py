@@ -386,7 +386,8 @@ def run_solve(
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
                          memory_reserve=memory_reserve, started=started, emit=baseline, sequence_parallel=sequence_parallel)
     elif baseline is not None:
-        plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout)
+        plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout,
+                                       per_step_micro_batch=micro_batch)
         elapsed = time.perf_counter() - started
         plan = replace(plan, cluster=spec, solver=replace(plan.solver or SolverInfo(f"baseline:{baseline}"), time_s=elapsed,
                                                           memory_reserve=memory_reserve))

@@ -103,8 +103,21 @@ def test_baseline_path_writes_that_layout(profiles, tmp_path):
     assert json.loads(r.stdout)["structure"] == "baseline"
 
 
+@pytest.mark.parametrize("kind", ["zero3", "gpipe-even", "megatron"])
+def test_a_baselines_search_keeps_the_micro_batch_asked_for(profiles, tmp_path, kind):
+    """--micro-batch (samples per micro-batch over the data-parallel replicas) binds --baseline's search too: it
+    used to be dropped there silently, leaving the baseline's own choice."""
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 16, "--micro-batch", 8, "-o", out,
+               "--baseline", kind)
+    assert r.exit_code == 0, r.output
+    assert load_plan(out).training.micro_batches == 2
+
+
 @pytest.mark.parametrize("args,message", [
     (("--layout", "tp=1,pp=1,dp=4"), "--baseline homogeneous"),
+    (("--baseline", "homogeneous", "--layout", "tp=1,pp=1,dp=4", "--micro-batch", "4"), "micro-batch=N"),
+    (("--baseline", "zero3", "--micro-batch", "2"), "not divisible by the baseline's 4 data-parallel replicas"),
     (("--micro-batch", "3"), "does not divide the global batch"),
     (("--time-limit", "-1"), "--time-limit"),
 ])
