@@ -204,11 +204,14 @@ def export(
 
     if output is not None:
         check_writable(output)
+        check_not_input(output, "--output", [plan_path])
     result = run_export(plan_path=plan_path, target=to, output=output, lossy=lossy)
     if output is None:
         sys.stdout.write(result.text)
     else:
-        console.out.print(f"wrote [bold]{output}[/] ({result.target}" + (f"; dropped: {'; '.join(result.dropped)}" if result.dropped else "") + ")", soft_wrap=True)
+        console.out.print(f"wrote [bold]{console.safe(output)}[/] ({result.target}"
+                          + (f"; dropped: {console.safe('; '.join(result.dropped))}" if result.dropped else "") + ")",
+                          soft_wrap=True, markup=True)
 
 
 @app.command()
@@ -251,6 +254,7 @@ def run(
     measured_profile = load_profile(profile_path) if profile_path else None
     if trace:
         check_writable(trace)
+        check_not_input(trace, "--trace", [plan_path, profile_path, Path(model) if model else None, Path(data), log])
     from planner.monitor import MonitorOptions
     from planner.run import actual_prediction
 

@@ -202,6 +202,19 @@ def test_outputs_of_profile_and_solve_never_replace_their_inputs(tmp_path):
     assert "input file" in one_line_error(res) and prof.read_bytes() == before
 
 
+def test_a_trace_or_an_export_never_replaces_the_plan_it_reads(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(PP2.read_bytes())
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0}\n')
+    for trace in (plan, log):
+        line = one_line_error(run(plan, "--steps", 1, "--trace", trace, "--log", log, "--overwrite"))
+        assert "--trace" in line and "input file" in line
+    assert plan.read_bytes() == PP2.read_bytes() and log.read_text() == '{"step": 0}\n'
+    res = runner.invoke(app, ["export", str(plan), "--to", "deepspeed", "-o", str(plan)])
+    assert "input file" in one_line_error(res) and plan.read_bytes() == PP2.read_bytes()
+
+
 def test_a_run_that_fails_before_its_first_step_leaves_no_log_and_no_directories(tmp_path):
     log, ck = tmp_path / "run.jsonl", tmp_path / "new" / "ck"
     res = run(PP2, "--steps", 3, "--log", log, "--checkpoint-every", 1, "--checkpoint-dir", ck, "--device-budget", 1)
