@@ -471,7 +471,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
     2. In that order, a layout's per-rank memory is computed with the cost model's own stage_memory and
        in-flight counts (cost_models/memory.py), exactly what evaluate() reports for these plans; those that
        do not fit are skipped. Dominance: recomputation only adds compute time, so a layout with
-       recomputation is skipped when the same layout without it fits.
+       recomputation is skipped when the same layout with less of it is also in `specs` and fits.
     3. Branch and bound: fitting layouts are simulated in that order; the search stops when the next bound is
        no better than the best simulated step (or at the deadline, a time.perf_counter() value).
     None fits: the layout with the least overflow is built; its predictions say fits = false and the solver
@@ -488,6 +488,7 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
         return memory[spec]
 
     cap = cluster.device.memory_bytes
+    candidates = set(specs)  # dominance only by a cheaper recompute the search itself would build
     best: tuple[Plan, LayoutSpec] | None = None
     simulated = 0
     for bound, i in order:
@@ -498,7 +499,8 @@ def search(profile: Profile, cluster: Cluster, global_batch: int, specs: Sequenc
             break
         if best is not None and bound * (1 - 1e-9) >= best[0].predicted.step_time_s:
             break
-        if peak(spec) > cap or any(peak(replace(spec, recompute=cheaper)) <= cap for cheaper in _cheaper(spec.recompute)):
+        if peak(spec) > cap or any(peak(c) <= cap for c in (replace(spec, recompute=r) for r in _cheaper(spec.recompute))
+                                   if c in candidates):
             continue
         try:
             plan = _build(profile, cluster, global_batch, spec, SolverInfo(method), schema=False)  # checked when saved
