@@ -165,7 +165,7 @@ def solve(
     if chain and emit != "megatron":
         quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
         proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
-    homogeneous = _homogeneous_plan(search, cluster, memory_reserve) if baseline and emit != "megatron" else None
+    homogeneous = _homogeneous_plan(search, cluster, memory_reserve, memory_tiers) if baseline and emit != "megatron" else None
     if emit == "homogeneous":
         if homogeneous is None:
             raise no_fit(profile, usable, setting, chain, memory_tiers, search.stopped_early)
@@ -237,12 +237,13 @@ def _search(search: Search, structures, setting: Setting, ms, solver: Solver, me
     return proved, gap, True
 
 
-def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float) -> Plan | None:
-    """The chain structure's best plan (the homogeneous baseline), tiers refined, on the real cluster."""
+def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float, memory_tiers: bool = True) -> Plan | None:
+    """The chain structure's best plan (the homogeneous baseline), tiers refined (unless --no-memory-tiers), on the
+    real cluster."""
     if search.best is None:
         return None
     step, plan, _ = search.best
-    if not search.out_of_time():
+    if memory_tiers and not search.out_of_time():
         probe = Search(search.profile, search.cluster, search.global_batch, search.schedule, search.deadline,
                        search.progress, best=search.best)
         refine_tiers(probe)

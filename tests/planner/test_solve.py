@@ -507,3 +507,16 @@ def test_sequence_parallelism_only_where_tp_divides_the_sequence():
     assert sp_values(llm, setting, 2, 1.0, times, prune=False) == (False, True)
     assert not any(lay.sequence_parallel for m in divisors(batch)
                    for lay in unit_layouts(enc, setting, m, max_gpus=cluster.world_size, prune_dominated=False))
+
+
+def test_no_memory_tiers_holds_for_the_homogeneous_baseline_too(zoo_profiles):
+    """--no-memory-tiers: no state or activation leaves the GPU in the written plan, whichever plan wins. The
+    homogeneous baseline's tiers were refined regardless, and on Qwen2-VL-72B it won with 47 blocks' activations on
+    the CPU."""
+    solution = solve(zoo_profiles("qwen2-vl-72b"), parse_cluster("16xa100-80g"), 16, memory_tiers=False)
+    for plan in (solution.plan, solution.baseline):
+        for group in plan.groups:
+            for stage in group.stages:
+                m = stage.memory
+                assert (m.params, m.grads, m.optimizer) == ("gpu", "gpu", "gpu")
+                assert set(m.activations.values()) <= {"recompute", "selective"}, m.activations
