@@ -226,6 +226,10 @@ def check_layout(profile: Profile, cluster: Cluster, global_batch: int, spec: La
                           f"= {spec.dp * spec.micro_batch}; choose a global batch that is a multiple of it")
     if spec.schedule == "interleaved" and spec.pp < 2:
         raise MmplanError(f"the interleaved schedule needs pp >= 2, got pp={spec.pp}")
+    if spec.sequence_parallel and spec.tp > 1 and not sp_divides(profile.blocks, spec.tp):
+        b = next(b for b in profile.blocks if b.supports_tp and b.sequence and b.sequence % spec.tp)
+        raise MmplanError(f"sequence parallelism shards each layer's sequence over tp={spec.tp}, but block {b.name} reads "
+                          f"a sequence of {b.sequence}; drop sequence-parallel=true or use a tp that divides it")
     parts = spec.pp * spec.virtual_stages
     if parts > len(profile.blocks):
         raise MmplanError(f"pp*virtual stages = {parts} exceeds the {len(profile.blocks)} blocks of {profile.model!r}; "

@@ -118,6 +118,7 @@ def test_a_baselines_search_keeps_the_micro_batch_asked_for(profiles, tmp_path, 
     (("--layout", "tp=1,pp=1,dp=4"), "--baseline homogeneous"),
     (("--baseline", "homogeneous", "--layout", "tp=1,pp=1,dp=4", "--micro-batch", "4"), "micro-batch=N"),
     (("--baseline", "zero3", "--micro-batch", "2"), "not divisible by the baseline's 4 data-parallel replicas"),
+    (("--baseline", "homogeneous", "--layout", "tp=2,pp=1,dp=2,sequence-parallel=true"), "drop sequence-parallel=true"),
     (("--micro-batch", "3"), "does not divide the global batch"),
     (("--time-limit", "-1"), "--time-limit"),
 ])
