@@ -136,15 +136,27 @@ def show(
     render_profile(load_profile(profile_path), console.out, top=top)
 
 
+def _given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among `names` the user set on the command line (not left at their defaults), as --flags."""
+    out = []
+    for name in names:
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            off = ctx.params.get(name) is False  # a --flag / --no-flag option set to its --no- side
+            out.append("--" + ("no-" if off else "") + name.replace("_", "-"))
+    return out
+
+
 @app.command()
 @user_errors
 def solve(
+    ctx: typer.Context,
     profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="A profile.json written by [cyan]mmplan profile[/].")],
     cluster: Annotated[str, typer.Option(help="[cyan]64xh100-sxm[/], [cyan]4xlocal-cpu[/] (catalog: a100-40g, a100-80g, h100-sxm, h200, local-cpu) or a cluster [cyan].toml[/].")],
     global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the plan.")] = Path("plan.json"),
     placement: Annotated[Literal["auto", "colocated", "non-colocated"], typer.Option(help="Groups on the same ranks ([cyan]colocated[/]), on disjoint ones ([cyan]non-colocated[/]), or the best of both and of one shared layout ([cyan]auto[/]).")] = "auto",
-    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved"], typer.Option(help="Pipeline schedule of every group. The Megatron-style baseline's grid also holds interleaved 1F1B (v = 2), emitted where faster; [cyan]interleaved[/] searches heterogeneous layouts as 1f1b.")] = "1f1b",
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved"], typer.Option(help="Pipeline schedule of every group; [cyan]interleaved[/] searches heterogeneous layouts as 1f1b. Left out, the Megatron-style baseline's grid holds 1F1B, GPipe and interleaved 1F1B (v = 2), emitted where faster; given, only that schedule (interleaved: with 1F1B).")] = "1f1b",
     micro_batch: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (over a group's data-parallel replicas); default: searched.")] = None,
     time_limit: Annotated[Optional[float], typer.Option(help="Seconds: return the best plan found so far when they are up.")] = None,
     solver: Annotated[Literal["highs", "cbc"], typer.Option(help="ILP solver (HiGHS in-process; CBC is the fallback).")] = "highs",
@@ -163,6 +175,7 @@ def solve(
     Compared, in the same run, with the best homogeneous (Megatron-style) plan, which is written instead if it
     is faster. Exit code 2 with the shortfall (bytes or GPUs) when nothing can fit.
     """
+    from planner.baselines import MEGATRON_SCHEDULES
     from planner.report import render_solution, solution_json
     from planner.solve import process_started, run_solve
 
@@ -172,18 +185,30 @@ def solve(
 
     check_writable(output)
     check_not_input(output, "--output", [profile_path, Path(cluster)])
+    given = _given(ctx, "placement", "schedule", "micro_batch", "time_limit", "solver", "memory_tiers", "memory_reserve",
+                   "sequence_parallel")
     if from_ is not None:  # the user's configuration as a baseline plan (planner/export/importing.py)
         if baseline not in (None, "homogeneous") or layout is not None:
             raise MmplanError("--from describes your layout: use it with --baseline homogeneous and without --layout")
+        if given:
+            raise MmplanError(f"--from takes the layout from your configuration: {', '.join(given)} "
+                              f"{'does' if len(given) == 1 else 'do'} not apply to it")
         from planner.export.importing import solve_from
 
         run_solve = functools.partial(solve_from, tuple(from_))  # noqa: F811 (same keywords, the user's plan)
+    if "--schedule" in given and (layout is not None or baseline in ("zero3", "gpipe-even")):
+        raise MmplanError("--layout fixes the schedule itself: write schedule=... in the layout" if layout is not None else
+                          f"--baseline {baseline} has a schedule of its own ({'gpipe' if baseline == 'gpipe-even' else '1f1b'}, "
+                          f"{'pp > 1' if baseline == 'gpipe-even' else 'pp = 1'}): drop --schedule")
+    megatron_schedules = {"gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved": ("1f1b", "interleaved:2")}[schedule] \
+        if "--schedule" in given else MEGATRON_SCHEDULES
     with console.progress("solving", enabled=not quiet and not as_json) as note:
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,
                                    gpus_per_node=gpus_per_node, placement=placement, schedule=schedule, micro_batch=micro_batch,
                                    time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, baseline=baseline,
                                    layout=layout, progress=note, memory_reserve=memory_reserve, started=started,
-                                   sequence_parallel=(False, True) if sequence_parallel else (False,))
+                                   sequence_parallel=(False, True) if sequence_parallel else (False,),
+                                   megatron_schedules=megatron_schedules)
     if as_json:
         print(json.dumps(solution_json(solution, output, prof), allow_nan=False))
     elif not quiet:

@@ -124,6 +124,7 @@ def solve(
     emit: Literal["best", "homogeneous", "megatron"] = "best",
     zeros: tuple[int, ...] = ZERO_STAGES,
     sequence_parallel: tuple[bool, ...] = (False, True),
+    megatron_schedules: tuple[str, ...] = baselines.MEGATRON_SCHEDULES,
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
@@ -133,7 +134,9 @@ def solve(
     memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
     that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
     stages searched (by the solver and both baselines). sequence_parallel: the sequence-parallelism settings searched
-    for tp > 1 (by the solver and both baselines; only where tp divides the sequence).
+    for tp > 1 (by the solver and both baselines; only where tp divides the sequence). megatron_schedules: the
+    Megatron-style baseline's schedules (default 1F1B, GPipe and interleaved 1F1B; `solve --schedule` given
+    explicitly narrows them to what it asks for, so a baseline emitted as the plan keeps the requested schedule).
     """
     started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
@@ -177,7 +180,7 @@ def solve(
     if baseline and not search.out_of_time():
         note("Megatron-style baseline", 0.3)
         megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros,
-                                  sequence_parallel)
+                                  sequence_parallel, megatron_schedules)
     if emit == "megatron":
         if megatron is None or not megatron.predicted.fits:
             raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
@@ -257,11 +260,12 @@ def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float, memory_t
 
 def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_batch: int, micro_batch: int | None,
                    search: Search, reserve: float, zeros: tuple[int, ...] = ZERO_STAGES,
-                   sequence_parallel: tuple[bool, ...] = (False, True)) -> Plan | None:
+                   sequence_parallel: tuple[bool, ...] = (False, True),
+                   schedules: tuple[str, ...] = baselines.MEGATRON_SCHEDULES) -> Plan | None:
     """The best Megatron-style plan (planner/baselines.best_megatron) for the same request, on the real cluster."""
     try:
         plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
-                                       zeros=zeros, sequence_parallels=sequence_parallel)
+                                       zeros=zeros, sequence_parallels=sequence_parallel, schedules=schedules)
     except ImpossiblePrediction:  # inconsistent inputs: an error for every plan, never a skipped candidate
         raise
     except MmplanError:
@@ -368,6 +372,7 @@ def run_solve(
     memory_reserve: float = DEFAULT_RESERVE,
     started: float | None = None,
     sequence_parallel: tuple[bool, ...] = (False, True),
+    megatron_schedules: tuple[str, ...] = baselines.MEGATRON_SCHEDULES,
 ) -> tuple[Solution, Profile]:
     """Load the profile and cluster, solve (or build the requested baseline: --baseline [--layout]), write the plan.
 
@@ -385,7 +390,8 @@ def run_solve(
     if baseline in ("homogeneous", "megatron") and layout is None:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
-                         memory_reserve=memory_reserve, started=started, emit=baseline, sequence_parallel=sequence_parallel)
+                         memory_reserve=memory_reserve, started=started, emit=baseline, sequence_parallel=sequence_parallel,
+                         megatron_schedules=megatron_schedules)
     elif baseline is not None:
         plan = baselines.baseline_plan(baseline, profile, usable_cluster(spec, memory_reserve), global_batch, layout=layout,
                                        per_step_micro_batch=micro_batch)
@@ -397,7 +403,8 @@ def run_solve(
     else:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
-                         memory_reserve=memory_reserve, started=started, sequence_parallel=sequence_parallel)
+                         memory_reserve=memory_reserve, started=started, sequence_parallel=sequence_parallel,
+                         megatron_schedules=megatron_schedules)
     save_plan(solution.plan, output)
     return solution, profile
 

@@ -119,6 +119,10 @@ def test_a_baselines_search_keeps_the_micro_batch_asked_for(profiles, tmp_path, 
     (("--baseline", "homogeneous", "--layout", "tp=1,pp=1,dp=4", "--micro-batch", "4"), "micro-batch=N"),
     (("--baseline", "zero3", "--micro-batch", "2"), "not divisible by the baseline's 4 data-parallel replicas"),
     (("--baseline", "homogeneous", "--layout", "tp=2,pp=1,dp=2,sequence-parallel=true"), "drop sequence-parallel=true"),
+    (("--baseline", "homogeneous", "--layout", "tp=1,pp=2,dp=2", "--schedule", "gpipe"), "write schedule=... in the layout"),
+    (("--baseline", "zero3", "--schedule", "gpipe"), "drop --schedule"),
+    (("--baseline", "homogeneous", "--from", "megatron", "--pipeline-model-parallel-size 2", "--micro-batch", "2",
+      "--no-memory-tiers"), "--micro-batch, --no-memory-tiers do not apply"),
     (("--micro-batch", "3"), "does not divide the global batch"),
     (("--time-limit", "-1"), "--time-limit"),
 ])
@@ -170,3 +174,12 @@ def test_memory_reserve_is_respected_and_recorded(profiles, tmp_path):
     bad = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "-o", tmp_path / "x.json",
                  "--memory-reserve", "1.5")
     assert bad.exit_code == 2 and "--memory-reserve" in bad.output and not (tmp_path / "x.json").exists()
+
+
+def test_an_explicit_schedule_binds_the_plan_written_even_when_a_baseline_wins(profiles, tmp_path):
+    """The Megatron-style baseline searches 1F1B, GPipe and interleaved 1F1B and is written when faster; with
+    --schedule given, it searches that schedule only, so the plan keeps what was asked for."""
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "32xh100-sxm", "--global-batch", 64, "--schedule", "gpipe", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert load_plan(out).training.schedule == "gpipe"
