@@ -111,6 +111,9 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
         raise MmplanError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
     if checkpoint_every and checkpoint_dir is None:
         raise MmplanError("--checkpoint-every needs --checkpoint-dir")
+    if checkpoint_dir is not None and not checkpoint_every:
+        raise MmplanError("--checkpoint-dir needs --checkpoint-every K (write a checkpoint every K steps); without it "
+                          "nothing would be written there")
     if device_budget is not None and not device_budget > 0:
         raise MmplanError(f"--device-budget must be a number of bytes > 0, got {device_budget:g}")
     launched = _launched_world_size()
@@ -121,6 +124,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     monitor = monitor or MonitorOptions(show=False)
     check_monitor(monitor)
     plan, profile, spec, sample_bytes = checked_plan(plan_path, model, profile)
+    _check_precision(plan, plan_path)
     _check_rank_numbering(plan, plan_path)
     _check_tensor_parallel(plan, spec, plan_path)
     world = plan.world_size
@@ -272,6 +276,16 @@ def _check_tensor_parallel(plan: Plan, spec: str, plan_path: Path) -> None:
             except MmplanError as e:
                 raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
     _check_sequence_parallel(plan, model, example, plan_path)
+
+
+def _check_precision(plan: Plan, plan_path: Path) -> None:
+    """The runtime trains fp32 and bf16 plans (runtime/precision.py); refuse another before any rank starts."""
+    from runtime.precision import torch_dtype
+
+    try:
+        torch_dtype(plan.training.dtype)
+    except MmplanError as e:
+        raise MmplanError(f"plan {plan_path}: {e}") from None
 
 
 def _check_sequence_parallel(plan: Plan, model: Any, example: dict, plan_path: Path) -> None:

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from plans.errors import MmplanError
 from plans.plan import Tier
 from runtime.budget import DeviceBudget, OffTier
+from runtime.precision import low_precision
 from runtime.tier_io import (
     ALIGN,
     MappedFile,
@@ -294,14 +295,22 @@ class GradTier:
 # --- Adam with its state in a tier -----------------------------------------------------------------
 
 
+def _fp32(p: torch.Tensor, device: str | torch.device = "meta") -> torch.Tensor:
+    """An uninitialised fp32 tensor of p's shape (on the meta device: for its size only)."""
+    return torch.empty(p.shape, dtype=torch.float32, device=device)
+
+
 class TieredAdam:
     """torch.optim.Adam with exp_avg / exp_avg_sq in the gpu, cpu or nvme tier; bitwise the same updates.
 
     The arithmetic is torch.optim.Adam's own (one Adam per block, same hyper-parameters); only where its
     state tensors live changes: 'gpu' beside the parameters (counted in the device budget), 'cpu' in host
     memory, 'nvme' in one memory-mapped file under nvme_dir (np.memmap-backed tensors). On CUDA with the
-    state off the device the step runs on fp32 host copies of the parameters (grads copied to the host,
-    updated parameters copied back). With a ParamStore the step streams block by block, one ahead.
+    state off the device the step runs on host copies of the parameters (grads copied to the host,
+    updated parameters copied back). Low-precision (bf16) parameters train on fp32 master copies kept with the
+    state (mixed precision, runtime/precision.py: 12 B per parameter in the tier): the gradient is widened to
+    fp32, Adam updates the master, the parameter is its rounded copy. With a ParamStore the step streams block
+    by block, one ahead.
     """
 
     def __init__(self, named_params: Mapping[str, nn.Parameter], *, tier: Tier = "gpu", budget: DeviceBudget | None = None,
@@ -321,19 +330,27 @@ class TieredAdam:
         self.on_host = tier != "gpu" and device.type != "cpu"
         self._file: MappedFile | None = None
         if tier == "nvme":
-            total = sum(aligned_nbytes(p) for p in self.named.values()) * 2
+            total = sum(3 * aligned_nbytes(_fp32(p)) if low_precision(p) else 2 * aligned_nbytes(p)
+                        for p in self.named.values())
             self._file = MappedFile("adam", "optimizer state", nvme_dir, total)
         self.masters: dict[str, torch.Tensor] = {}
+        self._fresh: set[str] = set()  # masters still to be copied from their parameters
         self.optimizers: dict[str, torch.optim.Adam] = {}
         for b, names in self.blocks.items():
-            targets = []
             for n in names:
                 p = self.named[n]
-                if self.on_host:
-                    m = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-                    m.copy_(p.detach())
-                    self.masters[n] = m.requires_grad_()
-                targets.append(self.masters.get(n, p))
+                mixed = low_precision(p)  # an fp32 master, kept with the state in the state's tier
+                if mixed and self._file is not None:
+                    m = self._file.zeros_like(_fp32(p))
+                elif self.on_host:
+                    m = torch.empty(p.shape, dtype=torch.float32 if mixed else p.dtype, pin_memory=True)
+                elif mixed:
+                    m = _fp32(p, p.device)
+                else:
+                    continue
+                self.masters[n] = m.requires_grad_()
+                self._fresh.add(n)  # copied from the parameter at its first step (an offloaded one is not here yet)
+            targets = [self.masters.get(n, self.named[n]) for n in names]
             opt = torch.optim.Adam(targets, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
             for n, t in zip(names, targets):
                 opt.state[t] = {
@@ -342,7 +359,8 @@ class TieredAdam:
                     "exp_avg_sq": self._zeros_like(t),
                 }
             self.optimizers[b] = opt
-        state_bytes = sum(2 * p.numel() * p.element_size() for p in self.named.values())
+        state_bytes = sum(3 * 4 * p.numel() if low_precision(p) else 2 * p.numel() * p.element_size()
+                          for p in self.named.values())
         if budget is not None:
             if tier == "gpu":
                 budget.add("optimizer", state_bytes)
@@ -367,15 +385,18 @@ class TieredAdam:
             self._file.flush()
 
     def _step_block(self, block: str) -> None:
-        if self.on_host:
-            for n in self.blocks[block]:
-                p, m = self.named[n], self.masters[n]
-                m.grad = None if p.grad is None else p.grad.detach().to("cpu")
+        masters = [n for n in self.blocks[block] if n in self.masters]
+        for n in masters:
+            p, m = self.named[n], self.masters[n]
+            if n in self._fresh:
+                with torch.no_grad():
+                    m.copy_(p.detach())
+                self._fresh.discard(n)
+            m.grad = None if p.grad is None else p.grad.detach().to(device=m.device, dtype=m.dtype)
         self.optimizers[block].step()
-        if self.on_host:
-            with torch.no_grad():
-                for n in self.blocks[block]:
-                    self.named[n].copy_(self.masters[n])  # blocking: the next step rewrites the pinned master in place
+        with torch.no_grad():
+            for n in masters:
+                self.named[n].copy_(self.masters[n])  # blocking: the next step rewrites the master in place
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.named.values():
@@ -394,8 +415,13 @@ class TieredAdam:
         raise KeyError(name)
 
     def state_by_name(self, names: Iterable[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """Layout-independent state: full parameter name -> {step, exp_avg, exp_avg_sq} (CPU copies)."""
-        return {n: {k: v.detach().cpu().clone() for k, v in self._state_of(n).items()} for n in (names or self.named)}
+        """Layout-independent state: full parameter name -> {step, exp_avg, exp_avg_sq[, master]} (CPU copies;
+        `master`: the fp32 master of a low-precision parameter)."""
+        out = {n: {k: v.detach().cpu().clone() for k, v in self._state_of(n).items()} for n in (names or self.named)}
+        for n, state in out.items():
+            if n in self.masters and n not in self._fresh and low_precision(self.named[n]):
+                state["master"] = self.masters[n].detach().cpu().clone()
+        return out
 
     def load_state_by_name(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Copy saved state into the tier's tensors (files stay where they are)."""
@@ -407,6 +433,10 @@ class TieredAdam:
             mine = self._state_of(n)
             for k in ("step", "exp_avg", "exp_avg_sq"):
                 mine[k].copy_(values[k])
+            if n in self.masters and "master" in values:  # else (an fp32 run's checkpoint) from the loaded parameter
+                with torch.no_grad():
+                    self.masters[n].copy_(values["master"])
+                self._fresh.discard(n)
 
     def close(self) -> None:
         """Drop the memory map and remove its file."""

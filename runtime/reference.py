@@ -6,6 +6,8 @@ from typing import Any
 import torch
 
 from runtime.data import open_dataset
+from runtime.param_tiers import TieredAdam
+from runtime.precision import cast_inputs, torch_dtype
 from runtime.source import model_loss
 from runtime.train import Job, build_model, step_samples, vocab_of
 
@@ -15,13 +17,16 @@ def reference_run(job: Job) -> dict[str, Any]:
     training = job.plan.training
     model, example = build_model(job)
     dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=job.lr)
+    dtype = torch_dtype(training.dtype)
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    # mixed precision (bf16): Adam on fp32 master copies, as every rank runs it (param_tiers.TieredAdam)
+    optimizer = TieredAdam(named, lr=job.lr) if dtype != torch.float32 else torch.optim.Adam(model.parameters(), lr=job.lr)
     losses, grads = [], {}
     m = training.micro_batches
     for step in range(job.steps):
         total = 0.0
         for j in range(m):
-            batch = dataset.sample_batch(step_samples(step, job.plan, j, 0, training.micro_batch))
+            batch = cast_inputs(dataset.sample_batch(step_samples(step, job.plan, j, 0, training.micro_batch)), dtype)
             loss = model_loss(model(**batch)) / m
             loss.backward()
             total += float(loss.detach())

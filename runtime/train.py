@@ -22,6 +22,7 @@ from torch import nn
 from plans.plan import Plan
 from runtime.boundary import Exchange
 from runtime.data import Prefetcher, open_dataset
+from runtime.precision import cast_inputs, to_precision, torch_dtype
 from runtime.launch import RankContext
 from runtime.memory import RankTiers
 from runtime.layout import Layout, build_layout
@@ -70,10 +71,10 @@ class StepMetrics:
 
 
 def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, Any]]:
-    """The model with its initial weights, the plan's frozen blocks frozen: the same on every rank and in the
-    reference run."""
+    """The model with its initial weights in the plan's precision (runtime/precision.py), the plan's frozen blocks
+    frozen: the same on every rank and in the reference run."""
     torch.manual_seed(job.seed)
-    model, example = call_factory(resolve(job.model), micro_batch)
+    model, example = to_precision(*call_factory(resolve(job.model), micro_batch), job.plan.training.dtype)
     frozen = {b.name for b in job.plan.flow.blocks if b.frozen} if job.plan.flow is not None else set()
     if frozen:
         from runtime.program import block_modules
@@ -99,6 +100,7 @@ class RankTrainer:
 
     def __init__(self, ctx: RankContext, job: Job):
         self.ctx, self.job, self.plan = ctx, job, job.plan
+        self.dtype = torch_dtype(job.plan.training.dtype)
         model, example = build_model(job)
         self.dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
         program = trace_program(model, example)
@@ -214,7 +216,7 @@ class RankTrainer:
             r = self.layout.stages[key].replica_of(self.ctx.rank)
             s0, s1 = self.layout.slice(key, r)
             for j in range(self.layout.micro_batches):
-                batch = self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1))
+                batch = cast_inputs(self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1)), self.dtype)
                 out[(key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
         return out
 

@@ -100,3 +100,19 @@ def test_a_sequence_the_tp_size_does_not_divide_is_one_line(tmp_path):
     assert res.exit_code != 0
     assert "sequence-parallel with tp=2" in res.stderr and "vision.layers.0 reads a sequence of 17" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_run_refuses_what_it_would_silently_not_do(tmp_path):
+    """An fp16 plan (the runtime has no loss scaling) and --checkpoint-dir without --checkpoint-every (nothing would
+    be written): one line, exit 2, before any rank starts, nothing created."""
+    from plans.plan import load_plan, save_plan
+    import dataclasses
+
+    plan = load_plan(EXAMPLES / "tiny-vlm-pp2.json")
+    fp16 = tmp_path / "fp16.json"
+    save_plan(dataclasses.replace(plan, training=dataclasses.replace(plan.training, dtype="fp16")), fp16)
+    res = runner.invoke(app, ["run", str(fp16), "--steps", "1"])
+    assert res.exit_code == 2 and "not 'fp16'" in res.output and len(res.output.strip().splitlines()) == 1
+    ck = tmp_path / "ck"
+    res = runner.invoke(app, ["run", str(EXAMPLES / "tiny-vlm-pp2.json"), "--steps", "1", "--checkpoint-dir", str(ck)])
+    assert res.exit_code == 2 and "--checkpoint-every" in res.output and not ck.exists()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from plans.plan import save_plan
 from runtime.reference import reference_run
@@ -93,3 +94,24 @@ def test_a_damaged_checkpoint_is_refused(pp2_plan, tmp_path):
     victim.write_bytes(bytes(data[: len(data) // 3]))  # truncated
     res = mmplan("run", pp2_plan, "--steps", 4, "--resume", ckpt)
     assert res.returncode == 2 and "corrupt" in res.stderr
+
+
+def test_a_bf16_run_resumes_bitwise_with_its_fp32_masters(tmp_path):
+    """The checkpoint of a bf16 plan holds Adam's fp32 master copies beside the bf16 weights: 4 + 4 resumed steps
+    give the floats of 8 straight ones (restarting the masters from the rounded weights would not)."""
+    plan = tmp_path / "pp2-bf16.json"
+    save_plan(make_plan("tiny-vlm", PP2, micro_batches=2, dtype="bf16"), plan)
+    full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    assert mmplan("run", plan, "--steps", 8, "--log", full, "--quiet").returncode == 0
+    assert mmplan("run", plan, "--steps", 4, "--checkpoint-every", 4, "--checkpoint-dir", ckpt, "--quiet").returncode == 0
+    res = mmplan("run", plan, "--steps", 8, "--resume", ckpt, "--log", resumed, "--quiet")
+    assert res.returncode == 0, res.stderr
+    want, got = losses(full), losses(resumed)
+    assert sorted(got) == [4, 5, 6, 7] and got == {s: want[s] for s in got}
+    from runtime.checkpoint import latest_checkpoint, load_block
+
+    params, state = load_block(latest_checkpoint(ckpt), "llm.layers.0")
+    masters = {n: s["master"] for n, s in state.items()}
+    assert masters and all(m.dtype == torch.float32 for m in masters.values())
+    assert all(params[n].dtype == torch.bfloat16 and torch.equal(params[n], m.to(torch.bfloat16)) for n, m in masters.items())
+    assert any(not torch.equal(m, params[n].float()) for n, m in masters.items())  # the bits bf16 cannot hold
