@@ -3,6 +3,7 @@ pipelines, tensor parallelism and a CPU-offloaded optimizer; checkpoints of shar
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plans.plan import Memory
 from runtime.launch import launch
@@ -66,3 +67,15 @@ def test_a_zero3_checkpoint_is_unsharded_and_resumes_under_zero0_and_zero2(tmp_p
         assert [m["step"] for m in resumed] == [2, 3]
         for got, want in zip(resumed, whole[2:]):
             assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+
+
+@pytest.mark.parametrize("case", ["dp2-zero3", "dp2-zero2-optimizer-cpu"])
+def test_a_bf16_zero_plan_steps_fp32_masters_of_its_shards(case):
+    """bf16 under ZeRO: FSDP2 shards the bf16 parameters, Adam's fp32 masters cover this rank's shard only (in the
+    optimizer's tier); losses and gradients as the single-process bf16 reference's, to bf16 rounding."""
+    model, groups, training = PLANS[case]
+    plan = make_plan(model, groups, dtype="bf16", **training)
+    job = Job(plan=plan, model=model, steps=6, seed=0, probe_grads=True)
+    results = launch(train_rank, plan.world_size, job, timeout_s=240)
+    assert all(g.dtype == torch.bfloat16 for r in results for g in r["grads"].values())
+    check_parity(case, results, reference(model, job), loss_rtol=2e-2, grad_tol=4e-2)
