@@ -237,6 +237,15 @@ def uniform_tier(stages, kind: str, drops: Drops) -> str:
     return pick
 
 
+def sequence_parallel(groups, drops: Drops, why: str = "") -> bool:
+    """Whether the target runs sequence parallelism, one setting for `groups` (a target sets it once): that of their
+    tensor-parallel groups (tp > 1; sequence parallelism shards along their tp); when they differ, on."""
+    settings = {g.sequence_parallel for g in groups if g.tp > 1}
+    if len(settings) > 1:
+        drops.cannot(f"sequence parallelism in some tensor-parallel groups only{why}", "sequence parallelism in every one")
+    return True in settings
+
+
 def activation_tiers(stages) -> set[str]:
     return {t for s in stages for t in s.memory.activations.values()}
 

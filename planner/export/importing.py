@@ -73,7 +73,8 @@ def _megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     p.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    for flag in ("--use-distributed-optimizer", "--use-megatron-fsdp", "--recompute-activations", "--optimizer-cpu-offload"):
+    for flag in ("--use-distributed-optimizer", "--use-megatron-fsdp", "--recompute-activations", "--optimizer-cpu-offload",
+                 "--sequence-parallel"):
         p.add_argument(flag, action="store_true")
     return p
 
@@ -108,7 +109,8 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
     schedule = "interleaved" if v > 1 else "1f1b"
     # Megatron builds a VLM's encoders on the first pipeline stage and splits the LLM's layers (evenly, or as the
     # layout says); planner/baselines.py's homogeneous split would spread the encoder's layers over the stages too.
-    check_layout(profile, cluster, global_batch, LayoutSpec(tp, pp, dp, mbs, schedule, v, "none", zero))
+    sp = a.sequence_parallel and tp > 1  # Megatron-LM turns it off at tp = 1
+    check_layout(profile, cluster, global_batch, LayoutSpec(tp, pp, dp, mbs, schedule, v, "none", zero, sequence_parallel=sp))
     counts = _layer_counts(a.pipeline_model_parallel_layout, len(layers), pp * v)
     chunks = _chunks(profile.blocks, _llm_group(profile), counts)
     training = Training(global_batch, global_batch // (dp * mbs), schedule, v, _dtype(profile))
@@ -118,14 +120,14 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
     if v == 1:
         cuts = tuple(sum(len(c) for c in chunks[:i]) for i in range(1, pp))
         layout = GroupLayout("model", tuple(b for c in chunks for b in c), cuts, dp, tp, tuple(range(dp * tp * pp)),
-                             zero=zero, memory=tuple(memory))
+                             zero=zero, memory=tuple(memory), sequence_parallel=sp)
         return build_plan(profile, cluster, training, [layout], solver)
     # interleaved: stage i holds chunks i, i+pp, ... (GroupLayout describes contiguous stages only; as baselines.py does)
     per = dp * tp
     stages = tuple(Stage(tuple(b for k in range(i, pp * v, pp) for b in chunks[k]), tuple(range(i * per, (i + 1) * per)),
                          replace(memory[i], activations={b: t for k in range(i, pp * v, pp) for b, t in memory[k].activations.items()}))
                    for i in range(pp))
-    group = Group("model", dp, tp, pp, stages, zero=zero)
+    group = Group("model", dp, tp, pp, stages, zero=zero, sequence_parallel=sp)
     plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile)
     return with_predictions(plan, profile)[0]
 
@@ -239,8 +241,11 @@ def _megatron_mimo(a, profile: Profile, cluster: Cluster, global_batch: int, mbs
                           activations=_recomputed(profile, c, recompute, a.recompute_num_layers if a.recompute_method == "block" else None))
                    for c in llm_chunks)
     enc_group = profile.blocks[0].group
-    layouts = [GroupLayout(enc_group, enc_blocks, (), enc_dp, enc_tp, tuple(range(enc_n)), zero=zero),
-               GroupLayout(llm, llm_blocks, cuts, llm_dp, llm_tp, tuple(range(offset, offset + llm_n)), zero=zero, memory=memory)]
+    sp = a.sequence_parallel  # one flag for the run: every tensor-parallel grid
+    layouts = [GroupLayout(enc_group, enc_blocks, (), enc_dp, enc_tp, tuple(range(enc_n)), zero=zero,
+                           sequence_parallel=sp and enc_tp > 1),
+               GroupLayout(llm, llm_blocks, cuts, llm_dp, llm_tp, tuple(range(offset, offset + llm_n)), zero=zero, memory=memory,
+                           sequence_parallel=sp and llm_tp > 1)]
     micro = mbs * llm_dp
     if global_batch % micro:
         raise MmplanError(f"--from megatron: global batch {global_batch} is not divisible by --micro-batch-size * --llm-dp = {micro}")

@@ -18,6 +18,7 @@ from planner.export.common import (
     nearest_chain,
     offloaded_as_recomputed,
     recompute_of,
+    sequence_parallel,
     span,
     uniform_tier,
 )
@@ -93,6 +94,8 @@ def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> list[lis
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
     args = [["--tensor-model-parallel-size", str(chain.tp)], ["--pipeline-model-parallel-size", str(chain.pp)]]
     args += _pipeline_flags(plan, chain.pp, chain.dp, chain.blocks, chunks, roles, drops)
+    if chain.tp > 1 and sequence_parallel(plan.groups, drops):
+        args.append(["--sequence-parallel"])
     args += _zero_flags(chain.zero)
     args += _recompute_flags(recompute_of([(blocks, mem) for blocks, mem in chunks], roles, drops))
     args += _tier_flags(stages, drops)
@@ -285,6 +288,8 @@ def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str], enc: Group, 
     args = [["--encoder-tp", str(enc.tp)], ["--encoder-dp", str(enc_dp)], ["--llm-offset", str(enc_n)],
             ["--llm-tp", str(llm.tp)], ["--llm-pp", str(llm.pp)], ["--llm-dp", str(llm.dp)]]
     args += _pipeline_flags(plan, llm.pp, llm.dp, llm.blocks, chunks, roles, drops)
+    if sequence_parallel((enc, llm), drops, " (Megatron's --sequence-parallel sets it for the whole run)"):
+        args.append(["--sequence-parallel"])
     args += _zero_flags(zero)
     args += _recompute_flags(recompute_of(list(chunks), roles, drops))
     args += _tier_flags(stages, drops)

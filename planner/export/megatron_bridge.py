@@ -3,7 +3,18 @@ per group on its own ranks, or, for one layout, the model provider's parallelism
 TransformerConfig / DDP / optimizer fields for uneven cut points, recomputation, ZeRO and optimizer offload."""
 from __future__ import annotations
 
-from planner.export.common import Drops, Roles, activation_tiers, collapsed, header, is_megatron_order, nearest_chain, recompute_of, span
+from planner.export.common import (
+    Drops,
+    Roles,
+    activation_tiers,
+    collapsed,
+    header,
+    is_megatron_order,
+    nearest_chain,
+    recompute_of,
+    sequence_parallel,
+    span,
+)
 from planner.export.megatron import (
     OFFLOAD_FIELDS,
     ZERO_FIELDS,
@@ -75,6 +86,8 @@ def _one_layout(plan: Plan, roles: Roles, drops: Drops, notes: list[str], *, qui
         model["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
         _no_gpipe(plan, drops)
     model.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
+    if chain.tp > 1 and sequence_parallel(plan.groups, drops):
+        model["sequence_parallel"] = True
     model.update(_dtype(plan, chain.pp))
     return (f"\nimport torch\n\nWORLD_SIZE = {chain.world}  # data_parallel_size = WORLD_SIZE / (tensor * pipeline) = {chain.dp}\n"
             f"MICRO_BATCH_SIZE = {plan.training.micro_batch // chain.dp}  # per data-parallel replica\n"
@@ -121,6 +134,12 @@ def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> s
         language["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
         _no_gpipe(plan, drops)
     language.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
+    for g in groups[:-1]:
+        if g.tp > 1 and g.sequence_parallel:
+            drops.cannot(f"sequence parallelism in encoder group {g.name!r} (these fields configure the language model)",
+                         "the encoder without it")
+    if llm.tp > 1 and llm.sequence_parallel:
+        language["sequence_parallel"] = True
     language.update(_dtype(plan, llm.pp))
     entries = "".join(f"        {name!r}: ModuleParallelismConfig(\n{_values(fields, ' ' * 12)}        ),\n"
                       for name, fields in modules.items())

@@ -177,6 +177,7 @@ def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, megatron_
     assert args.global_batch_size == plan.training.global_batch
     config = megatron_lm.arguments.core_transformer_config_from_args(args)  # parses and validates the layout
     assert decoder_layers(config) == want["layers"]
+    assert config.sequence_parallel == any(g.sequence_parallel for g in plan.groups if g.tp > 1)
     stages, tp_groups = grid_stage_ranks(want["tp"], want["dp"], want["pp"], 0, world, monkeypatch)
     assert stages == want["ranks"]
     assert tp_groups == sorted(r[i:i + want["tp"]] for r in want["ranks"] for i in range(0, len(r), want["tp"]))
@@ -382,3 +383,26 @@ def test_deepspeed_round_trip_of_zero3_with_nvme_offload(deepspeed_config, plans
     assert ds.zero_optimization_stage == 3 and (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (2, 2)
     assert (str(ds.zero_config.offload_param.device), str(ds.zero_config.offload_optimizer.device)) in \
            {("nvme", "cpu"), ("OffloadDeviceEnum.nvme", "OffloadDeviceEnum.cpu")}
+
+
+def test_sequence_parallelism_reaches_megatron_and_bridge_and_comes_back(megatron_lm, plans, tmp_path, monkeypatch):
+    """A sequence-parallel plan exports --sequence-parallel (Megatron-LM) / sequence_parallel=True (Bridge's
+    TransformerConfig) and `solve --from megatron` reads it back; the exporters used to drop it silently."""
+    from dataclasses import replace
+
+    from plans.plan import save_plan
+
+    plan = load_plan(plans["qwen2-vl-72b"])
+    assert any(g.tp > 1 for g in plan.groups)
+    sp = tmp_path / "sp.json"
+    save_plan(replace(plan, groups=tuple(replace(g, sequence_parallel=g.tp > 1) for g in plan.groups)), sp)
+    path = export(sp, "megatron", tmp_path)
+    args = parse_megatron(megatron_lm, megatron_argv(path, "qwen2-vl-72b"), plan.cluster.world_size, monkeypatch)
+    megatron_lm.arguments.validate_args(args)
+    assert args.sequence_parallel
+    assert "sequence_parallel=True" in export(sp, "megatron-bridge", tmp_path).read_text()
+    assert "--sequence-parallel" not in export(plans["qwen2-vl-72b"], "megatron", tmp_path).read_text()
+    back = tmp_path / "back.json"
+    cli("solve", plans["qwen2-vl-72b"].parent / "qwen2-vl-72b.profile.json", "--cluster", plan.cluster.name,
+        "--global-batch", plan.training.global_batch, "--baseline", "homogeneous", "--from", "megatron", f"@{path}", "-o", back)
+    assert all(g.sequence_parallel for g in load_plan(back).groups if g.tp > 1)
