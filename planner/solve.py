@@ -182,8 +182,15 @@ def solve(
         megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros,
                                   sequence_parallel, megatron_schedules)
     if emit == "megatron":
+        if megatron is None and search.stopped_early:
+            raise no_fit(profile, usable, setting, structures, memory_tiers, True)
         if megatron is None or not megatron.predicted.fits:
-            raise no_fit(profile, usable, setting, structures, False, search.stopped_early)
+            need = f"; its least-loaded layout needs {max(m.gpu for m in megatron.predicted.memory) / 1e9:,.2f} GB on its " \
+                   f"fullest GPU" if megatron is not None else ""
+            raise MmplanError(f"no Megatron-style layout of {profile.model} fits {usable.world_size} x {usable.device.name} "
+                              f"({usable.device.memory_bytes / 1e9:,.2f} GB usable per GPU){need}: that baseline keeps every "
+                              f"state and activation on the GPU; solve without --baseline places them in CPU / NVMe tiers, "
+                              f"or add GPUs")
         return _baseline_solution(megatron, search, started, "megatron")
     # 3. the heterogeneous structures, pruned by the best step so far
     if rest and not search.out_of_time():

@@ -183,3 +183,11 @@ def test_an_explicit_schedule_binds_the_plan_written_even_when_a_baseline_wins(p
     r = invoke(profiles["llava-1.5-7b"], "--cluster", "32xh100-sxm", "--global-batch", 64, "--schedule", "gpipe", "-o", out)
     assert r.exit_code == 0, r.output
     assert load_plan(out).training.schedule == "gpipe"
+
+
+def test_a_megatron_baseline_that_cannot_fit_says_why_and_where_to_go(profiles, tmp_path):
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "1xa100-40g", "--global-batch", 8, "--baseline", "megatron",
+               "-o", tmp_path / "m.json")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "no Megatron-style layout" in text and "solve without --baseline" in text
+    assert "--memory-tiers" not in text and not (tmp_path / "m.json").exists()
