@@ -311,10 +311,14 @@ def run(
         if not quiet:
             console.out.print(f"nothing to train: the checkpoint is already at step {steps} or later")
         return
-    if not quiet and evaluation is not None:
+    if not quiet:
         from planner.report import measured_table
 
-        console.out.print(measured_table(result.plan, evaluation, result.metrics))
+        if evaluation is not None:
+            console.out.print(measured_table(result.plan, evaluation, result.metrics))
+        elif summary["step_time_s"] is not None:
+            console.out.print(f"measured step {summary['step_time_s'] * 1e3:.3g} ms (median); the plan holds no prediction "
+                              "to compare it with (compare it with --profile PROFILE)")
         console.out.print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {len(result.metrics)} steps"
                           + (f"; log in [bold]{console.safe(log)}[/]" if log else ""), markup=True)
 

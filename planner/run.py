@@ -13,6 +13,7 @@ What a run owns, and gives back on every exit path (success, refusal, a failing 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import statistics
@@ -107,6 +108,8 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
 
     if steps < 1:
         raise MmplanError(f"--steps must be >= 1, got {steps}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise MmplanError(f"--lr must be a finite number > 0, got {lr:g}")
     if checkpoint_every < 0:
         raise MmplanError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
     if checkpoint_every and checkpoint_dir is None:

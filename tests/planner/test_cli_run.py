@@ -116,3 +116,16 @@ def test_run_refuses_what_it_would_silently_not_do(tmp_path):
     ck = tmp_path / "ck"
     res = runner.invoke(app, ["run", str(EXAMPLES / "tiny-vlm-pp2.json"), "--steps", "1", "--checkpoint-dir", str(ck)])
     assert res.exit_code == 2 and "--checkpoint-every" in res.output and not ck.exists()
+
+
+def test_a_plan_without_predictions_still_reports_its_step_and_a_bad_lr_stops_before_launch(tmp_path):
+    import json
+
+    data = json.loads((EXAMPLES / "tiny-vlm-pp2.json").read_text())
+    data.pop("predicted", None)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data))
+    res = runner.invoke(app, ["run", str(bare), "--steps", "3"])
+    assert res.exit_code == 0 and "measured step" in res.output and "loss " in res.output
+    res = runner.invoke(app, ["run", str(bare), "--steps", "1", "--lr", "-1"])
+    assert res.exit_code == 2 and "--lr must be" in res.output and "rank" not in res.output
