@@ -28,9 +28,12 @@ if TYPE_CHECKING:
 # --- shared cells -------------------------------------------------------------------------------------------
 
 
-def placement_text(group: Group) -> str:
-    """A group's placement: "colocated with <group>" (time-sharing its ranks) or "non-colocated" (its own ranks)."""
-    return f"colocated with {group.colocated_with}" if group.colocated_with else "non-colocated"
+def placement_text(group: Group, groups: int = 2) -> str:
+    """A group's placement: "colocated with <group>" (time-sharing its ranks), "non-colocated" (its own ranks, beside
+    other groups) or "whole model" (the plan's only group: neither)."""
+    if group.colocated_with:
+        return f"colocated with {group.colocated_with}"
+    return "non-colocated" if groups > 1 else "whole model"
 
 
 def tiers_text(group: Group) -> str:
@@ -107,7 +110,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     for g in plan.groups:
         sizes = "+".join(str(len(s.blocks)) for s in g.stages)
         cuts = ", ".join(s.blocks[0] for s in g.stages[1:])
-        table.add_row(g.name, str(len(g.ranks)), f"{g.dp}·{g.tp}·{g.pp}", str(g.zero), placement_text(g),
+        table.add_row(g.name, str(len(g.ranks)), f"{g.dp}·{g.tp}·{g.pp}", str(g.zero), placement_text(g, len(plan.groups)),
                       sizes + (f" ({cuts})" if cuts else ""), tiers_text(g))
     per_modality = []
     for g in plan.groups:
@@ -314,7 +317,7 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
     for name, plan in plans:
         for g in plan.groups:
             stages = "; ".join(f"{len(s.blocks)} blocks @ rank {','.join(map(str, s.ranks))}" for s in g.stages)
-            table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages, placement_text(g), tiers_text(g))
+            table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages, placement_text(g, len(plan.groups)), tiers_text(g))
             name = ""
         table.add_row("", "", "", Text(f"{plan.training.micro_batches} micro-batches, {plan.training.schedule}", style="dim"), "", "")
     return table

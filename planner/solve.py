@@ -209,7 +209,7 @@ def solve(
                f"({step:.4g} s)" if winner is megatron and plan is not None else
                f"the search found no plan that fits and beats the {name} baseline")
         plan, structure, proved = winner, "baseline", False
-        notes = f"{why}, so it is emitted; " + ((winner.solver.notes if winner.solver else "") or "")
+        notes = f"{why}, so it is emitted" + "".join(f"; {n}" for n in [winner.solver.notes if winner.solver else ""] if n)
         method = winner.solver.method if winner.solver else f"baseline:{name}"
     else:
         method, notes = f"ilp+dp:{structure}", _notes(structure, search, proved, gap)
