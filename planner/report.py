@@ -134,8 +134,11 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
         lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
     how = "proved optimal over the search space" if solution.proved_optimal else (
         "stopped early at the time limit" if solution.stopped_early else f"bound gap {solution.gap:.1%}")
-    lines.append(f"solved in {solution.solve_time_s:.2f} s: {solution.candidates} candidate layouts, {solution.simulated} plans "
-                 f"simulated, {how}")
+    if solution.structure == "baseline" and not solution.simulated:  # solve --baseline: its note says how it was found
+        lines.append(f"built in {solution.solve_time_s:.2f} s")
+    else:
+        lines.append(f"solved in {solution.solve_time_s:.2f} s: {solution.candidates} candidate layouts, {solution.simulated} "
+                     f"plans simulated, {how}")
     if solution.stopped_early:
         lines.append("[yellow]the time limit stopped the search: this is the best plan found so far[/]")
     lines.append(f"wrote [bold]{safe(output)}[/]")
