@@ -276,7 +276,8 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_un
         while not complete_steps(ck):
             assert time.monotonic() < deadline and first.poll() is None
             time.sleep(0.05)
-        for args in (["--checkpoint-dir", str(ck), "--checkpoint-every", "1"], ["--checkpoint-dir", str(ck), "--overwrite"],
+        for args in (["--checkpoint-dir", str(ck), "--checkpoint-every", "1"],
+                     ["--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--overwrite"],
                      ["--resume", str(ck)]):
             line = one_line_error(run(PP2, "--steps", "2", *args))
             assert f"in use by another mmplan run (pid {first.pid})" in line
