@@ -16,12 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import catalog_cluster  # noqa: E402
-from planner.baselines import best_homogeneous  # noqa: E402
+from planner.solver.baselines import best_homogeneous  # noqa: E402
 from plans import plan as P  # noqa: E402
 from plans.graph import Block, Edge, InputEdge, Profile, load_profile  # noqa: E402
 
 TARGET_S = 0.050  # one evaluation of a 1024-GPU plan
-GRID_TARGET_S = 10.0  # searching the homogeneous grid at 1024 GPUs (planner/baselines.py best_homogeneous)
+GRID_TARGET_S = 10.0  # searching the homogeneous grid at 1024 GPUs (planner/solver/baselines.py best_homogeneous)
 # Homogeneous grid search: model -> (cluster, global batch); 4 samples per GPU.
 GRID = {"vit22b-llama70b": ("128xh100-sxm", 512), "qwen2-vl-72b": ("1024xh100-sxm", 4096)}
 # The default grid (1f1b; recompute none | full; ZeRO 0 | 1) and a wide one (every schedule and option).

@@ -3,7 +3,7 @@
 Run: python bench/fidelity_bench.py   (profiles the models on FakeTensors first: a few minutes on 2 cores)
 
 Each row lays out the published model with its published TP / PP / DP, global batch, recomputation and schedule
-(planner.baselines.homogeneous_plan), evaluates it with the cost model (cost_models.evaluate) on the catalog
+(planner.solver.baselines.homogeneous_plan), evaluates it with the cost model (cost_models.evaluate) on the catalog
 cluster of the published GPUs, and converts the predicted step time to the publication's own metric with the
 publication's own FLOP formula. Nothing here is fitted: the constants are the catalog's (datasheets and cited
 microbenchmarks, cost_models/hardware.py). Assumptions where a publication is silent are marked per row.
@@ -138,7 +138,7 @@ from published_models import gpt_profile, hf_llava_profile, zoo_profile  # noqa:
 from cost_models.compute import mixed_precision_step_bytes  # noqa: E402
 from cost_models.evaluate import evaluate  # noqa: E402
 from cost_models.hardware import parse_cluster  # noqa: E402
-from planner.baselines import homogeneous_plan  # noqa: E402
+from planner.solver.baselines import homogeneous_plan  # noqa: E402
 from plans.graph import Profile  # noqa: E402
 
 TOLERANCE = 0.15  # every row within +-15 %

@@ -136,7 +136,7 @@ class Check:
 
     def build_plans(self) -> dict[str, Path]:
         from cost_models.hardware import parse_cluster
-        from planner.baselines import homogeneous_plan
+        from planner.solver.baselines import homogeneous_plan
         from plans.graph import load_profile
         from plans.plan import Memory, check_plan, save_plan
 

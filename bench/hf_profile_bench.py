@@ -23,7 +23,7 @@ CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from runtime.source import resolve
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 from plans.graph import save_profile
 p = profile_model(resolve(sys.argv[1]), device="meta")
 save_profile(p, sys.argv[2])

@@ -3,7 +3,7 @@
 Run: python bench/memory_bench.py
 
 The layer is Megatron's GPT layer (bench/published_models.MegatronLayer: dropout, softmax attention without
-flash), profiled by the real profiler (saved-tensor hooks on FakeTensors; planner/profile.py), then stored as the
+flash), profiled by the real profiler (saved-tensor hooks on FakeTensors; planner/profiler/profile.py), then stored as the
 cost model says one tp rank stores it (cost_models.memory.kept_activation_bytes; full recompute:
 activation_residency's checkpoint). Table 2 of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"), bytes per layer with s = sequence, b = micro-batch, h = hidden, a = heads, t = tp:
@@ -83,7 +83,7 @@ def runtime_layer_rows(shape, tp: int) -> list[tuple[str, float, float]]:
     """The runtime's own layer (flash attention, no dropout): the cost model's bytes, from the profiler's record
     of that layer, against the runtime's measured saved bytes (runtime/activation_bytes.py), per option:
     (option, cost model bytes, runtime bytes)."""
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.activation_bytes import measure_option
     from runtime.source import ModelSource
 

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cost_models.evaluate import evaluate  # noqa: E402
-from planner.baselines import LayoutSpec, homogeneous_plan  # noqa: E402
-from planner.calibrate import calibrate  # noqa: E402
-from planner.profile import profile_model  # noqa: E402
+from planner.solver.baselines import LayoutSpec, homogeneous_plan  # noqa: E402
+from planner.calibrate.calibrate import calibrate  # noqa: E402
+from planner.profiler.profile import profile_model  # noqa: E402
 from runtime.source import call_factory, resolve  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def measure_step_s(model_name: str, global_batch: int, micro_batch: int, steps: 
 
 def run_step_s(plan_path: Path, model_name: str, steps: int, warmup: int) -> float:
     """Median step of `mmplan run` training the plan (after `warmup` steps)."""
-    from planner.run import run_plan
+    from planner.commands.run import run_plan
 
     result = run_plan(plan_path, steps=warmup + steps, model=model_name, overwrite=True)
     return statistics.median(row["step_time_s"] for row in result.metrics[warmup:])

@@ -4,7 +4,7 @@ The published GPT runs (Narayanan et al. 2021; Korthikanti et al. 2022) used Meg
 one attention with an explicit softmax (QK^T and AV as batched GEMMs, a fused scale-mask-softmax, dropout on the
 probabilities), dropout on both residual branches, a GELU MLP, and no flash attention (it predates them).
 `MegatronLayer(attention="math")` is that layer; `attention="flash"` replaces the core by SDPA, as runs since
-2023 (Llama 3, NeMo) do. The profiles are made by the real profiler (planner/profile.py: FLOPs by op class,
+2023 (Llama 3, NeMo) do. The profiles are made by the real profiler (planner/profiler/profile.py: FLOPs by op class,
 saved tensors by hooks) on FakeTensors, for two layers; the layer blocks are then repeated to the published depth
 (every layer is the same module, so the same block).
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 from plans.graph import Edge, Profile
 from runtime.models.layers import RMSNorm
 from runtime.source import ModelSource
@@ -183,7 +183,7 @@ LLAVA_13B_TEXT = {"hidden_size": 5120, "intermediate_size": 13824, "num_attentio
 
 def hf_llava_profile(size: str, *, text_tokens: int, freeze: tuple[str, ...] = (), fused: bool = False) -> Profile:
     """The profile of transformers' LLaVA-1.5 `size` ("7b" / "13b") on FakeTensors with `text_tokens` text tokens after
-    the 576 image tokens; `fused=False` counts memory-bound traffic as eager PyTorch moves it (planner.profile)."""
+    the 576 image tokens; `fused=False` counts memory-bound traffic as eager PyTorch moves it (planner.profiler.profile)."""
     from runtime.source import resolve
 
     config = json.loads((_HF_CONFIGS / "llava-1.5-7b" / "config.json").read_text())

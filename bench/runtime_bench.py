@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.construct import GroupLayout, build_plan  # noqa: E402
-from planner.profile import profile_model  # noqa: E402
+from planner.solver.construct import GroupLayout, build_plan  # noqa: E402
+from planner.profiler.profile import profile_model  # noqa: E402
 from plans.plan import Training, save_plan  # noqa: E402
 from runtime.data import open_dataset  # noqa: E402
 from runtime.launch import launch  # noqa: E402

@@ -15,9 +15,9 @@ MODELS = ("tiny-vlm-heavy", "tiny-avlm")
 
 def heterogeneity(steps: int, calibrate: bool) -> None:
     from cost_models.hardware import cluster_to_toml, parse_cluster
-    from planner.profile import profile_model
-    from planner.run import run_plan
-    from planner.solve import solve
+    from planner.profiler.profile import profile_model
+    from planner.commands.run import run_plan
+    from planner.solver.solve import solve
     from plans.plan import save_plan
     from plans.serial import write_atomic
     from runtime.source import resolve
@@ -25,7 +25,7 @@ def heterogeneity(steps: int, calibrate: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = "2xlocal-cpu"
         if calibrate:
-            from planner.calibrate import calibrate as measure
+            from planner.calibrate.calibrate import calibrate as measure
 
             path = Path(tmp) / "here.toml"
             write_atomic(path, cluster_to_toml(measure(ranks=2, quick=True)))

@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.hardware import parse_cluster  # noqa: E402
-from planner.profile import profile_model  # noqa: E402
-from planner.solve import solve  # noqa: E402
+from planner.profiler.profile import profile_model  # noqa: E402
+from planner.solver.solve import solve  # noqa: E402
 from runtime.source import resolve  # noqa: E402
 
 CASES = ("llava-1.5-13b@64", "qwen2-vl-72b@1024", "vit22b-llama70b@4096")

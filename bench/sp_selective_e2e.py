@@ -9,10 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.hardware import parse_cluster
-from planner.candidates import SELECTIVE, Setting, _layouts_of, profile_units, sp_divides
-from planner.profile import profile_model
-from planner.search import build_layouts
-from planner.segments import Segments
+from planner.solver.candidates import SELECTIVE, Setting, _layouts_of, profile_units, sp_divides
+from planner.profiler.profile import profile_model
+from planner.solver.search import build_layouts
+from planner.solver.segments import Segments
 from plans.graph import save_profile
 from plans.plan import save_plan
 from runtime.source import resolve

@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.hardware import cluster_from_toml, parse_cluster  # noqa: E402
-from planner.profile import profile_model  # noqa: E402
-from planner.run import run_plan  # noqa: E402
-from planner.diagnosis import state_bytes  # noqa: E402
-from planner.solve import solve  # noqa: E402
+from planner.profiler.profile import profile_model  # noqa: E402
+from planner.commands.run import run_plan  # noqa: E402
+from planner.solver.diagnosis import state_bytes  # noqa: E402
+from planner.solver.solve import solve  # noqa: E402
 from plans.plan import save_plan  # noqa: E402
 from runtime.source import resolve  # noqa: E402
 

@@ -179,7 +179,7 @@ _LOCAL_CPU = Cluster(
     # The host's work of running a model op by op (Block.fwd_ops / bwd_ops / saved_tensors): a tiny-vlm-heavy layer
     # dispatches ~40 ops forward and ~100 backward and saves ~15 activation storages whatever its batch, so at
     # micro-batch 1 its step on a CPU is mostly this (5.4 ms forward where its FLOPs take 0.7 ms). calibrate's host
-    # probe (planner/host_probe.py) in two full calibrations on a 2-vCPU AMD EPYC KVM guest (2026-12, torch 2.13,
+    # probe (planner/profiler/host_probe.py) in two full calibrations on a 2-vCPU AMD EPYC KVM guest (2026-12, torch 2.13,
     # both ranks at once): 7.2 / 6.1 us per forward op, 4.7 / 3.7 us per backward op, 10.5 / 9.8 us per storage
     # through the runtime's saved-tensor hook and its accounting, 3.3 / 3.1 us to release it in the backward.
     forward_op_s=6.5e-6,

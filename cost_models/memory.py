@@ -12,7 +12,7 @@ from plans.plan import ActivationTier, Memory, Schedule, Tier
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # Every function here works on plain floats and, unchanged, on numpy arrays of them (the solver's vectorised
-# figures over every segment of a unit call these same functions; planner/candidates.py).
+# figures over every segment of a unit call these same functions; planner/solver/candidates.py).
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,7 +98,7 @@ def profile(
 ) -> None:
     """Profile a model: module dependency graph, per-block FLOPs, params, saved activations, data flow."""
     from runtime.source import resolve
-    from planner.profile import parse_group_overrides, profile_model
+    from planner.profiler.profile import parse_group_overrides, profile_model
     from plans.graph import save_profile
 
     if device not in ("meta", "cpu", "cuda"):
@@ -115,7 +115,7 @@ def profile(
                           "blocks": len(prof.blocks), "groups": list(prof.groups),
                           "params": sum(b.params for b in prof.blocks), "measured_on": prof.measured_on}))
     elif not quiet:
-        from planner.show import render_profile
+        from planner.profiler.show import render_profile
 
         render_profile(prof, console.out)
         console.out.print(f"wrote [bold]{console.safe(output)}[/]", markup=True)
@@ -128,7 +128,7 @@ def show(
     top: Annotated[int, typer.Option(help="How many of the largest blocks to list.")] = 5,
 ) -> None:
     """Summarise a profile: per-group params, FLOPs and activations, the largest blocks, edges between groups."""
-    from planner.show import render_profile
+    from planner.profiler.show import render_profile
     from plans.graph import load_profile
 
     if top < 0:
@@ -175,9 +175,9 @@ def solve(
     Compared, in the same run, with the best homogeneous (Megatron-style) plan, which is written instead if it
     is faster. Exit code 2 with the shortfall (bytes or GPUs) when nothing can fit.
     """
-    from planner.baselines import MEGATRON_SCHEDULES
-    from planner.report import render_solution, solution_json
-    from planner.solve import process_started, run_solve
+    from planner.solver.baselines import MEGATRON_SCHEDULES
+    from planner.commands.report import render_solution, solution_json
+    from planner.solver.solve import process_started, run_solve
 
     # --time-limit counts from the process start (loading Python and the profile included) in a process of its own
     fresh = Path(sys.argv[0]).name in ("mmplan", "cli.py", "__main__.py")
@@ -270,7 +270,7 @@ def run(
     Checks the plan against the model first (fingerprint, every block in one stage, rank count). At the end prints the
     measured step time, busy time and memory beside the cost model's prediction.
     """
-    from planner.run import measured_summary, run_plan
+    from planner.commands.run import measured_summary, run_plan
 
     if log:
         check_writable(log)
@@ -280,8 +280,8 @@ def run(
     if trace:
         check_writable(trace)
         check_not_input(trace, "--trace", [plan_path, profile_path, Path(model) if model else None, Path(data), log])
-    from planner.monitor import MonitorOptions
-    from planner.run import actual_prediction
+    from planner.commands.monitor import MonitorOptions
+    from planner.commands.run import actual_prediction
 
     actual = actual_prediction(plan_path, measured_profile, model)
     if actual is not None and actual.warning and not quiet and int(os.environ.get("RANK", "0")) == 0:
@@ -312,7 +312,7 @@ def run(
             console.out.print(f"nothing to train: the checkpoint is already at step {steps} or later")
         return
     if not quiet:
-        from planner.report import measured_table
+        from planner.commands.report import measured_table
 
         if evaluation is not None:
             console.out.print(measured_table(result.plan, evaluation, result.metrics))
@@ -337,8 +337,8 @@ def compare(
     The best plan is the fastest one that fits in memory. With [cyan]--measured[/] also predicted vs measured
     step time, per-rank busy time and memory (medians over the steps after the first).
     """
-    from planner.compare import run_compare
-    from planner.report import breakdown_table, compare_table, comparison_json, measured_table, why_texts
+    from planner.commands.compare import run_compare
+    from planner.commands.report import breakdown_table, compare_table, comparison_json, measured_table, why_texts
 
     result = run_compare(plans, profile_path=profile_path, trace_dir=trace, measured_path=measured)
     if as_json:
@@ -367,7 +367,7 @@ def calibrate(
     """Measure this machine (matmul throughput, memory bandwidth, gloo collectives and p2p under load, the
     optimizer step, host<->device, disk, the runtime's fixed costs) and write it as a cluster TOML."""
     from cost_models.hardware import cluster_to_toml
-    from planner.calibrate import measure, to_cluster
+    from planner.calibrate.calibrate import measure, to_cluster
     from plans.serial import write_atomic
 
     check_writable(output)
@@ -385,7 +385,7 @@ def _calibration_table(cal, cluster):
     from rich.table import Table
 
     from cost_models.hardware import CATALOG, GBps
-    from planner.calibrate import CONV_SHAPE
+    from planner.calibrate.calibrate import CONV_SHAPE
 
     name = cal.device_name.lower()
     ref_name = "local-cpu" if cluster.backend == "gloo" else next(
@@ -442,7 +442,7 @@ def _calibration_table(cal, cluster):
 def demo(
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, the plans, run logs and traces.")] = Path("mmplan-demo"),
     model: Annotated[Optional[str], typer.Option(help="The model (zoo name, .toml or package.module:factory); default: runtime.models.conv_vlm:factory.")] = None,
-    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: planner/demo_cluster.toml (2 ranks, 160 MB each).")] = None,
+    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: planner/commands/demo_cluster.toml (2 ranks, 160 MB each).")] = None,
     global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 8,
     steps: Annotated[int, typer.Option(help="Training steps per run.")] = 12,
     runs: Annotated[int, typer.Option(help="Training runs per plan, alternating between the plans; the measured step is the median of their median steps.")] = 3,
@@ -452,8 +452,8 @@ def demo(
     """The whole loop on this machine: profile -> solve -> train the solved plan and the one-layout baselines the
     solver compared with (homogeneous, megatron) -> compare predicted with measured; the speed-up is over the
     baseline that measured fastest. Takes one to two minutes on 2 CPU cores (100 s on a 2-vCPU VM)."""
-    from planner.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
-    from planner.report import demo_json, render_demo
+    from planner.commands.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
+    from planner.commands.report import demo_json, render_demo
 
     if output.exists() and not output.is_dir():
         raise MmplanError(f"--output {output} is a file; give a directory")

@@ -43,7 +43,7 @@ class DeviceBudget:
     - grads: each gradient's storage from its first accumulation until it is freed (GradTier);
     - activations: every storage autograd saves in a `keep` block (and the inputs a `recompute` block
       keeps as its checkpoint, and the activations it recomputes during the backward), parameters and
-      buffers excluded, each storage once, as planner/profile.py counts them;
+      buffers excluded, each storage once, as planner/profiler/profile.py counts them;
     - buffers: device copies in flight for offloaded activations: the original storage until autograd's
       other users free it (the forward's transient), and the copies brought back for the backward.
     A counted storage stays counted until it is really freed: torch keeps one Python object per storage,

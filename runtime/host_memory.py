@@ -12,7 +12,7 @@ get most of that from glibc itself (mallopt(3)): every block up to 32 MiB (glibc
 64-bit) from the heap, and freed heap memory kept up to 1 GiB.
 
 Called by every rank process (runtime/launch.py: `mmplan run`, and `mmplan calibrate`'s probes) and by `mmplan
-profile --measure` on the CPU (planner/profile.py), so what is measured runs as `mmplan run` trains. A variable the user set (MALLOC_*_, GLIBC_TUNABLES with glibc.malloc) wins; on
+profile --measure` on the CPU (planner/profiler/profile.py), so what is measured runs as `mmplan run` trains. A variable the user set (MALLOC_*_, GLIBC_TUNABLES with glibc.malloc) wins; on
 a C library without mallopt (macOS, musl) nothing changes.
 """
 from __future__ import annotations

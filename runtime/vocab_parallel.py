@@ -124,7 +124,7 @@ class HeadPaths(TorchFunctionMode):
     """While a model's forward runs: which nn.Linear blocks' outputs reach F.cross_entropy (as its first
     argument) through shape-only glue (_PASS_METHODS) and nothing else — the heads shard_head may make
     vocabulary-parallel when there is no fx graph to check (runtime/forward_program.py), and the heads the
-    profile marks vocab_parallel="head" (planner/profile.py), so prediction and execution agree."""
+    profile marks vocab_parallel="head" (planner/profiler/profile.py), so prediction and execution agree."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner.candidates import divisors, micro_batch_counts
+from planner.solver.candidates import divisors, micro_batch_counts
 from planner.cli import app
 from plans.limits import MAX_FILE_BYTES, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES
 from plans.serial import schema

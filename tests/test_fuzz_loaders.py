@@ -39,7 +39,7 @@ FEW = settings(FUZZ, max_examples=max(1, EXAMPLES_PER_TEST // 2))
 
 @pytest.fixture(scope="module")
 def profile():
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     return profile_model(resolve("tiny-vlm"))
@@ -219,7 +219,7 @@ def printable(show: Callable[[Any], None]) -> None:
 
 
 def shown_profile(path: Path) -> None:
-    from planner.show import render_profile
+    from planner.profiler.show import render_profile
 
     profile = load_profile(path)
     printable(lambda console: render_profile(profile, console))
@@ -260,7 +260,7 @@ def test_plan_from_mutated_documents(plan_docs, profile, data):
 
 
 def shown_plan(path: Path, profile) -> None:
-    from planner.report import layout_text
+    from planner.commands.report import layout_text
     from plans.serial import dumps
 
     plan = load_plan(path, profile=profile)
@@ -293,7 +293,7 @@ METRICS_ROWS = [{"step": s, "loss": 2.0 - s / 10, "step_time_s": 0.1 if s == 0 e
 @FUZZ
 @given(data=st.data())
 def test_metrics_log_mutated_and_garbled(scratch, data):
-    from planner.compare import read_metrics
+    from planner.commands.compare import read_metrics
 
     rows = [data.draw(mutated([row], max_mutations=2)) if data.draw(st.booleans()) else row for row in METRICS_ROWS]
     text = "".join(_dump(r) + "\n" for r in rows)
@@ -427,7 +427,7 @@ HUGE_INT = "1" * 5000  # past Python's int-from-string digit limit
                          ids=["unclosed-deep", "deep", "huge-int", "huge-int-field", "bom", "nan", "empty", "nul",
                               "lone-surrogate"])
 def test_json_loaders_on_pathological_text(scratch, text):
-    from planner.compare import read_metrics
+    from planner.commands.compare import read_metrics
 
     path = scratch / "pathological.json"
     path.write_text(text)

@@ -11,7 +11,7 @@ from plans.plan import Group, Memory, Plan, Stage
 # Vocabulary. A plan is read only through plan.groups (name, dp, tp, pp, zero, colocated_with, stages[].blocks,
 # stages[].ranks, stages[].memory), plan.training, plan.cluster, plan.profile and plan.predicted.
 # - "LLM": the model's language decoder. The plan lists groups in data-flow order (encoders before the LLM; see
-#   planner/solve.py) and a group's blocks in execution order, so the LLM is the top-level module (the text
+#   planner/solver/solve.py) and a group's blocks in execution order, so the LLM is the top-level module (the text
 #   before the first ".") of the plan's last block; every other top-level module is an encoder or projector.
 # - "layer": a block that is an element of a numbered container (`llm.layers.7`), i.e. a transformer layer.
 #   Blocks of the LLM before its first layer are its embedding, those after its last layer its final norm and
@@ -196,7 +196,7 @@ def nearest_chain(plan: Plan, drops: Drops, why: str = "per-group layouts") -> C
 
 @dataclass(frozen=True)
 class Recompute:
-    """Recomputation as the Megatron family of targets expresses it (the convention of planner/baselines.py:
+    """Recomputation as the Megatron family of targets expresses it (the convention of planner/solver/baselines.py:
     "full" recomputes every block, "selective" every transformer layer; "block" the first k layers of each stage)."""
 
     kind: str  # "none" | "full" | "selective" | "block"

@@ -1,5 +1,5 @@
 """The other way: a user's Megatron-LM arguments or DeepSpeed ds_config.json -> a Plan (`mmplan solve --from`), built with
-planner/baselines.py and planner/construct.py, so `mmplan compare` can put the hand-written layout beside the solved one."""
+planner/solver/baselines.py and planner/solver/construct.py, so `mmplan compare` can put the hand-written layout beside the solved one."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from cost_models.memory import DTYPE_BYTES
-from planner.baselines import LayoutSpec, check_layout, homogeneous_plan
-from planner.construct import GroupLayout, build_plan, with_predictions
+from planner.solver.baselines import LayoutSpec, check_layout, homogeneous_plan
+from planner.solver.construct import GroupLayout, build_plan, with_predictions
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
@@ -39,7 +39,7 @@ def solve_from(source: tuple[str, str], *, profile_path, cluster: str, global_ba
     import time
 
     from cost_models.hardware import parse_cluster
-    from planner.solve import Solution
+    from planner.solver.solve import Solution
     from plans.graph import load_profile
     from plans.plan import save_plan
 
@@ -108,7 +108,7 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
     v = _virtual_stages(a, len(layers), pp)
     schedule = "interleaved" if v > 1 else "1f1b"
     # Megatron builds a VLM's encoders on the first pipeline stage and splits the LLM's layers (evenly, or as the
-    # layout says); planner/baselines.py's homogeneous split would spread the encoder's layers over the stages too.
+    # layout says); planner/solver/baselines.py's homogeneous split would spread the encoder's layers over the stages too.
     sp = a.sequence_parallel and tp > 1  # Megatron-LM turns it off at tp = 1
     check_layout(profile, cluster, global_batch, LayoutSpec(tp, pp, dp, mbs, schedule, v, "none", zero, sequence_parallel=sp))
     counts = _layer_counts(a.pipeline_model_parallel_layout, len(layers), pp * v)
@@ -200,7 +200,7 @@ def _chunks(blocks, llm: str, counts: list[int]) -> list[tuple[str, ...]]:
 
 
 def _recomputed(profile: Profile, blocks, recompute: str, first: int | None) -> dict[str, str]:
-    """Activation tiers for Megatron's recomputation, in planner/baselines.py's convention (full: every block;
+    """Activation tiers for Megatron's recomputation, in planner/solver/baselines.py's convention (full: every block;
     selective: the transformer layers); with --recompute-method block, the chunk's first N LLM layers."""
     by_name = {b.name: b for b in profile.blocks}
     if recompute == "none":

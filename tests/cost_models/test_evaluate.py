@@ -19,7 +19,7 @@ from plans.serial import dumps
 
 @pytest.fixture(scope="module")
 def tiny_profiles():
-    from planner.profile import profile_model  # the real profiling pass, on the meta device
+    from planner.profiler.profile import profile_model  # the real profiling pass, on the meta device
     from runtime.models import zoo
     from runtime.source import resolve
 

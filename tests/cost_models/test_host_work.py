@@ -67,8 +67,8 @@ def test_the_profiler_counts_the_ops_and_saved_tensors_a_real_cpu_run_dispatches
     queries, which only a fake tensor answers, are left out -- and a layer's counts come close to what calibrate's
     probe counts when the layer runs alone (planner/host_probe._CountOps; the tolerances below say why not exactly),
     so op counts x measured per-op costs price what the runtime runs."""
-    from planner.host_probe import _CountOps
-    from planner.profile import profile_model
+    from planner.profiler.host_probe import _CountOps
+    from planner.profiler.profile import profile_model
     from runtime.source import call_factory, resolve
 
     source = resolve("tiny-vlm")
@@ -96,7 +96,7 @@ def test_the_profiler_counts_the_ops_and_saved_tensors_a_real_cpu_run_dispatches
 
 
 def test_calibrates_host_probe_measures_four_costs_in_range():
-    from planner.host_probe import host_probe
+    from planner.profiler.host_probe import host_probe
 
     fwd, bwd, saved, released = host_probe(0.2)
     assert all(0 < x < 1e-3 for x in (fwd, bwd)) and all(0 <= x < 1e-3 for x in (saved, released))

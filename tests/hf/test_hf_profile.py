@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 from plans.errors import MmplanError
 from plans.graph import load_profile
 from runtime.source import resolve

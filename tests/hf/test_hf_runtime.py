@@ -135,7 +135,7 @@ def test_profile_solve_run_from_the_cli(placement, models, tmp_path):
 
 
 def test_hf_blocks_take_their_tp_plan_from_the_model(models):
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     prof = profile_model(resolve(models["llava"]))
@@ -170,7 +170,7 @@ def test_parameters_outside_blocks_join_the_block_that_reads_them(models):
     assert rm.program.free_consumers == {"logit_scale": {"(loss)"}}
     assert rm.aliases == {"text_projection.mmplan_free_logit_scale": "logit_scale"}
     assert any(p is model.logit_scale for p in rm.parameters())  # trained with the stage's own parameters
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
 
     priced = profile_model(resolve(models["clip"])).block("text_projection").params  # the profile counts it there too
     assert priced == sum(p.numel() for p in rm.local["text_projection"].parameters()) == 16 * 32 + 1

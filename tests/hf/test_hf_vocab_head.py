@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 from runtime.forward_program import ForwardProgram
 from runtime.program import block_modules, trace_program
 from runtime.source import call_factory, resolve

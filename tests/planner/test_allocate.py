@@ -1,4 +1,4 @@
-"""The allocation ILP (planner/allocate.py): exact for its objective, solutions in bound order, both solvers, ranks."""
+"""The allocation ILP (planner/solver/allocate.py): exact for its objective, solutions in bound order, both solvers, ranks."""
 from __future__ import annotations
 
 import itertools
@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from cost_models.hardware import parse_cluster
-from planner import allocate
-from planner.allocate import Allocator, assign_ranks, combined_bound, pick_solver
-from planner.candidates import Setting, divisors, profile_units, unit_layouts
+from planner.solver import allocate
+from planner.solver.allocate import Allocator, assign_ranks, combined_bound, pick_solver
+from planner.solver.candidates import Setting, divisors, profile_units, unit_layouts
 from plans.errors import MmplanError
 from tests.planner.test_solve import random_instance
 

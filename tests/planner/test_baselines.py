@@ -7,7 +7,7 @@ import pytest
 
 from cost_models.evaluate import evaluate
 from cost_models.hardware import parse_cluster
-from planner.baselines import (
+from planner.solver.baselines import (
     LayoutSpec,
     baseline_plan,
     best_homogeneous,
@@ -30,7 +30,7 @@ ALL_RECOMPUTES = ("none", "selective", "layers", "full")
 
 @pytest.fixture(scope="module")
 def tiny():
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     return profile_model(resolve("tiny-vlm"))  # 10 blocks, 4 transformer layers (2 vision, 2 LLM)
@@ -237,7 +237,7 @@ def test_megatron_split_puts_the_encoders_on_the_first_stage_and_splits_the_llm_
 
 
 def test_best_megatron_searches_zero_and_schedules_and_every_stage_zero_holds_the_encoders(tiny, four):
-    from planner.baselines import best_megatron, llm_start
+    from planner.solver.baselines import best_megatron, llm_start
 
     plan = best_megatron(tiny, four, 8)
     assert plan.predicted.fits and plan.solver.method == "baseline:megatron"
@@ -275,9 +275,9 @@ def test_a_fitting_full_recompute_layout_is_not_dropped_for_a_cheaper_one_the_gr
     """The megatron grid searches recompute none | selective | full; a full-recompute layout that fits was skipped
     whenever its 'layers' variant (not in the grid) fit too, so on Qwen2-VL-72B over 16 A100s no fitting layout
     was left and the least-memory one (10.4 s) was reported, overstating solve's speed-up over it 1.73x for 1.10x."""
-    from planner.baselines import best_megatron, parse_layout
-    from planner.profile import profile_model
-    from planner.solve import usable_cluster
+    from planner.solver.baselines import best_megatron, parse_layout
+    from planner.profiler.profile import profile_model
+    from planner.solver.solve import usable_cluster
     from runtime.source import resolve
 
     profile = profile_model(resolve("qwen2-vl-72b"))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import planner.calibrate as calibrate_module
+import planner.calibrate.calibrate as calibrate_module
 from cost_models.hardware import cluster_to_toml, efficiency, parse_cluster
-from planner.calibrate import Settings, calibrate, conv_flops, efficiency_curve, fit_alpha_beta, probe_slowdown
+from planner.calibrate.calibrate import Settings, calibrate, conv_flops, efficiency_curve, fit_alpha_beta, probe_slowdown
 from plans.cluster import Link
 from plans.errors import MmplanError
 

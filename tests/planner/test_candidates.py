@@ -9,9 +9,9 @@ import pytest
 from cost_models.evaluate import evaluate
 from cost_models.memory import block_input_bytes, stage_memory
 from cost_models.tail import stage_tail
-from planner.candidates import GPU_ONLY, OFFLOAD, Setting, allowed_gpus, profile_units, stage_in_flight
-from planner.construct import GroupLayout, build_plan, megatron_ranks
-from planner.segments import Segments
+from planner.solver.candidates import GPU_ONLY, OFFLOAD, Setting, allowed_gpus, profile_units, stage_in_flight
+from planner.solver.construct import GroupLayout, build_plan, megatron_ranks
+from planner.solver.segments import Segments
 from plans.cluster import Cluster, Device, Link
 from plans.graph import Block, Edge, Profile
 from plans.plan import Training

@@ -6,10 +6,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import planner.calibrate as calibrate_module
+import planner.calibrate.calibrate as calibrate_module
 from cost_models.evaluate import evaluate
 from cost_models.hardware import parse_cluster
-from planner.baselines import gpipe_even_plan, homogeneous_plan
+from planner.solver.baselines import gpipe_even_plan, homogeneous_plan
 from planner.cli import app
 from plans.cluster import Link
 from plans.graph import save_profile
@@ -24,7 +24,7 @@ def invoke(*args):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     d = tmp_path_factory.mktemp("compare")

@@ -16,7 +16,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def profiles(tmp_path_factory) -> dict[str, Path]:
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     root = tmp_path_factory.mktemp("profiles")

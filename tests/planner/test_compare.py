@@ -1,4 +1,4 @@
-"""planner/compare.py: JSON figures and the best plan, traces, metrics logs and predicted-vs-measured deviations."""
+"""planner/commands/compare.py: JSON figures and the best plan, traces, metrics logs and predicted-vs-measured deviations."""
 from __future__ import annotations
 
 import io
@@ -10,8 +10,8 @@ from rich.console import Console
 
 from cost_models.evaluate import evaluate
 from cost_models.hardware import parse_cluster
-from planner.baselines import homogeneous_plan
-from planner.compare import (
+from planner.solver.baselines import homogeneous_plan
+from planner.commands.compare import (
     Compared,
     best_index,
     deviation,
@@ -21,7 +21,7 @@ from planner.compare import (
     read_metrics,
     write_traces,
 )
-from planner.report import compare_json, compare_table, measured_table
+from planner.commands.report import compare_json, compare_table, measured_table
 from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Edge, Profile
 from plans.plan import save_plan

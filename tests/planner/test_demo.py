@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from planner.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
-from planner.report import demo_json
+from planner.commands.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
+from planner.commands.report import demo_json
 from plans.plan import load_plan
 
 

@@ -1,4 +1,4 @@
-"""Where the step goes and why a plan wins (planner/explain.py): parts add up to the step, sentences follow the numbers."""
+"""Where the step goes and why a plan wins (planner/solver/explain.py): parts add up to the step, sentences follow the numbers."""
 from __future__ import annotations
 
 import re
@@ -6,10 +6,10 @@ import re
 import pytest
 
 from cost_models.evaluate import evaluate
-from planner.baselines import homogeneous_plan
-from planner.compare import Compared
-from planner.explain import PARTS, breakdown, per_gpu, why
-from planner.report import compare_json
+from planner.solver.baselines import homogeneous_plan
+from planner.commands.compare import Compared
+from planner.solver.explain import PARTS, breakdown, per_gpu, why
+from planner.commands.report import compare_json
 from cost_models.hardware import parse_cluster
 from tests.planner.test_compare import chain_profile
 
@@ -82,8 +82,8 @@ def test_compare_json_carries_the_breakdown_and_why_the_best_wins(evaluated):
 
 
 def test_solve_says_why_its_plan_beats_each_baseline():
-    from planner.report import solution_json
-    from planner.solve import solve
+    from planner.commands.report import solution_json
+    from planner.solver.solve import solve
 
     profile = chain_profile()
     solution = solve(profile, parse_cluster("4xlocal-cpu"), 8)

@@ -39,7 +39,7 @@ def flags(text: str) -> dict[str, str | None]:
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
     """The llava-1.5-7b profile on 64 H100s and its solved plan (a chain: vision, projector, LLM in 8 stages)."""
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from plans.graph import save_profile
     from runtime.source import resolve
 
@@ -101,7 +101,7 @@ def test_megatron_bridge_expresses_every_group_on_its_own_ranks():
 
 def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ranks(llava):
     from cost_models.hardware import parse_cluster
-    from planner.construct import GroupLayout, build_plan
+    from planner.solver.construct import GroupLayout, build_plan
     from plans.plan import Training
 
     profile, _ = llava  # the LLM on ranks 0-55 (tp 4, dp 2, pp 7, uneven), the ViT and projector on 56-63 (tp 8)
@@ -131,7 +131,7 @@ def test_megatron_moves_encoders_to_the_first_stage_only_with_lossy():
 
 
 def test_recomputation_maps_to_megatron_granularity_and_method(llava):
-    from planner.baselines import homogeneous_plan
+    from planner.solver.baselines import homogeneous_plan
 
     profile, _ = llava
     from cost_models.hardware import parse_cluster
@@ -156,7 +156,7 @@ def test_recomputation_maps_to_megatron_granularity_and_method(llava):
 
 def test_memory_tiers_map_to_each_targets_offload(llava):
     from cost_models.hardware import parse_cluster
-    from planner.baselines import homogeneous_plan
+    from planner.solver.baselines import homogeneous_plan
 
     profile, _ = llava
     plan = homogeneous_plan(profile, parse_cluster("64xh100-sxm"), 256, "tp=1,pp=1,dp=64,zero=3", predict=False)

@@ -45,7 +45,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     """Solved plans: the two of the issue (qwen's micro-batch given, so the search takes seconds; it finds the plan
     the unrestricted search finds), llava non-colocated, and a qwen2-vl-72b plan with the ViT on 128 GPUs (tp 4) and
     the LLM on 896 (tp 8, 7 uneven stages), given as Megatron-LM MIMO flags."""
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from plans.graph import save_profile
     from runtime.source import resolve
 
@@ -55,7 +55,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     # solved with ZeRO 0 only and no baselines: with ZeRO 0-3 searched the solver's best plans for these are unpipelined ZeRO layouts,
     # and what this file tests is that each target reads back every degree and cut point of a pipeline
     from cost_models.hardware import parse_cluster
-    from planner.solve import solve
+    from planner.solver.solve import solve
     from plans.graph import load_profile
     from plans.plan import save_plan
 

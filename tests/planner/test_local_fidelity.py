@@ -10,8 +10,8 @@ import pytest
 from cost_models.evaluate import evaluate
 from cost_models.hardware import cluster_from_toml, cluster_to_toml, parse_cluster
 from cost_models.overhead import optimizer_time
-from planner.actual import on_actual_cluster
-from planner.calibrate import ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS, fit_optimizer, zero_block_bytes, zero_costs
+from planner.commands.actual import on_actual_cluster
+from planner.calibrate.calibrate import ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS, fit_optimizer, zero_block_bytes, zero_costs
 from plans import plan as P
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
@@ -130,7 +130,7 @@ def test_solve_fails_on_impossible_figures_instead_of_skipping_the_plans(tmp_pat
     from typer.testing import CliRunner
 
     from planner.cli import app
-    from planner.solve import solve
+    from planner.solver.solve import solve
     from plans.graph import save_profile
 
     _, fast = measured_chain(1e-4)
@@ -145,14 +145,14 @@ def test_solve_fails_on_impossible_figures_instead_of_skipping_the_plans(tmp_pat
 
 @pytest.fixture(scope="module")
 def tiny_profile():
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     return profile_model(resolve("tiny-vlm"), device="meta")
 
 
 def test_run_warns_in_one_line_for_a_plan_solved_for_another_cluster(tiny_profile):
-    from planner.baselines import homogeneous_plan
+    from planner.solver.baselines import homogeneous_plan
 
     h100 = homogeneous_plan(tiny_profile, parse_cluster("2xh100-sxm"), 4, "tp=1,pp=1,dp=2")
     actual = on_actual_cluster(h100, tiny_profile, "gloo")
@@ -170,7 +170,7 @@ def test_the_local_cpu_entry_prices_what_the_runtime_pays_for_zero_and_the_optim
     """The catalog's local-cpu carries the runtime costs calibrate measures: a ZeRO-1 plan pays FSDP2's hooks per
     block and micro-batch and its DTensor optimizer step, so on a CPU it is predicted slower than the same plain
     dp2 plan (with them at 0 the guide's solve chose dp2 + ZeRO-1, which ran 2.3x slower than plain dp2)."""
-    from planner.baselines import homogeneous_plan
+    from planner.solver.baselines import homogeneous_plan
 
     local = parse_cluster("2xlocal-cpu")
     at = lambda cluster, zero: homogeneous_plan(tiny_profile, cluster, 4, f"tp=1,pp=1,dp=2,zero={zero}").predicted.step_time_s
@@ -183,8 +183,8 @@ def test_the_local_cpu_entry_prices_what_the_runtime_pays_for_zero_and_the_optim
 def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypatch):
     import torch
 
-    from planner import profile as profile_module
-    from planner.profile import profile_model
+    from planner.profiler import profile as profile_module
+    from planner.profiler.profile import profile_model
     from runtime.launch import RANK_THREADS
     from runtime.source import resolve
 
@@ -206,7 +206,7 @@ def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypa
 def test_measure_model_repeats_until_the_median_is_stable():
     import torch
 
-    from planner.profile import MAX_ROUNDS, measure_model
+    from planner.profiler.profile import MAX_ROUNDS, measure_model
 
     model = torch.nn.Linear(8, 1)
     calls = []

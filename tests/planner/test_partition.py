@@ -1,10 +1,10 @@
-"""The cut-point DP (planner/partition.py) against its brute-force reference on seeded random stage costs."""
+"""The cut-point DP (planner/solver/partition.py) against its brute-force reference on seeded random stage costs."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from planner.partition import cut_table, partition, reference_partition
+from planner.solver.partition import cut_table, partition, reference_partition
 
 
 def random_costs(rng: np.random.Generator, n: int, depths: int, *, holes: float) -> list[np.ndarray]:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from runtime.source import resolve
-from planner.profile import discover_blocks, profile_model
+from planner.profiler.profile import discover_blocks, profile_model
 from plans.errors import MmplanError
 from plans.graph import from_digraph, profile_from_data, to_digraph
 from plans.serial import dumps, to_data
@@ -163,7 +163,7 @@ def test_group_overrides(tmp_path):
 
 
 def test_a_contrastive_head_reduces_the_batch_and_plans_must_give_it_dp1(profiles):
-    from planner.construct import GroupLayout, build_plan
+    from planner.solver.construct import GroupLayout, build_plan
     from cost_models.hardware import parse_cluster
     from plans.errors import FormatError
     from plans.plan import Training

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 from runtime.models.layers import TransformerLayer
 from runtime.source import ModelSource
 

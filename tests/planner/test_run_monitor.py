@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner import monitor, run
+from planner.commands import monitor
+
+from planner.commands import run
 from planner.cli import app
 from tests.cli_helpers import one_line_error
 

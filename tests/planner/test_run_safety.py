@@ -291,7 +291,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_un
 
 
 def test_a_resumed_logs_redone_steps_replace_the_abandoned_ones_when_read(tmp_path):
-    from planner.compare import read_metrics
+    from planner.commands.compare import read_metrics
 
     row = {"step_time_s": 1.0, "compute_s": [0.5], "comm_s": [0.1], "idle_s": [0.4], "peak_memory_bytes": [1.0]}
     log = tmp_path / "run.jsonl"

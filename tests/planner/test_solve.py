@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from cost_models.hardware import parse_cluster
-from planner.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_layouts
-from planner.search import build_layouts
-from planner.solve import VIRTUAL_STAGES, solve
+from planner.solver.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_layouts
+from planner.solver.search import build_layouts
+from planner.solver.solve import VIRTUAL_STAGES, solve
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
@@ -160,7 +160,7 @@ def test_solver_matches_brute_force_more(seed, placement):
 
 def test_every_candidate_bound_is_below_its_simulated_step():
     """The branch and bound is exact only if no bound exceeds the simulated step of its plan."""
-    from planner.allocate import combined_bound
+    from planner.solver.allocate import combined_bound
 
     from dataclasses import replace
 
@@ -196,7 +196,7 @@ def test_every_candidate_bound_is_below_its_simulated_step():
 @pytest.fixture(scope="session")
 def zoo_profiles():
     """Profiles of every zoo model, built once per test session (real-size ones take a few seconds each)."""
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.models import zoo
     from runtime.source import resolve
 
@@ -217,7 +217,7 @@ def check_never_worse(profile: Profile, gpus: int) -> None:
     assert got.plan.predicted.fits
     base = got.baseline
     if base is None:
-        # planner/baselines.py finds no homogeneous plan of a model with a batch-reducing block (a contrastive
+        # planner/solver/baselines.py finds no homogeneous plan of a model with a batch-reducing block (a contrastive
         # head needs dp = 1; its grid search raises on dp > 1): nothing to compare with
         assert any(b.reduces_batch for b in profile.blocks)
         return
@@ -297,7 +297,7 @@ def test_colocated_placement_shares_ranks(zoo_profiles):
 
 
 def test_the_search_includes_every_zero_stage(zoo_profiles):
-    from planner.candidates import ZERO_STAGES, zero_stages
+    from planner.solver.candidates import ZERO_STAGES, zero_stages
 
     assert ZERO_STAGES == (0, 1, 2, 3) and zero_stages(parse_cluster("8xh100-sxm"), 4) == ZERO_STAGES
     assert zero_stages(parse_cluster("8xh100-sxm"), 1) == (0,)
@@ -329,7 +329,7 @@ def test_more_device_memory_never_gives_a_slower_plan():
     # a measured CPU profile of a conv-encoder VLM on a calibrated 2-rank gloo cluster (the demo's, capped): at 100 MB
     # per rank nothing fits GPU-only and the tier search finds 1 micro-batch with gradients / optimizer state offloaded
     # (0.418 s); at 130 MB GPU-only plans fit (8 micro-batches, 0.535 s) and the search used to stop there, never
-    # trying the tiers that are faster (planner/solve.py _search)
+    # trying the tiers that are faster (planner/solver/solve.py _search)
     from dataclasses import replace
 
     from cost_models.evaluate import evaluate
@@ -422,7 +422,7 @@ def test_global_batch_must_be_positive(zoo_profiles):
 def test_the_interleaved_grid_holds_interleaved_1f1b_where_it_is_faster(zoo_profiles):
     # llava-1.5-13b on 16 H100 at a small global batch: few micro-batches per pipeline, so the bubble decides and
     # interleaving (v chunks per rank) shrinks it by v (Narayanan et al. 2021, section 2.2)
-    from planner import baselines
+    from planner.solver import baselines
 
     prof, cluster = zoo_profiles("llava-1.5-13b"), parse_cluster("16xh100-sxm")
     best = baselines.best_megatron(prof, cluster, 32, schedules=("1f1b", "interleaved:2", "interleaved:4"))
@@ -441,7 +441,7 @@ def test_solve_with_the_interleaved_schedule_emits_the_faster_plan(zoo_profiles)
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_no_pipelined_layout_bound_exceeds_its_simulated_step(schedule):
-    """The layout bound (planner/bounds.py, with its combined warm-up + cool-down term) on many pipelined chain
+    """The layout bound (planner/solver/bounds.py, with its combined warm-up + cool-down term) on many pipelined chain
     layouts of random instances: never above the simulated step."""
     checked, tight = 0, 0
     for seed in range(40):
@@ -469,7 +469,7 @@ def test_no_pipelined_layout_bound_exceeds_its_simulated_step(schedule):
 
 
 def test_interleaved_layout_bound_never_exceeds_its_simulated_step():
-    """planner/bounds.py's interleaved bound on every interleaved chain layout of random instances."""
+    """planner/solver/bounds.py's interleaved bound on every interleaved chain layout of random instances."""
     checked = 0
     for seed in range(30):
         profile, cluster, batch = random_instance(300 + seed, max_gpus=8)
@@ -488,12 +488,12 @@ def test_interleaved_layout_bound_never_exceeds_its_simulated_step():
 
 
 def test_sequence_parallelism_only_where_tp_divides_the_sequence():
-    # a 17-token encoder (a ViT's class token) cannot be sequence-parallel over 2 ranks (planner/run.py refuses it),
+    # a 17-token encoder (a ViT's class token) cannot be sequence-parallel over 2 ranks (planner/commands/run.py refuses it),
     # a 32-token LLM can; a profile without sequence lengths leaves it to the run's check
     from dataclasses import replace
 
-    from planner.candidates import sp_divides, sp_values
-    from planner.segments import BlockTimes
+    from planner.solver.candidates import sp_divides, sp_values
+    from planner.solver.segments import BlockTimes
 
     profile, cluster, batch = next((p, c, b) for p, c, b in map(random_instance, range(50))
                                    if len(profile_units(p, "non-colocated") or ()) == 2)

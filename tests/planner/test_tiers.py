@@ -1,4 +1,4 @@
-"""Memory tiers (planner/tiers.py): a model far larger than GPU memory still gets a plan, within every tier's capacity."""
+"""Memory tiers (planner/solver/tiers.py): a model far larger than GPU memory still gets a plan, within every tier's capacity."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -6,10 +6,10 @@ from collections import defaultdict
 import pytest
 
 from cost_models.evaluate import evaluate
-from planner.construct import GroupLayout, build_plan
-from planner.diagnosis import state_bytes
-from planner.solve import solve
-from planner.tiers import place_tiers
+from planner.solver.construct import GroupLayout, build_plan
+from planner.solver.diagnosis import state_bytes
+from planner.solver.solve import solve
+from planner.solver.tiers import place_tiers
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile

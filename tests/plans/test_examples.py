@@ -1,4 +1,4 @@
-"""plans/examples: the solved example plans validate against their models and are reproduced by regenerate.py."""
+"""plans/examples: the solved example plans validate against their models and are reproduced by scripts/regenerate_examples.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +13,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "plans" / "examples"
 
 
 def _regenerate_module():
-    spec = importlib.util.spec_from_file_location("regenerate", EXAMPLES_DIR / "regenerate.py")
+    spec = importlib.util.spec_from_file_location("regenerate_examples", EXAMPLES_DIR.parents[1] / "scripts" / "regenerate_examples.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,7 +31,7 @@ def test_every_solved_example_is_there_and_the_hand_written_ones_are_kept():
 
 @pytest.fixture(scope="module")
 def profiles():
-    from planner.profile import profile_model
+    from planner.profiler.profile import profile_model
     from runtime.source import resolve
 
     cache = {}
@@ -82,7 +82,7 @@ def _without_times(path: Path) -> dict:
 
 def _check_reproduced(stems, tmp_path):
     for path in REGEN.regenerate(tmp_path, tuple(stems)):
-        assert _without_times(path) == _without_times(EXAMPLES_DIR / path.name), f"{path.name} differs; run plans/examples/regenerate.py"
+        assert _without_times(path) == _without_times(EXAMPLES_DIR / path.name), f"{path.name} differs; run scripts/regenerate_examples.py"
 
 
 def test_tiny_examples_are_reproduced_by_regenerate(tmp_path):

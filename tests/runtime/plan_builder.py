@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from plans.plan import Group, Memory, Plan, ProfileRef, Stage, Training, check_plan
 from runtime.source import resolve
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 
 _PROFILES: dict = {}
 

@@ -117,7 +117,7 @@ def test_offload_and_recompute_lower_the_device_peak(stack, tmp_path):
 
 
 def test_keep_counts_what_the_profiler_counts():
-    from planner.profile import (
+    from planner.profiler.profile import (
         profile_model,  # tests may use the planner; runtime/ never does
     )
     from runtime.program import block_modules

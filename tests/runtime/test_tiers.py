@@ -58,8 +58,8 @@ def test_a_bf16_plans_tiers_hold_its_fp32_masters_and_keep_parity(case, tmp_path
 def test_a_bf16_plans_measured_peak_is_the_predicted_one():
     """A solved bf16 plan: 2 B parameters and gradients, 12 B of optimizer state (fp32 master, momentum, variance)
     and bf16 activations, as the cost model counts them; the same plan run in fp32 measured 35 % above it."""
-    from planner.profile import profile_model
-    from planner.solve import solve
+    from planner.profiler.profile import profile_model
+    from planner.solver.solve import solve
     from cost_models.hardware import parse_cluster
     from runtime.source import resolve
 
@@ -78,9 +78,9 @@ def test_training_beyond_device_memory_with_the_solvers_tier_plan(tmp_path):
     import torch
 
     from cost_models.hardware import cluster_from_toml
-    from planner.diagnosis import state_bytes
-    from planner.profile import profile_model
-    from planner.solve import solve
+    from planner.solver.diagnosis import state_bytes
+    from planner.profiler.profile import profile_model
+    from planner.solver.solve import solve
     from runtime.source import resolve
 
     prof = profile_model(resolve("tiny-vlm"))

@@ -11,7 +11,7 @@ import torch
 from cost_models.evaluate import evaluate
 from cost_models.pipeline import simulate
 from cost_models.trace import chrome_trace
-from planner.profile import profile_model
+from planner.profiler.profile import profile_model
 from plans.plan import load_plan
 from plans.trace import task_events
 from runtime.layout import build_layout

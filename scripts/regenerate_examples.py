@@ -1,4 +1,4 @@
-"""Regenerates the solved example plans: python plans/examples/regenerate.py [--out DIR] [--only NAME ...].
+"""Regenerates the solved example plans: python scripts/regenerate_examples.py [--out DIR] [--only NAME ...].
 
 Tiny zoo models on 2-4 local CPU ranks (run them: mmplan run plans/examples/<file>), and real-size models for
 reading. The hand-written tiny-vlm-dp2.json and tiny-vlm-pp2.json are not touched. Solving is deterministic
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (file stem, zoo model, cluster, global batch, placement)
 EXAMPLES: tuple[tuple[str, str, str, int, str], ...] = (
@@ -23,14 +23,14 @@ EXAMPLES: tuple[tuple[str, str, str, int, str], ...] = (
     ("vit22b-llama70b-non-colocated-128xh100-sxm", "vit22b-llama70b", "128xh100-sxm", 128, "non-colocated"),
 )
 TINY = tuple(e[0] for e in EXAMPLES if e[1].startswith("tiny-"))
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "plans" / "examples"
 
 
 def regenerate(out: Path = HERE, only: tuple[str, ...] | None = None) -> list[Path]:
     """Solve every example (or those named in `only`) and write <stem>.json into `out`; returns the paths."""
     from cost_models.hardware import parse_cluster
-    from planner.profile import profile_model
-    from planner.solve import solve
+    from planner.profiler.profile import profile_model
+    from planner.solver.solve import solve
     from plans.plan import save_plan
     from runtime.source import resolve
 

@@ -13,15 +13,15 @@ from typing import Literal
 
 import pulp
 
-from planner.bounds import boundary_bound, counted_bwd
-from planner.candidates import Layout, Structure, Unit, allowed_gpus
+from planner.solver.bounds import boundary_bound, counted_bwd
+from planner.solver.candidates import Layout, Structure, Unit, allowed_gpus
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 
 Solver = Literal["highs", "cbc"]
 
 # Formulation. Units U: sources E feeding one sink s (or one chain unit). Candidates C_u of unit u come
-# from planner/candidates.py, each fixing m (micro-batches), tp, dp, pp, ZeRO stage, cut points and
+# from planner/solver/candidates.py, each fixing m (micro-batches), tp, dp, pp, ZeRO stage, cut points and
 # tiers, hence its GPU count g_c and the terms of its lower bound on the simulated step time.
 #   x[u,c] in {0,1}: unit u takes candidate c;  y[m] in {0,1}: the step has m micro-batches;  T >= 0.
 # (one)      sum_c x[u,c] = 1                                        for every unit u

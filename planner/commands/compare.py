@@ -1,4 +1,4 @@
-"""Offline comparison of plans: their predicted figures, Perfetto traces, and predicted vs measured (printed by planner/report.py)."""
+"""Offline comparison of plans: their predicted figures, Perfetto traces, and predicted vs measured (printed by planner/commands/report.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -12,17 +12,17 @@ from rich.table import Table
 from rich.text import Text
 
 from cost_models.evaluate import Evaluation
-from planner.compare import Compared, Comparison, best_index, deviation_summary, max_memory
+from planner.commands.compare import Compared, Comparison, best_index, deviation_summary, max_memory
 from planner.console import human_count, safe
-from planner.explain import breakdown, seconds_text, why
-from planner.show import group_totals
+from planner.solver.explain import breakdown, seconds_text, why
+from planner.profiler.show import group_totals
 from plans.graph import Profile
 from plans.plan import Group, Plan, Predicted
 from plans.units import format_bytes
 
 if TYPE_CHECKING:
-    from planner.demo import DemoResult
-    from planner.solve import Solution
+    from planner.commands.demo import DemoResult
+    from planner.solver.solve import Solution
 
 
 # --- shared cells -------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def solution_json(solution: Solution, output: str | os.PathLike, profile: Profil
 
 
 def why_solved(solution: Solution, profile: Profile) -> dict[str, str]:
-    """Per baseline: why the solved plan beats it (or loses to it), from both plans' breakdowns (planner/explain.py)."""
+    """Per baseline: why the solved plan beats it (or loses to it), from both plans' breakdowns (planner/solver/explain.py)."""
     from cost_models.evaluate import evaluate
 
     plan = solution.plan
@@ -197,7 +197,7 @@ def compare_json(items: Sequence[Compared]) -> list[dict[str, Any]]:
 
 
 def why_texts(items: Sequence[Compared]) -> dict[int, str]:
-    """For each evaluated plan other than the best: why the best beats it (planner/explain.py)."""
+    """For each evaluated plan other than the best: why the best beats it (planner/solver/explain.py)."""
     best = best_index(items)
     if best is None or items[best].evaluation is None:
         return {}
@@ -207,7 +207,7 @@ def why_texts(items: Sequence[Compared]) -> dict[int, str]:
 
 
 def breakdown_table(items: Sequence[Compared]) -> Table | None:
-    """Where each evaluated plan's step goes, per group and stage (planner/explain.py); None when no plan was evaluated."""
+    """Where each evaluated plan's step goes, per group and stage (planner/solver/explain.py); None when no plan was evaluated."""
     evaluated = [c for c in items if c.evaluation is not None]
     if not evaluated:
         return None

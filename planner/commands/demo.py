@@ -1,4 +1,4 @@
-"""`mmplan demo`: profile -> solve -> run (solved and best homogeneous plans) -> compare, on this machine (printed by planner/report.py)."""
+"""`mmplan demo`: profile -> solve -> run (solved and best homogeneous plans) -> compare, on this machine (printed by planner/commands/report.py)."""
 from __future__ import annotations
 
 import os
@@ -92,7 +92,7 @@ def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CL
 def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda step, fraction: None) -> Cluster:
     """`spec` with this machine's measured device, links and runtime costs (`mmplan calibrate --quick` with its
     ranks, all busy at once); its memory capacities (the cap the plans must respect) stay those of `spec`."""
-    from planner.calibrate import calibrate
+    from planner.calibrate.calibrate import calibrate
 
     if spec.world_size < 2:  # gloo collectives need two ranks to be measured
         return spec
@@ -106,10 +106,10 @@ def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda 
 def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, runs: int, calibrate: bool,
               note: Callable[[str, float], None], started: float) -> DemoResult:
     from cost_models.hardware import cluster_to_toml
-    from planner.compare import load_compared, write_traces
-    from planner.profile import profile_model
-    from planner.run import run_plan
-    from planner.solve import solve
+    from planner.commands.compare import load_compared, write_traces
+    from planner.profiler.profile import profile_model
+    from planner.commands.run import run_plan
+    from planner.solver.solve import solve
     from plans.graph import save_profile
     from plans.plan import save_plan
     from plans.serial import write_atomic

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from planner.allocate import Allocator, Choice, Solver, assign_ranks
-from planner.candidates import (
+from planner.solver.allocate import Allocator, Choice, Solver, assign_ranks
+from planner.solver.candidates import (
     Layout,
     Setting,
     Structure,
@@ -20,9 +20,9 @@ from planner.candidates import (
     unit_runs,
     zero_stages,
 )
-from planner.construct import GroupLayout, build_plan
-from planner.segments import BlockTimes, Segments
-from planner.tiers import place_tiers
+from planner.solver.construct import GroupLayout, build_plan
+from planner.solver.segments import BlockTimes, Segments
+from planner.solver.tiers import place_tiers
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile
@@ -295,7 +295,7 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
 
 
 def refine_tiers(search: Search) -> None:
-    """Per-block tiers of the best plan (planner/tiers.py); kept when the simulator says it is faster."""
+    """Per-block tiers of the best plan (planner/solver/tiers.py); kept when the simulator says it is faster."""
     _, plan, structure = search.best
     stages = [s for g in plan.groups for s in g.stages]
     if all(s.memory == type(s.memory)() for s in stages):

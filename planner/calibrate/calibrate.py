@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from planner.host_probe import host_probe
+from planner.profiler.host_probe import host_probe
 from plans.cluster import Cluster, Device, Link
 from plans.errors import MmplanError
 
@@ -116,7 +116,7 @@ class Calibration:
     zero_byte_s: float = 0.0  # FSDP2 per byte of a sharded block's parameters and micro-batch (copy-in / copy-out)
     zero_tensor_s: float = 0.0  # FSDP2's extra Adam time per sharded parameter tensor
     collective_s: float = 0.0  # fixed cost per gloo collective call beyond the ring model (fit_collective_call)
-    forward_op_s: float = 0.0  # host time per aten op in a forward, all ranks at once (planner/host_probe.py)
+    forward_op_s: float = 0.0  # host time per aten op in a forward, all ranks at once (planner/profiler/host_probe.py)
     backward_op_s: float = 0.0  # host time per aten op in a backward
     saved_tensor_s: float = 0.0  # the runtime's saved-tensor hook per activation storage, in the forward
     released_tensor_s: float = 0.0  # its release of that storage, in the backward
@@ -347,7 +347,7 @@ def to_cluster(cal: Calibration) -> Cluster:
                    saved_tensor_s=_round(cal.saved_tensor_s), released_tensor_s=_round(cal.released_tensor_s))
 
 
-NEAR_EMPTY_MODEL = "planner.calibrate:near_empty_model"
+NEAR_EMPTY_MODEL = "planner.calibrate.calibrate:near_empty_model"
 
 
 class _NearEmpty(torch.nn.Module):
@@ -373,9 +373,9 @@ def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
     path (dp over every rank of `cluster`, one sample per rank) and take its median step (the first two warm up)
     minus what the cost model predicts for that plan on `cluster` (its gradient all-reduce and optimizer step)."""
     from cost_models.evaluate import evaluate
-    from planner.baselines import homogeneous_plan
-    from planner.profile import profile_model
-    from planner.run import run_plan
+    from planner.solver.baselines import homogeneous_plan
+    from planner.profiler.profile import profile_model
+    from planner.commands.run import run_plan
     from plans.plan import save_plan
     from runtime.source import resolve
 

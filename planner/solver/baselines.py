@@ -12,9 +12,9 @@ from cost_models.offload import exposed, overlaps_compute
 from cost_models.compute import block_time, measured_on, tp_shard
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, in_flight, kept_activation_bytes, stage_memory, warmup_forwards
 from cost_models.tail import tail_over
-from planner.bounds import stage_body
-from planner.candidates import sp_divides
-from planner.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
+from planner.solver.bounds import stage_body
+from planner.solver.candidates import sp_divides
+from planner.solver.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Block, Profile
@@ -24,7 +24,7 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 # marks exactly those); "spans" are what a pipeline split counts: each layer with the non-layer
 # blocks (embeddings, norms, projector, head) that follow it, the blocks before the first layer joining it.
 # When a model has fewer layers than the split needs parts, every block is its own span. (A solver "unit",
-# planner/candidates.py, is something else: the blocks that get one layout.)
+# planner/solver/candidates.py, is something else: the blocks that get one layout.)
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "layers", "full"]
@@ -611,7 +611,7 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
     fwd, bwd, tail = costs.memo[key]
     bound = max(m * (f + b) + t for f, b, t in zip(fwd, bwd, tail))
     if spec.virtual_stages > 1 and costs.linear(profile, spec) and not any(b.frozen for b in profile.blocks):
-        # interleaved: planner/bounds.py's interleaved terms over the pp * v chunks (sends and ZeRO exposure left out of
+        # interleaved: planner/solver/bounds.py's interleaved terms over the pp * v chunks (sends and ZeRO exposure left out of
         # the chunks' ops; the stage sums keep theirs)
         p, v = spec.pp, spec.virtual_stages
         cf, cb = costs.chunk_ops(profile, spec, dtype, sp, _recomputed)
@@ -624,7 +624,7 @@ def _step_bound(profile: Profile, cluster: Cluster, global_batch: int, spec: Lay
             bound = max(bound, max(into + m * (fwd[k] + bwd[k]), wait + m * bwd[k],
                                    max(wait, into + r * fmin) + (m * v - r) * fmin + m * bwd[k]) + tail[k])
     if spec.virtual_stages == 1 and costs.linear(profile, spec):
-        # a linear pipeline (each stage reads only the one before it): planner/bounds.py's per-stage terms, sends and
+        # a linear pipeline (each stage reads only the one before it): planner/solver/bounds.py's per-stage terms, sends and
         # transfers left out -- In_k (micro-batch 0's forwards before stage k), the body (stage_body: its 2m ops and
         # the warm-up and cool-down waits), Up_k (the gradient's path back to an earlier stage, then that stage's tail)
         p = spec.pp

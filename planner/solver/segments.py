@@ -17,7 +17,7 @@ from plans.cluster import Link
 from plans.graph import Block
 
 if TYPE_CHECKING:
-    from planner.candidates import Policy, Setting, Unit
+    from planner.solver.candidates import Policy, Setting, Unit
 
 # A stage of blocks [i, j) of a unit costs what cost_models/ says of those blocks: op times (the simulator's
 # chunk costs), its tail (tail.tail_over) and its bytes per tier (memory.stage_memory's terms). Here they are

@@ -9,11 +9,11 @@ from typing import Literal
 
 from cost_models.compute import measured_on
 from cost_models.memory import DTYPE_BYTES
-from planner.allocate import Solver, pick_solver
-from planner.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
-from planner.diagnosis import check_capacity, no_fit
-from planner import baselines
-from planner.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
+from planner.solver.allocate import Solver, pick_solver
+from planner.solver.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
+from planner.solver.diagnosis import check_capacity, no_fit
+from planner.solver import baselines
+from planner.solver.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile
@@ -25,16 +25,16 @@ from plans.plan import Plan, SolverInfo
 #    "non-colocated" (one unit per modality, each on its own disjoint ranks) and "colocated" (every unit on
 #    the same ranks, encoders replicated/sharded over them with pp = 1, the LLM pipelined);
 # 2. candidate layouts per unit and number of micro-batches m (planner/candidates.unit_layouts), cut points
-#    by the DP of planner/partition.py, each with exact per-stage costs (planner/segments.py) and a lower
-#    bound of the step time (planner/bounds.py);
-# 3. the allocation ILP (planner/allocate.py) proposes the combination of smallest bound; it is built and
+#    by the DP of planner/solver/partition.py, each with exact per-stage costs (planner/solver/segments.py) and a lower
+#    bound of the step time (planner/solver/bounds.py);
+# 3. the allocation ILP (planner/solver/allocate.py) proposes the combination of smallest bound; it is built and
 #    simulated (cost_models.evaluate), excluded, and the ILP re-solved, until the smallest remaining bound
 #    reaches the best simulated step (proved optimal over the search space) or a limit is hit (the branch and
-#    bound of planner/search.py);
+#    bound of planner/solver/search.py);
 # 4. memory tiers: when nothing fits in GPU memory the search is repeated with CPU / NVMe tier policies
 #    (uniform per stage); the best plan, when it offloads or recomputes anything, gets its tiers refined
-#    per block by the ILP of planner/tiers.py (kept if the simulator says it is faster); when nothing fits
-#    at all, planner/diagnosis.py says by how much;
+#    per block by the ILP of planner/solver/tiers.py (kept if the simulator says it is faster); when nothing fits
+#    at all, planner/solver/diagnosis.py says by how much;
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is
 #    faster (or when the search found none): the solver never returns a plan slower than it under the same
 #    cost model.

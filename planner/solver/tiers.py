@@ -21,7 +21,7 @@ from cost_models.memory import (
 )
 from cost_models.offload import state_streaming, transfer_time
 from cost_models.tail import tail_over
-from planner.allocate import Solver, _solver, pick_solver
+from planner.solver.allocate import Solver, _solver, pick_solver
 from planner.console import short_by
 from plans.errors import MmplanError
 from plans.graph import Profile

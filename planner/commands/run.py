@@ -29,7 +29,7 @@ import torch
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, check_plan, load_plan
-from planner.monitor import Monitor, MonitorOptions, check_monitor
+from planner.commands.monitor import Monitor, MonitorOptions, check_monitor
 
 MAX_LOCAL_RANKS = 64  # beyond this a plan is for a real cluster: start it with torchrun
 RANKS_PER_CORE = 4  # local ranks beyond this many per CPU core are refused (each is a process with its own model)
@@ -99,7 +99,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics.
 
     `timeout_s`: wall-clock limit of the whole run (None: none — a hang is caught by `op_timeout_s`, the bound on
-    every collective and receive). `monitor`: the progress bar, log lines and TensorBoard of planner/monitor.py.
+    every collective and receive). `monitor`: the progress bar, log lines and TensorBoard of planner/commands/monitor.py.
 
     `overwrite`: let this run replace the checkpoints in `checkpoint_dir` and the log in `log` (see the module
     docstring for what is refused without it)."""
@@ -197,10 +197,10 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
 
 
 def actual_prediction(plan_path: Path, profile: Profile | None, model: str | None):
-    """planner.actual.on_actual_cluster for the plan at `plan_path` (None when it cannot be read: run_plan then
+    """planner.commands.actual.on_actual_cluster for the plan at `plan_path` (None when it cannot be read: run_plan then
     refuses it in one line). Without `profile`, a plan solved for another cluster is evaluated with the model's
     profile on the meta device (FLOPs, bytes: no measured times)."""
-    from planner.actual import on_actual_cluster
+    from planner.commands.actual import on_actual_cluster
 
     try:
         plan = load_plan(plan_path)
@@ -209,7 +209,7 @@ def actual_prediction(plan_path: Path, profile: Profile | None, model: str | Non
     except MmplanError:
         return None
     if profile is None and not on_actual_cluster(plan, None, _backend(plan)).same:
-        from planner.profile import profile_model
+        from planner.profiler.profile import profile_model
         from runtime.source import resolve
 
         try:

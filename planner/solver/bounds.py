@@ -10,9 +10,9 @@ from cost_models.memory import warmup_forwards
 from plans.cluster import Cluster
 
 if TYPE_CHECKING:
-    from planner.candidates import Layout
+    from planner.solver.candidates import Layout
 
-# Bounds. For the ILP and the branch-and-bound of planner/allocate.py every layout carries terms of a lower
+# Bounds. For the ILP and the branch-and-bound of planner/solver/allocate.py every layout carries terms of a lower
 # bound on the simulated step time of any plan using it. For stage k of a unit with per-micro-batch
 # forward f, backward b, m micro-batches and warm-up w (1F1B: w = stages downstream, GPipe: w = m):
 #   In_k   earliest start of its first forward: the forward path of micro-batch 0 to it (sends included);

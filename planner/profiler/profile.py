@@ -336,7 +336,7 @@ class _Provenance(TorchFunctionMode):
 
 def dispatched(func) -> bool:
     """Whether an op that reached a dispatch mode is one the host dispatches in a real run (Block.fwd_ops / bwd_ops,
-    planner/host_probe.py): every aten op, not prim's metadata queries, which only a fake tensor answers."""
+    planner/profiler/host_probe.py): every aten op, not prim's metadata queries, which only a fake tensor answers."""
     return func.namespace != "prim"
 
 
@@ -886,8 +886,8 @@ def _adopted_parameters(model: nn.Module, batch: dict[str, Any], records) -> dic
 
 
 def _auto_groups(records, trace, batch) -> dict[str, str]:
-    """Block -> group by modality (planner/groups.py), or {} where the top-level children are the groups."""
-    from planner.groups import modality_groups
+    """Block -> group by modality (planner/profiler/groups.py), or {} where the top-level children are the groups."""
+    from planner.profiler.groups import modality_groups
 
     integer = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
     edges = [(s, d) for s, d in trace.edges if not s.startswith("input:")]
@@ -905,7 +905,7 @@ def _check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:
 
 def _assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, options, auto=None,
               adopted=None) -> Profile:
-    from planner.groups import contiguous_order
+    from planner.profiler.groups import contiguous_order
 
     groups = {}
     for rec in records:

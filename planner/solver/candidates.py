@@ -11,9 +11,9 @@ import numpy as np
 
 from cost_models.comm import hand_over_time, link_between, link_for, p2p_time
 from cost_models.memory import block_input_bytes, in_flight, warmup_forwards
-from planner.bounds import Bound, layout_bound, run_bound
-from planner.partition import cut_table
-from planner.segments import BlockTimes, Segments
+from planner.solver.bounds import Bound, layout_bound, run_bound
+from planner.solver.partition import cut_table
+from planner.solver.segments import BlockTimes, Segments
 from plans.cluster import Cluster, Link
 from plans.graph import Block, Profile
 from plans.plan import ActivationTier, Memory, Tier
@@ -26,14 +26,14 @@ from plans.plan import ActivationTier, Memory, Tier
 # cost_models/memory.stage_memory counts it. The figures of a stage of blocks [i, j) are computed for all
 # (i, j) at once with prefix sums, so the functions of cost_models/ are called per block, or fitted as the
 # affine functions of bytes they are (alpha + bytes / bandwidth), never duplicated as formulas
-# (planner/segments.py). Every layout carries the terms of a lower bound of its step (planner/bounds.py).
+# (planner/solver/segments.py). Every layout carries the terms of a lower bound of its step (planner/solver/bounds.py).
 
 Schedule = Literal["gpipe", "1f1b"]
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The tiers of one stage, uniform over its blocks (planner/tiers.py refines them per block)."""
+    """The tiers of one stage, uniform over its blocks (planner/solver/tiers.py refines them per block)."""
 
     params: Tier = "gpu"
     grads: Tier = "gpu"
@@ -119,7 +119,7 @@ class Setting:
 
     @property
     def host_share(self) -> float:
-        """Host memory per rank (a node's RAM split evenly over its GPUs; planner/tiers.py pools it per node)."""
+        """Host memory per rank (a node's RAM split evenly over its GPUs; planner/solver/tiers.py pools it per node)."""
         return self.cluster.host_memory_bytes / self.cluster.gpus_per_node
 
     @property
@@ -156,7 +156,7 @@ class Layout:
     slowest: float = 0.0  # the DP's objective
     sequence_parallel: bool = False
     # the stages each stage reads from, when that is not just the one before it (() = a linear pipeline: a unit
-    # holding two encoders side by side, or a block reading past a cut, is not); planner/bounds.py follows it
+    # holding two encoders side by side, or a block reading past a cut, is not); planner/solver/bounds.py follows it
     preds: tuple[tuple[int, ...], ...] = ()
     # per stage, whether the bounds may count on it running backwards (() = every stage): a stage of frozen blocks
     # fed by no training stage runs forwards only (plans/stage_graph.StageGraph.trains)
@@ -166,7 +166,7 @@ class Layout:
     chunks: int = 1
     chunk_fwd: tuple[float, ...] = ()
     chunk_bwd: tuple[float, ...] = ()
-    bound: Bound = field(init=False, compare=False, repr=False)  # planner/bounds.py
+    bound: Bound = field(init=False, compare=False, repr=False)  # planner/solver/bounds.py
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bound", layout_bound(self))
@@ -350,7 +350,7 @@ def unit_layouts(
 
 def sp_divides(blocks: Iterable[Block], tp: int) -> bool:
     """Whether tp divides the sequence of every tensor-parallel block whose sequence the profile recorded (the runtime
-    shards those along it: planner/run.py refuses a sequence-parallel plan otherwise, e.g. a ViT's 577 tokens)."""
+    shards those along it: planner/commands/run.py refuses a sequence-parallel plan otherwise, e.g. a ViT's 577 tokens)."""
     return all(b.sequence % tp == 0 for b in blocks if b.supports_tp and b.sequence)
 
 
@@ -447,7 +447,7 @@ def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
     forward + backward; not the DP's min-max: an approximation of the best cuts), stage k holding chunks k, k + pp,
     ...; per stage the fastest policy whose memory fits (its chunks' bytes added up, with the interleaved schedule's
     micro-batches in flight, memory.in_flight). Only where the chunks form a linear pipeline and nothing is frozen
-    (planner/bounds.py's interleaved bound assumes both)."""
+    (planner/solver/bounds.py's interleaved bound assumes both)."""
     st, m, n, cl = seg.setting, seg.micro_batches, seg.n, seg.setting.cluster
     if any(b.frozen for b in seg.unit.blocks):
         return []

@@ -9,9 +9,9 @@ import numpy as np
 
 from cost_models.memory import model_state_bytes
 from planner.console import short_by
-from planner.candidates import GPU_ONLY, OFFLOAD, Policy, Setting, divisors, profile_units, stage_in_flight, tp_degrees, zero_stages
-from planner.partition import cut_table
-from planner.segments import Segments
+from planner.solver.candidates import GPU_ONLY, OFFLOAD, Policy, Setting, divisors, profile_units, stage_in_flight, tp_degrees, zero_stages
+from planner.solver.partition import cut_table
+from planner.solver.segments import Segments
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile

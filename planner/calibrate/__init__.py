@@ -1,0 +1,1 @@
+"""Calibration: measures the machine a plan will run on (GEMM efficiency, memory and link bandwidths, the runtime's own per-step costs) and writes the cluster TOML the solver reads (`mmplan calibrate`)."""

@@ -1,0 +1,1 @@
+"""The commands that run or judge plans: launching a plan's training (`mmplan run`) and watching it, the end-to-end demo, and the offline comparison and reports of predicted against measured (`mmplan compare`, `mmplan demo`)."""

@@ -1,0 +1,1 @@
+"""The profiler: builds a model (zoo name, architecture TOML, factory, Hugging Face config), runs it on the meta device or a real one, discovers its blocks, groups and data flow, and writes profile.json (`mmplan profile`, `mmplan show`)."""

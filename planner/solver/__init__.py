@@ -1,0 +1,1 @@
+"""The solver: from a profile and a cluster to the fastest plan that fits -- candidate layouts per group, cut points by dynamic programming, GPU allocation and memory tiers by ILP, the baselines it is measured against, and the diagnosis and explanation of its choice (`mmplan solve`)."""
