@@ -98,7 +98,8 @@ def profile(
 ) -> None:
     """Profile a model: module dependency graph, per-block FLOPs, params, saved activations, data flow."""
     from runtime.source import resolve
-    from planner.profiler.profile import parse_group_overrides, profile_model
+    from planner.profiler.blocks import parse_group_overrides
+    from planner.profiler.profile import profile_model
     from plans.graph import save_profile
 
     if device not in ("meta", "cpu", "cuda"):

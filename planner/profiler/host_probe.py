@@ -22,7 +22,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner.profiler.profile import dispatched
+from planner.profiler.analyse import dispatched
 
 LAYERS = 16  # ~600 forward ops, a few ms per pass
 

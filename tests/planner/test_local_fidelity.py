@@ -183,19 +183,19 @@ def test_the_local_cpu_entry_prices_what_the_runtime_pays_for_zero_and_the_optim
 def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypatch):
     import torch
 
-    from planner.profiler import profile as profile_module
+    from planner.profiler import measure as measure_module
     from planner.profiler.profile import profile_model
     from runtime.launch import RANK_THREADS
     from runtime.source import resolve
 
     seen = []
-    real = profile_module.measure_model
+    real = measure_module.measure_model
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profile_module, "measure_model", spy)
+    monkeypatch.setattr(measure_module, "measure_model", spy)
     before = torch.get_num_threads()
     profile = profile_model(resolve("tiny-vlm"), device="cpu", measure=True, reps=2)
     assert seen == [RANK_THREADS] and torch.get_num_threads() == before
@@ -206,7 +206,7 @@ def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypa
 def test_measure_model_repeats_until_the_median_is_stable():
     import torch
 
-    from planner.profiler.profile import MAX_ROUNDS, measure_model
+    from planner.profiler.measure import MAX_ROUNDS, measure_model
 
     model = torch.nn.Linear(8, 1)
     calls = []

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from runtime.source import resolve
-from planner.profiler.profile import discover_blocks, profile_model
+from planner.profiler.blocks import discover_blocks
+from planner.profiler.profile import profile_model
 from plans.errors import MmplanError
 from plans.graph import from_digraph, profile_from_data, to_digraph
 from plans.serial import dumps, to_data
