@@ -368,7 +368,8 @@ def calibrate(
     """Measure this machine (matmul throughput, memory bandwidth, gloo collectives and p2p under load, the
     optimizer step, host<->device, disk, the runtime's fixed costs) and write it as a cluster TOML."""
     from cost_models.hardware import cluster_to_toml
-    from planner.calibrate.calibrate import measure, to_cluster
+    from planner.calibrate.calibrate import measure
+    from planner.calibrate.fit import to_cluster
     from plans.serial import write_atomic
 
     check_writable(output)
@@ -386,7 +387,7 @@ def _calibration_table(cal, cluster):
     from rich.table import Table
 
     from cost_models.hardware import CATALOG, GBps
-    from planner.calibrate.calibrate import CONV_SHAPE
+    from planner.calibrate.probes import CONV_SHAPE
 
     name = cal.device_name.lower()
     ref_name = "local-cpu" if cluster.backend == "gloo" else next(

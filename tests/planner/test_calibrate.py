@@ -10,8 +10,14 @@ import pytest
 import torch
 
 import planner.calibrate.calibrate as calibrate_module
+import planner.calibrate.fit as fit_module
+import planner.calibrate.ranks as ranks_module
 from cost_models.hardware import cluster_to_toml, efficiency, parse_cluster
-from planner.calibrate.calibrate import Settings, calibrate, conv_flops, efficiency_curve, fit_alpha_beta, probe_slowdown
+from planner.calibrate.calibrate import calibrate
+from planner.calibrate.fit import efficiency_curve, fit_alpha_beta
+from planner.calibrate.probes import conv_flops
+from planner.calibrate.runtime_probes import probe_slowdown
+from planner.calibrate.settings import Reporter, Settings
 from plans.cluster import Link
 from plans.errors import MmplanError
 
@@ -56,7 +62,7 @@ def test_ring_link_inverts_the_ring_all_reduce_formula():
     # cost_models/comm.py's ring all-reduce: 2 (p - 1) alpha + 2 (p - 1) / p * S / beta
     link, p = Link(2e9, 1e-4), 4
     times = [2 * (p - 1) * link.latency_s + 2 * (p - 1) / p * s / link.bandwidth for s in SIZES]
-    back = calibrate_module._link_from_ring(fit_alpha_beta(SIZES, times), p)
+    back = fit_module.link_from_ring(fit_alpha_beta(SIZES, times), p)
     assert back.latency_s == pytest.approx(link.latency_s) and back.bandwidth == pytest.approx(link.bandwidth)
 
 
@@ -66,21 +72,21 @@ def test_the_fixed_cost_per_collective_call_is_what_the_ring_model_leaves_out():
     link, p, call = Link(1e9, 1e-4), 2, 1.2e-3
     samples = {key: tuple((s, call + fn(s, p, link)) for s in SIZES) for key, fn in
                (("all_reduce", all_reduce_time), ("all_gather", all_gather_time), ("reduce_scatter", reduce_scatter_time))}
-    fitted = calibrate_module.fit_collective_call(link, p, samples)
+    fitted = fit_module.fit_collective_call(link, p, samples)
     assert fitted == pytest.approx(call)
     priced = replace(link, collective_s=fitted)  # the cost model then prices every sample as measured
     assert all_reduce_time(SIZES[3], p, priced) == pytest.approx(samples["all_reduce"][3][1])
     assert all_gather_time(SIZES[3], p, priced) == pytest.approx(samples["all_gather"][3][1])
     faster = {key: tuple((s, 0.5 * t) for s, t in pts) for key, pts in samples.items()}
-    assert calibrate_module.fit_collective_call(Link(1e9, 1e-2), p, faster) == 0.0  # never negative
-    assert calibrate_module.fit_collective_call(link, p, {}) == 0.0
+    assert fit_module.fit_collective_call(Link(1e9, 1e-2), p, faster) == 0.0  # never negative
+    assert fit_module.fit_collective_call(link, p, {}) == 0.0
 
 
 def test_between_ranks_takes_a_sends_latency_and_the_lower_bandwidth(quick_run):
     cal, cluster, _, _ = quick_run
     odd = replace(cal, p2p=Link(3e9, 2e-4), all_reduce=Link(1e9, 9e-4), collective_s=1e-3)
-    assert calibrate_module.between_ranks(odd) == Link(1e9, 2e-4, 1e-3)
-    assert cluster.intra_node == calibrate_module.between_ranks(cal)
+    assert fit_module.between_ranks(odd) == Link(1e9, 2e-4, 1e-3)
+    assert cluster.intra_node == fit_module.between_ranks(cal)
 
 
 def test_efficiency_curve_is_relative_to_peak_and_sorted():
@@ -107,19 +113,19 @@ def _hang(rank, world, settings, messages):
 
 
 def test_a_failing_rank_reports_its_own_error(monkeypatch):
-    monkeypatch.setattr(calibrate_module, "_rank_measure", _fail_on_rank_1)  # inherited by forked ranks
+    monkeypatch.setattr(ranks_module, "_rank_measure", _fail_on_rank_1)  # inherited by forked ranks
     start = time.monotonic()
     with pytest.raises(MmplanError, match="calibration failed on rank 1 .*RuntimeError: disk on fire"):
-        calibrate_module._run_ranks(2, Settings.for_run(quick=True), calibrate_module._Reporter(None), "fork")
+        ranks_module.run_ranks(2, Settings.for_run(quick=True), Reporter(None), "fork")
     assert time.monotonic() - start < 20
 
 
 def test_a_hanging_rank_hits_the_deadline(monkeypatch):
-    monkeypatch.setattr(calibrate_module, "_rank_measure", _hang)
+    monkeypatch.setattr(ranks_module, "_rank_measure", _hang)
     settings = replace(Settings.for_run(quick=True), deadline_s=1.5)
     start = time.monotonic()
     with pytest.raises(MmplanError, match="timed out after 1.5 s in step start"):
-        calibrate_module._run_ranks(2, settings, calibrate_module._Reporter(None), "fork")
+        ranks_module.run_ranks(2, settings, Reporter(None), "fork")
     assert time.monotonic() - start < 15  # the ranks were killed, not waited for
 
 
@@ -132,7 +138,7 @@ def quick_run(tmp_path_factory):
     start = time.perf_counter()
     cal = calibrate_module.measure(quick=True, progress=lambda step, f: steps.append((step, f)),
                                    scratch_dir=tmp_path_factory.mktemp("scratch"))
-    return cal, calibrate_module.to_cluster(cal), steps, time.perf_counter() - start
+    return cal, fit_module.to_cluster(cal), steps, time.perf_counter() - start
 
 
 def test_quick_calibration_is_fast_and_reports_progress(quick_run):

@@ -7,6 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 import planner.calibrate.calibrate as calibrate_module
+from planner.calibrate.fit import to_cluster
+from planner.calibrate.settings import Calibration
 from cost_models.evaluate import evaluate
 from cost_models.hardware import parse_cluster
 from planner.solver.baselines import gpipe_even_plan, homogeneous_plan
@@ -131,7 +133,7 @@ def _without_predictions(text: str) -> str:
 # --- calibrate ----------------------------------------------------------------------------------------------------
 
 def fake_calibration(**kw):
-    return calibrate_module.Calibration(
+    return Calibration(
         device_name="cpu: Test CPU", ranks=2, gpus_per_node=2, backend="gloo", matmul=((64, 2e10), (256, 4e10)),
         peak_flops={"fp32": 4e10, "bf16": 8e10, "fp16": 1e9}, memory_bandwidth=2e10, copy=Link(1e10, 1e-6),
         host_to_device=Link(1e10, 1e-6), all_reduce=Link(1e9, 1e-4), p2p=Link(2e9, 5e-5), disk_write=Link(1e9, 2e-4),
@@ -153,7 +155,7 @@ def test_calibrate_writes_a_cluster_toml_and_prints_what_it_measured(tmp_path, m
     assert res.exit_code == 0, res.output
     assert seen["quick"] is True and seen["ranks"] == 3
     cluster = parse_cluster(str(out))
-    assert cluster == calibrate_module.to_cluster(fake_calibration())
+    assert cluster == to_cluster(fake_calibration())
     for needle in ("fp32 peak (matmul)", "40.0 GFLOP/s", "memory bandwidth", "all-reduce", "disk write", "catalog local-cpu",
                    f"--cluster {out}"):
         assert needle in res.stdout, needle

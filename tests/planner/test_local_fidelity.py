@@ -11,7 +11,8 @@ from cost_models.evaluate import evaluate
 from cost_models.hardware import cluster_from_toml, cluster_to_toml, parse_cluster
 from cost_models.overhead import optimizer_time
 from planner.commands.actual import on_actual_cluster
-from planner.calibrate.calibrate import ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS, fit_optimizer, zero_block_bytes, zero_costs
+from planner.calibrate.fit import fit_optimizer
+from planner.calibrate.runtime_probes import ZERO_BLOCKS, ZERO_TENSORS_PER_BLOCK, ZERO_WIDTHS, zero_block_bytes, zero_costs
 from plans import plan as P
 from plans.errors import MmplanError
 from plans.graph import Block, Edge, Profile
