@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.evaluate import evaluate  # noqa: E402
-from cost_models.hardware import catalog_cluster  # noqa: E402
+from cost_models.cluster_spec import catalog_cluster  # noqa: E402
 from planner.solver.baselines import best_homogeneous  # noqa: E402
 from plans import plan as P  # noqa: E402
 from plans.graph import Block, Edge, InputEdge, Profile, load_profile  # noqa: E402

@@ -6,7 +6,7 @@ Each row lays out the published model with its published TP / PP / DP, global ba
 (planner.solver.baselines.homogeneous_plan), evaluates it with the cost model (cost_models.evaluate) on the catalog
 cluster of the published GPUs, and converts the predicted step time to the publication's own metric with the
 publication's own FLOP formula. Nothing here is fitted: the constants are the catalog's (datasheets and cited
-microbenchmarks, cost_models/hardware.py). Assumptions where a publication is silent are marked per row.
+microbenchmarks, cost_models/catalog.py and hardware.py). Assumptions where a publication is silent are marked per row.
 
 Sources:
 - [N21] Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -117,9 +117,9 @@ Sources:
   to a validation row.
 
 Not fitted: no constant is derived from these rows (each is a datasheet figure or a published microbenchmark, cited
-in hardware.py). What each row's software did (micro-batch,
+in cost_models/catalog.py and hardware.py). What each row's software did (micro-batch,
 interleaving, overlap of the gradient all-reduce, blocking pipeline sends) comes from the scripts and code of the
-runs ([SC21], [MLM]); the hardware constants from datasheets and published microbenchmarks (hardware.py).
+runs ([SC21], [MLM]); the hardware constants from datasheets and published microbenchmarks (catalog.py, hardware.py).
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ from published_models import gpt_profile, hf_llava_profile, zoo_profile  # noqa:
 
 from cost_models.compute import mixed_precision_step_bytes  # noqa: E402
 from cost_models.evaluate import evaluate  # noqa: E402
-from cost_models.hardware import parse_cluster  # noqa: E402
+from cost_models.cluster_spec import parse_cluster  # noqa: E402
 from planner.solver.baselines import homogeneous_plan  # noqa: E402
 from plans.graph import Profile  # noqa: E402
 

@@ -135,7 +135,7 @@ class Check:
         return "ok", f"{params / 1e6:.0f} M parameters, {len(data['blocks'])} blocks, measured on {data.get('measured_on')}"
 
     def build_plans(self) -> dict[str, Path]:
-        from cost_models.hardware import parse_cluster
+        from cost_models.cluster_spec import parse_cluster
         from planner.solver.baselines import homogeneous_plan
         from plans.graph import load_profile
         from plans.plan import Memory, check_plan, save_plan

@@ -63,7 +63,7 @@ def median_after_warmup(times: list[float]) -> float:
 
 def overhead(model: str, steps: int) -> None:
     prof = profile_model(resolve(model))
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     cluster = parse_cluster("2xlocal-cpu")
     plan = build_plan(prof, cluster, Training(global_batch=16, micro_batches=1, schedule="1f1b", dtype="fp32"),

@@ -14,7 +14,8 @@ MODELS = ("tiny-vlm-heavy", "tiny-avlm")
 
 
 def heterogeneity(steps: int, calibrate: bool) -> None:
-    from cost_models.hardware import cluster_to_toml, parse_cluster
+    from cost_models.cluster_spec import parse_cluster
+    from cost_models.cluster_toml import cluster_to_toml
     from planner.profiler.profile import profile_model
     from planner.commands.run import run_plan
     from planner.solver.solve import solve

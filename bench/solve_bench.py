@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cost_models.hardware import parse_cluster  # noqa: E402
+from cost_models.cluster_spec import parse_cluster  # noqa: E402
 from planner.profiler.profile import profile_model  # noqa: E402
 from planner.solver.solve import solve  # noqa: E402
 from runtime.source import resolve  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from planner.solver.candidates import SELECTIVE, Setting, _layouts_of, profile_units, sp_divides
 from planner.profiler.profile import profile_model
 from planner.solver.search import build_layouts

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cost_models.hardware import cluster_from_toml, parse_cluster  # noqa: E402
+from cost_models.cluster_spec import parse_cluster  # noqa: E402
+from cost_models.cluster_toml import cluster_from_toml  # noqa: E402
 from planner.profiler.profile import profile_model  # noqa: E402
 from planner.commands.run import run_plan  # noqa: E402
 from planner.solver.diagnosis import state_bytes  # noqa: E402

@@ -367,7 +367,7 @@ def calibrate(
 ) -> None:
     """Measure this machine (matmul throughput, memory bandwidth, gloo collectives and p2p under load, the
     optimizer step, host<->device, disk, the runtime's fixed costs) and write it as a cluster TOML."""
-    from cost_models.hardware import cluster_to_toml
+    from cost_models.cluster_toml import cluster_to_toml
     from planner.calibrate.calibrate import measure
     from planner.calibrate.fit import to_cluster
     from plans.serial import write_atomic
@@ -386,7 +386,7 @@ def _calibration_table(cal, cluster):
     """What calibrate measured, beside the catalog entry of the same kind of device when there is one."""
     from rich.table import Table
 
-    from cost_models.hardware import CATALOG, GBps
+    from cost_models.catalog import CATALOG, GBps
     from planner.calibrate.probes import CONV_SHAPE
 
     name = cal.device_name.lower()

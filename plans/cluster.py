@@ -1,4 +1,4 @@
-"""The cluster a plan is solved for, as data: device spec, links, tiers' capacities (catalog in cost_models/hardware.py)."""
+"""The cluster a plan is solved for, as data: device spec, links, tiers' capacities (catalog in cost_models/catalog.py)."""
 from __future__ import annotations
 
 import math

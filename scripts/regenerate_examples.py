@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parents[1] / "plans" / "examples"
 
 def regenerate(out: Path = HERE, only: tuple[str, ...] | None = None) -> list[Path]:
     """Solve every example (or those named in `only`) and write <stem>.json into `out`; returns the paths."""
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.profiler.profile import profile_model
     from planner.solver.solve import solve
     from plans.plan import save_plan

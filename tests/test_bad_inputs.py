@@ -273,7 +273,7 @@ USER_MODELS = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
-    from cost_models.hardware import parse_cluster  # noqa: F401  (import cost outside the timed cases)
+    from cost_models.cluster_spec import parse_cluster  # noqa: F401  (import cost outside the timed cases)
     from planner.profiler.profile import profile_model
     from plans.graph import save_profile
     from runtime.source import resolve

@@ -18,7 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cost_models.hardware import CATALOG, cluster_from_toml, cluster_to_toml, load_cluster_toml, parse_cluster
+from cost_models.catalog import CATALOG
+from cost_models.cluster_spec import parse_cluster
+from cost_models.cluster_toml import cluster_from_toml, cluster_to_toml, load_cluster_toml
 from plans.errors import MmplanError
 from plans.graph import load_profile, profile_from_data
 from plans.plan import load_plan, plan_from_data

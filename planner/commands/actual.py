@@ -27,7 +27,8 @@ def actual_cluster(plan: Plan, backend: str) -> Cluster:
     """This machine as the run uses it: with nccl, the plan's cluster when CUDA's device is the plan's kind, else the
     catalog entry of that GPU on the plan's nodes (an unknown GPU: the plan's figures under CUDA's name, and the
     warning says so); with gloo, local-cpu ranks, one per rank of the plan, on the nodes of the plan."""
-    from cost_models.hardware import CATALOG, catalog_cluster
+    from cost_models.catalog import CATALOG
+    from cost_models.cluster_spec import catalog_cluster
 
     if backend == "nccl" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)

@@ -61,7 +61,7 @@ class DemoResult:
 def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CLUSTER, global_batch: int = 8,
              steps: int = 12, runs: int = RUNS, calibrate: bool = True,
              progress: Callable[[str, float], None] | None = None) -> DemoResult:
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from runtime.source import resolve
 
     note = progress or (lambda step, fraction: None)
@@ -105,7 +105,7 @@ def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda 
 
 def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, runs: int, calibrate: bool,
               note: Callable[[str, float], None], started: float) -> DemoResult:
-    from cost_models.hardware import cluster_to_toml
+    from cost_models.cluster_toml import cluster_to_toml
     from planner.commands.compare import load_compared, write_traces
     from planner.profiler.profile import profile_model
     from planner.commands.run import run_plan

@@ -38,7 +38,7 @@ def solve_from(source: tuple[str, str], *, profile_path, cluster: str, global_ba
     apply), the user's configuration as the plan, written to `output`; returns (Solution, Profile) as run_solve does."""
     import time
 
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.solver.solve import Solution
     from plans.graph import load_profile
     from plans.plan import save_plan

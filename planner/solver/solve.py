@@ -386,7 +386,7 @@ def run_solve(
     --baseline homogeneous / megatron (without --layout) write exactly the baseline plan `solve` compares with.
     started: a time.perf_counter() value --time-limit counts from (default now)."""
     started = time.perf_counter() if started is None else started
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from plans.graph import load_profile
     from plans.plan import save_plan
 

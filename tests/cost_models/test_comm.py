@@ -19,7 +19,7 @@ from cost_models.comm import (
     ring_bytes_sent,
     zero_collectives,
 )
-from cost_models.hardware import catalog_cluster
+from cost_models.cluster_spec import catalog_cluster
 from plans.cluster import Link
 
 GIB = 2**30

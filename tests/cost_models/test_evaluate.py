@@ -9,7 +9,7 @@ import pytest
 from cost_models.comm import all_reduce_time
 from cost_models.compute import block_time
 from cost_models.evaluate import evaluate, tokens_per_sample
-from cost_models.hardware import catalog_cluster
+from cost_models.cluster_spec import catalog_cluster
 from cost_models.trace import chrome_trace
 from plans import plan as P
 from plans.cluster import Cluster, Device, Link

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.hardware import (CATALOG, GB, GBps, TFLOPS, cluster_from_toml, cluster_to_toml, efficiency,
-                                  parse_cluster, peak_flops)
+from cost_models.catalog import CATALOG, GB, GBps, TFLOPS
+from cost_models.cluster_spec import parse_cluster
+from cost_models.cluster_toml import cluster_from_toml, cluster_to_toml
+from cost_models.hardware import efficiency, peak_flops
 from plans.cluster import Cluster, Device, Link
 from plans.errors import FormatError, MmplanError
 
@@ -43,7 +45,7 @@ def test_catalog_matches_datasheets():
     assert CATALOG["h200"].device.peak_flops == h100.device.peak_flops  # same GH100 compute
     assert CATALOG["h200"].device.memory_bandwidth == pytest.approx(4800 * GBps)
     assert 80 * GB < h100.device.memory_bytes < 86 * GB < CATALOG["h200"].device.memory_bytes
-    # per direction: NCCL's effective share (80 %, hardware._NCCL_NVLINK_FRACTION) of the 450 / 300 GB/s line rate
+    # per direction: NCCL's effective share (80 %, catalog._NCCL_NVLINK_FRACTION) of the 450 / 300 GB/s line rate
     assert h100.intra_node.bandwidth == pytest.approx(0.8 * 450 * GBps) and a100.intra_node.bandwidth == pytest.approx(0.8 * 300 * GBps)
     assert h100.inter_node.bandwidth == 50 * GBps and a100.inter_node.bandwidth == 25 * GBps  # 400 / 200 Gb/s
     assert h100.host_to_device.bandwidth == 50 * GBps and a100.host_to_device.bandwidth == 25 * GBps

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cost_models.compute import block_time
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from plans.graph import Block
 
 HOST = dict(forward_op_s=5e-6, backward_op_s=4e-6, saved_tensor_s=2e-6, released_tensor_s=1e-6)

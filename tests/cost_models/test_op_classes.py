@@ -7,7 +7,8 @@ import pytest
 
 from cost_models.comm import all_reduce_time
 from cost_models.compute import block_time, gemm_kernels_time, gemm_time, memory_time
-from cost_models.hardware import catalog_cluster, stream_bandwidth
+from cost_models.cluster_spec import catalog_cluster
+from cost_models.hardware import stream_bandwidth
 from cost_models.memory import kept_activation_bytes
 from cost_models.tail import BUCKET_BYTES, tail_over
 from plans.graph import Block

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from planner.solver import allocate
 from planner.solver.allocate import Allocator, assign_ranks, combined_bound, pick_solver
 from planner.solver.candidates import Setting, divisors, profile_units, unit_layouts

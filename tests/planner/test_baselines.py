@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from cost_models.evaluate import evaluate
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from planner.solver.baselines import (
     LayoutSpec,
     baseline_plan,

@@ -12,7 +12,9 @@ import torch
 import planner.calibrate.calibrate as calibrate_module
 import planner.calibrate.fit as fit_module
 import planner.calibrate.ranks as ranks_module
-from cost_models.hardware import cluster_to_toml, efficiency, parse_cluster
+from cost_models.cluster_spec import parse_cluster
+from cost_models.cluster_toml import cluster_to_toml
+from cost_models.hardware import efficiency
 from planner.calibrate.calibrate import calibrate
 from planner.calibrate.fit import efficiency_curve, fit_alpha_beta
 from planner.calibrate.probes import conv_flops

@@ -10,7 +10,7 @@ import planner.calibrate.calibrate as calibrate_module
 from planner.calibrate.fit import to_cluster
 from planner.calibrate.settings import Calibration
 from cost_models.evaluate import evaluate
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from planner.solver.baselines import gpipe_even_plan, homogeneous_plan
 from planner.cli import app
 from plans.cluster import Link

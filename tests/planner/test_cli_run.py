@@ -47,7 +47,7 @@ def test_a_plan_from_a_bf16_profile_with_two_colocated_groups_trains(tmp_path):
     prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
     assert runner.invoke(app, ["profile", "tiny-vlm", "--dtype", "bf16", "-o", str(prof), "--group", "llm.head=head"]).exit_code == 0
     # the solver's own colocated plan (solve itself emits the homogeneous baseline when that predicts faster)
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.solver.solve import solve
     from plans.graph import load_profile
     from plans.plan import save_plan

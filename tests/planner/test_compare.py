@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from cost_models.evaluate import evaluate
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from planner.solver.baselines import homogeneous_plan
 from planner.commands.compare import (
     Compared,

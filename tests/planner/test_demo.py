@@ -35,7 +35,7 @@ def test_demo_json_shape_on_a_small_setting(tmp_path):
 
 
 def test_the_default_setting_exists():
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from runtime.source import resolve
 
     cluster = parse_cluster(DEFAULT_CLUSTER)

@@ -10,7 +10,7 @@ from planner.solver.baselines import homogeneous_plan
 from planner.commands.compare import Compared
 from planner.solver.explain import PARTS, breakdown, per_gpu, why
 from planner.commands.report import compare_json
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from tests.planner.test_compare import chain_profile
 
 

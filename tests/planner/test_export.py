@@ -100,7 +100,7 @@ def test_megatron_bridge_expresses_every_group_on_its_own_ranks():
 
 
 def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ranks(llava):
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.solver.construct import GroupLayout, build_plan
     from plans.plan import Training
 
@@ -134,7 +134,7 @@ def test_recomputation_maps_to_megatron_granularity_and_method(llava):
     from planner.solver.baselines import homogeneous_plan
 
     profile, _ = llava
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     cluster = parse_cluster("64xh100-sxm")
     full = homogeneous_plan(profile, cluster, 256, "tp=2,pp=1,dp=32,recompute=full", predict=False)
@@ -155,7 +155,7 @@ def test_recomputation_maps_to_megatron_granularity_and_method(llava):
 
 
 def test_memory_tiers_map_to_each_targets_offload(llava):
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.solver.baselines import homogeneous_plan
 
     profile, _ = llava
@@ -196,7 +196,7 @@ def test_megatron_round_trip_gives_back_the_solved_plan(llava, tmp_path):
 
 
 def test_megatron_mimo_flags_become_two_groups_on_their_own_ranks(llava):
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     profile, _ = llava
     args = ("--encoder-tp 1 --encoder-dp 8 --llm-offset 8 --llm-tp 2 --llm-pp 4 --llm-dp 7 --micro-batch-size 8 "
@@ -246,7 +246,7 @@ def test_export_command_prints_or_writes(tmp_path):
 def test_interleaved_megatron_layout_round_trips(llava):
     """--num-layers-per-virtual-pipeline-stage: 4 chunks per rank, encoders on the first; exported as a layout of
     pp*v entries, read back to the same stages."""
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     profile, _ = llava
     cluster = parse_cluster("64xh100-sxm")

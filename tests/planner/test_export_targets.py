@@ -54,7 +54,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         save_profile(profile_model(resolve(model)), d / f"{model}.profile.json")
     # solved with ZeRO 0 only and no baselines: with ZeRO 0-3 searched the solver's best plans for these are unpipelined ZeRO layouts,
     # and what this file tests is that each target reads back every degree and cut point of a pipeline
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.solver.solve import solve
     from plans.graph import load_profile
     from plans.plan import save_plan

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from cost_models.evaluate import evaluate
-from cost_models.hardware import cluster_from_toml, cluster_to_toml, parse_cluster
+from cost_models.cluster_spec import parse_cluster
+from cost_models.cluster_toml import cluster_from_toml, cluster_to_toml
 from cost_models.overhead import optimizer_time
 from planner.commands.actual import on_actual_cluster
 from planner.calibrate.fit import fit_optimizer

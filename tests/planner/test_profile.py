@@ -165,7 +165,7 @@ def test_group_overrides(tmp_path):
 
 def test_a_contrastive_head_reduces_the_batch_and_plans_must_give_it_dp1(profiles):
     from planner.solver.construct import GroupLayout, build_plan
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from plans.errors import FormatError
     from plans.plan import Training
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from planner.solver.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_layouts
 from planner.solver.search import build_layouts
 from planner.solver.solve import VIRTUAL_STAGES, solve
@@ -333,7 +333,7 @@ def test_more_device_memory_never_gives_a_slower_plan():
     from dataclasses import replace
 
     from cost_models.evaluate import evaluate
-    from cost_models.hardware import load_cluster_toml
+    from cost_models.cluster_toml import load_cluster_toml
     from plans.graph import load_profile
 
     profile = load_profile(MONOTONE / "conv64.json")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from plans.graph import Block, Edge, Profile
 from plans.plan import Group, Plan, ProfileRef, Stage, Training, flow_of
 from plans.schedule import Task, schedule, task_name

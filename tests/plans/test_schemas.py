@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.hardware import CATALOG, cluster_from_toml, cluster_to_toml, parse_cluster
+from cost_models.catalog import CATALOG
+from cost_models.cluster_spec import parse_cluster
+from cost_models.cluster_toml import cluster_from_toml, cluster_to_toml
 from plans.errors import FormatError
 from plans.serial import parse_json, validate, write_atomic
 from runtime.train import StepMetrics

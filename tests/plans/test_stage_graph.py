@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.hardware import parse_cluster
+from cost_models.cluster_spec import parse_cluster
 from plans.errors import FormatError
 from plans.graph import Block, Edge, Profile
 from plans.plan import Group, Plan, ProfileRef, Stage, Training, flow_of

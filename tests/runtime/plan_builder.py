@@ -17,7 +17,7 @@ def profile(model: str, freeze: tuple[str, ...] = ()):
 
 
 def local_cluster(world: int):
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     return parse_cluster(f"{world}xlocal-cpu", gpus_per_node=world)
 

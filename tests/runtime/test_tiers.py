@@ -60,7 +60,7 @@ def test_a_bf16_plans_measured_peak_is_the_predicted_one():
     and bf16 activations, as the cost model counts them; the same plan run in fp32 measured 35 % above it."""
     from planner.profiler.profile import profile_model
     from planner.solver.solve import solve
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from runtime.source import resolve
 
     prof = profile_model(resolve("tiny-vlm"), dtype="bf16")
@@ -77,7 +77,7 @@ def test_training_beyond_device_memory_with_the_solvers_tier_plan(tmp_path):
     run keeps parity, stays within the budget, and its measured peak is what the cost model predicted."""
     import torch
 
-    from cost_models.hardware import cluster_from_toml
+    from cost_models.cluster_toml import cluster_from_toml
     from planner.solver.diagnosis import state_bytes
     from planner.profiler.profile import profile_model
     from planner.solver.solve import solve
