@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from cost_models.comm import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
 from cost_models.hardware import attention_efficiency, efficiency, peak_flops, sm_count, stream_bandwidth
-from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param
-from cost_models.offload import transfer_time
+from cost_models.memory import DTYPE_BYTES
+from cost_models.overhead import host_time, measured_compute_scale, with_host
 from plans.cluster import Cluster, Link
 from plans.graph import Block, Profile
 
@@ -291,8 +291,6 @@ def block_time(
     `cross_entropy_bytes`: (forward, backward) bytes per logit the runtime's cross-entropy moves on the output head
     (default: the fused vocabulary-parallel cross-entropy, two fp32 passes each way: _compute).
     """
-    from cost_models.overhead import host_time, measured_compute_scale, with_host  # (overhead imports this module)
-
     t = tp_shard(block, tp)
     core = 0.0
     measured = measured_micro_batch is not None and block.fwd_ms is not None and block.bwd_ms is not None
@@ -363,29 +361,3 @@ def mixed_precision_step_bytes(*, grad_bytes: int, zeroed_buffer: bool, loss_sca
     the gradients are set to None (nothing)."""
     copy = 2 + 4 if grad_bytes < 4 else 0
     return copy + (8 if loss_scaling else 0) + 4 + 2 + 4 + (grad_bytes if zeroed_buffer else 0)
-
-
-def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:
-    """Seconds of the optimizer step on one rank updating `params` parameters (its ZeRO shard).
-
-    The update is elementwise and memory-bound: it reads and writes the optimizer state (K bytes per
-    parameter, ZeRO section 3.1), reads the gradient and writes the parameter, once each, at the memory
-    bandwidth of the tier holding the optimizer state. On cpu (ZeRO-Offload, Ren et al. 2021) the
-    gradients go down and the parameters come back over PCIe when they live on the GPU; the Cluster has
-    no host-DRAM bandwidth, so the CPU update is timed at the host<->device bandwidth (a conservative
-    proxy: DDR per GPU is of the same order). On nvme the optimizer state is also read and written back
-    through the node's NVMe (ZeRO-Infinity).
-    """
-    width = DTYPE_BYTES[dtype]
-    state = optimizer_bytes_per_param(dtype, optimizer) * params  # bytes
-    touched = 2 * state + 2 * width * params
-    if memory.optimizer == "gpu":
-        return touched / cluster.device.memory_bandwidth
-    t = touched / cluster.host_to_device.bandwidth
-    if memory.grads == "gpu":
-        t += transfer_time(width * params, "cpu", cluster)
-    if memory.params == "gpu":
-        t += transfer_time(width * params, "cpu", cluster)
-    if memory.optimizer == "nvme":
-        t += transfer_time(2 * state, "nvme", cluster)
-    return t

@@ -1,9 +1,9 @@
-"""Time to move bytes between the GPU and the cpu / nvme tiers, and how much of it hides behind compute."""
+"""Time to move bytes between the GPU and the cpu / nvme tiers, what of it hides behind compute, the optimizer step there."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from cost_models.memory import StateTiers, zero_divisors
+from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_param, zero_divisors
 from plans.cluster import Cluster
 
 
@@ -62,3 +62,29 @@ def state_streaming(param_bytes: float, *, dp: int, zero: int, memory: StateTier
     share = zero_divisors(zero, dp)
     return Streaming(transfer_time(param_bytes / share.params, memory.params, cluster),
                      transfer_time(param_bytes / share.grads, memory.grads, cluster))
+
+
+def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:
+    """Seconds of the optimizer step on one rank updating `params` parameters (its ZeRO shard).
+
+    The update is elementwise and memory-bound: it reads and writes the optimizer state (K bytes per
+    parameter, ZeRO section 3.1), reads the gradient and writes the parameter, once each, at the memory
+    bandwidth of the tier holding the optimizer state. On cpu (ZeRO-Offload, Ren et al. 2021) the
+    gradients go down and the parameters come back over PCIe when they live on the GPU; the Cluster has
+    no host-DRAM bandwidth, so the CPU update is timed at the host<->device bandwidth (a conservative
+    proxy: DDR per GPU is of the same order). On nvme the optimizer state is also read and written back
+    through the node's NVMe (ZeRO-Infinity).
+    """
+    width = DTYPE_BYTES[dtype]
+    state = optimizer_bytes_per_param(dtype, optimizer) * params  # bytes
+    touched = 2 * state + 2 * width * params
+    if memory.optimizer == "gpu":
+        return touched / cluster.device.memory_bandwidth
+    t = touched / cluster.host_to_device.bandwidth
+    if memory.grads == "gpu":
+        t += transfer_time(width * params, "cpu", cluster)
+    if memory.params == "gpu":
+        t += transfer_time(width * params, "cpu", cluster)
+    if memory.optimizer == "nvme":
+        t += transfer_time(2 * state, "nvme", cluster)
+    return t

@@ -5,8 +5,8 @@ per-step cost of the runtime (Python, metrics, logging), what ZeRO's FSDP2 costs
 host's work of running a block op by op. Clusters without them (0) are timed as before."""
 from __future__ import annotations
 
-from cost_models.compute import optimizer_step_time
 from cost_models.memory import DTYPE_BYTES, StateTiers
+from cost_models.offload import optimizer_step_time
 from plans.cluster import Cluster
 from plans.graph import Block
 
@@ -20,7 +20,7 @@ def optimizer_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype
                    optimizer: str = "adam", tensors: float = 0.0) -> float:
     """Seconds of one rank's optimizer step over `params` parameters in `tensors` tensors.
 
-    Without measured costs: the memory-bandwidth model (compute.optimizer_step_time). With them, the measured
+    Without measured costs: the memory-bandwidth model (offload.optimizer_step_time). With them, the measured
     update (tensors x per-tensor + parameter bytes x per-byte: torch's Adam makes several elementwise passes over
     every state tensor, so a CPU rank updates ~10x slower than one pass at the memory bandwidth) replaces the
     modelled one when the state is in the device tier; in the cpu/nvme tiers the slower of the two is taken (the

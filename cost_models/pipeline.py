@@ -168,75 +168,14 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         sched = schedule(graph, plan.training.schedule)
     except FormatError as e:
         raise MmplanError(str(e)) from None
-    blocks = {b.name: b for b in profile.blocks}
-    for ch in graph.chunks:
-        for b in ch.blocks:
-            if b not in blocks:
-                raise MmplanError(f"block {b!r} of group {ch.group!r} is not in the profile of {profile.model!r}; re-solve the plan for this profile")
-    measured = profile.micro_batch if measured_on(profile, cluster) else None
     group_of = {g.name: g for g in plan.groups}
-    inputs = block_input_bytes(profile)
-    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
-                         overlapped_tp_backward, tp_comm_overlap, cross_entropy_bytes) for ch in graph.chunks]
-    lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
-    m, ncls = graph.micro_batches, len(graph.classes)
-    if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
-        for i, r in enumerate(graph.routes):
-            costs[r.src].fwd += lags[i]
-            if graph.has_backward(r.dst) and graph.has_backward(r.src):
-                costs[r.dst].bwd += lags[i]
-        lags = (0.0,) * len(lags)
-
+    costs, lags, sent = _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_grad_accumulation,
+                                     overlapped_tp_backward, tp_comm_overlap, cross_entropy_bytes)
     # the DAG: task ops (joint over the classes hosting their stage), then each class's tail ops
-    ops = _Ops()
-    stage_of = {c: s for s, cs in enumerate(graph.stages) for c in cs}
-    stage_classes = [sorted({graph.class_of[r] for r in graph.chunks[cs[0]].ranks}) for cs in graph.stages]
-    task_op: dict[Task, int] = {}
-    for k, order in enumerate(sched.orders):
-        for t in order:
-            op = task_op.get(t)
-            if op is None:
-                cost = costs[t.chunk]
-                op = task_op[t] = ops.op(cost.bwd if t.backward else cost.fwd, ("task", t), stage_classes[stage_of[t.chunk]])
-            ops.then(2 * k, op)
-    for i, r in enumerate(graph.routes):
-        consumer_backward = graph.has_backward(r.dst)
-        for j in range(m):
-            ops.depend(task_op[Task(r.src, j, False)], task_op[Task(r.dst, j, False)], lags[i])
-            if consumer_backward and graph.has_backward(r.src):
-                ops.depend(task_op[Task(r.dst, j, True)], task_op[Task(r.src, j, True)], lags[i])
-    tails = []
-    for s, cs in enumerate(graph.stages):
-        ch = graph.chunks[cs[0]]
-        g = group_of[ch.group]
-        # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
-        # chunk's, under the interleaved schedule)
-        tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
-                                tensors=sum(costs[c].tensors for c in cs),
-                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0,
-                                grad_bytes=grad_sync_bytes,
-                                gather_overlap_s=costs[cs[0]].time.fwd if overlapped_param_gather else None))
-        if optimizer_extra_bytes and g.stages[ch.stage].memory.optimizer == "gpu":  # see the docstring
-            updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
-            tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
-                                + optimizer_extra_bytes * updated / cluster.device.memory_bandwidth)
-    sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
-    gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
-    optimizer: dict[tuple[int, int], int] = {}
-    for k in range(ncls):
-        hosted = sorted({stage_of[c] for c in graph.class_chunks[k]})
-        last = ops.last(2 * k)
-        for s in hosted:  # syncs after the class's last task, in stage order (the runtime's reduce_gradients)
-            if last is not None:
-                ops.depend(last, sync[s], 0.0)
-            ops.then(2 * k + 1, sync[s])
-        for s in hosted:  # then every optimizer step, then the ZeRO 1-2 parameter all-gathers
-            opt = optimizer[k, s] = ops.op(tails[s].optimizer, ("optimizer", s), [k])
-            ops.depend(ops.last(2 * k + 1), opt, 0.0)
-            ops.then(2 * k, opt)
-        for s in hosted:
-            ops.depend(optimizer[k, hosted[-1]], gather[s], 0.0)
-            ops.then(2 * k + 1, gather[s])
+    ops, stage_of, stage_classes, task_op = _task_ops(graph, sched, costs, lags)
+    tails = _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_sync_bytes,
+                         overlapped_param_gather, optimizer_extra_bytes)
+    sync, gather, optimizer = _tail_ops(ops, graph, tails, stage_of, stage_classes)
     try:
         start, end = ops.run()
     except _Deadlock as stuck:  # cannot happen for orders from plans.schedule; kept as a loud guard
@@ -254,6 +193,97 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         ))
     return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of,
                    overhead=step_overhead(cluster))
+
+
+def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_grad_accumulation, overlapped_tp_backward,
+                 tp_comm_overlap, cross_entropy_bytes) -> tuple[list, tuple, tuple]:
+    """simulate's per-chunk costs and its routes' (lag, bytes sent); under `blocking_p2p` the sends become part of
+    the tasks (see simulate's docstring) and the lags 0."""
+    blocks = {b.name: b for b in profile.blocks}
+    for ch in graph.chunks:
+        for b in ch.blocks:
+            if b not in blocks:
+                raise MmplanError(f"block {b!r} of group {ch.group!r} is not in the profile of {profile.model!r}; re-solve the plan for this profile")
+    measured = profile.micro_batch if measured_on(profile, cluster) else None
+    inputs = block_input_bytes(profile)
+    costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
+                         overlapped_tp_backward, tp_comm_overlap, cross_entropy_bytes) for ch in graph.chunks]
+    lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
+    if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
+        for i, r in enumerate(graph.routes):
+            costs[r.src].fwd += lags[i]
+            if graph.has_backward(r.dst) and graph.has_backward(r.src):
+                costs[r.dst].bwd += lags[i]
+        lags = (0.0,) * len(lags)
+    return costs, lags, sent
+
+
+def _task_ops(graph, sched, costs, lags) -> tuple[_Ops, dict, list, dict[Task, int]]:
+    """The DAG's task ops, joint over the classes hosting their stage, in each class's order, with the routes'
+    dependencies; also each chunk's stage and each stage's classes."""
+    ops = _Ops()
+    m = graph.micro_batches
+    stage_of = {c: s for s, cs in enumerate(graph.stages) for c in cs}
+    stage_classes = [sorted({graph.class_of[r] for r in graph.chunks[cs[0]].ranks}) for cs in graph.stages]
+    task_op: dict[Task, int] = {}
+    for k, order in enumerate(sched.orders):
+        for t in order:
+            op = task_op.get(t)
+            if op is None:
+                cost = costs[t.chunk]
+                op = task_op[t] = ops.op(cost.bwd if t.backward else cost.fwd, ("task", t), stage_classes[stage_of[t.chunk]])
+            ops.then(2 * k, op)
+    for i, r in enumerate(graph.routes):
+        consumer_backward = graph.has_backward(r.dst)
+        for j in range(m):
+            ops.depend(task_op[Task(r.src, j, False)], task_op[Task(r.dst, j, False)], lags[i])
+            if consumer_backward and graph.has_backward(r.src):
+                ops.depend(task_op[Task(r.dst, j, True)], task_op[Task(r.src, j, True)], lags[i])
+    return ops, stage_of, stage_classes, task_op
+
+
+def _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_sync_bytes, overlapped_param_gather,
+                 optimizer_extra_bytes) -> list:
+    """Each stage's tail (gradient sync, optimizer step, parameter all-gather; simulate's switches applied)."""
+    tails = []
+    for s, cs in enumerate(graph.stages):
+        ch = graph.chunks[cs[0]]
+        g = group_of[ch.group]
+        # frozen blocks: no sync / update; the gradient buckets hide behind the stage's last backward (its first
+        # chunk's, under the interleaved schedule)
+        tails.append(stage_tail(g, ch.stage, sum(costs[c].trained for c in cs), plan.training, cluster,
+                                tensors=sum(costs[c].tensors for c in cs),
+                                overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0,
+                                grad_bytes=grad_sync_bytes,
+                                gather_overlap_s=costs[cs[0]].time.fwd if overlapped_param_gather else None))
+        if optimizer_extra_bytes and g.stages[ch.stage].memory.optimizer == "gpu":  # see the docstring
+            updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
+            tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
+                                + optimizer_extra_bytes * updated / cluster.device.memory_bandwidth)
+    return tails
+
+
+def _tail_ops(ops: _Ops, graph, tails, stage_of, stage_classes) -> tuple[list[int], list[int], dict[tuple[int, int], int]]:
+    """Each class's tail ops after its last task: the syncs in stage order (the runtime's reduce_gradients), then
+    every optimizer step, then the ZeRO 1-2 parameter all-gathers."""
+    sync = [ops.op(tails[s].grad_sync, ("sync", s), stage_classes[s]) for s in range(len(graph.stages))]
+    gather = [ops.op(tails[s].param_gather, ("gather", s), stage_classes[s]) for s in range(len(graph.stages))]
+    optimizer: dict[tuple[int, int], int] = {}
+    for k in range(len(graph.classes)):
+        hosted = sorted({stage_of[c] for c in graph.class_chunks[k]})
+        last = ops.last(2 * k)
+        for s in hosted:  # syncs after the class's last task, in stage order (the runtime's reduce_gradients)
+            if last is not None:
+                ops.depend(last, sync[s], 0.0)
+            ops.then(2 * k + 1, sync[s])
+        for s in hosted:  # then every optimizer step, then the ZeRO 1-2 parameter all-gathers
+            opt = optimizer[k, s] = ops.op(tails[s].optimizer, ("optimizer", s), [k])
+            ops.depend(ops.last(2 * k + 1), opt, 0.0)
+            ops.then(2 * k, opt)
+        for s in hosted:
+            ops.depend(optimizer[k, hosted[-1]], gather[s], 0.0)
+            ops.then(2 * k + 1, gather[s])
+    return sync, gather, optimizer
 
 
 # --- costs -------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from cost_models.comm import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
-from cost_models.compute import mixed_precision_step_bytes, optimizer_step_time
+from cost_models.compute import mixed_precision_step_bytes
+from cost_models.offload import optimizer_step_time
 from cost_models.offload import transfer_time
 from cost_models.pipeline import simulate
 from cost_models.tail import BUCKET_BYTES

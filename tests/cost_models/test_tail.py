@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.comm import all_gather_time, all_reduce_time, reduce_scatter_time
-from cost_models.compute import optimizer_step_time
+from cost_models.offload import optimizer_step_time
 from cost_models.cluster_spec import catalog_cluster
 from cost_models.tail import BUCKET_BYTES, stage_tail, tail_over
 from plans.plan import Group, Memory, Stage, Training
