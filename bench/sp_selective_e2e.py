@@ -9,7 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cost_models.cluster_spec import parse_cluster
-from planner.solver.candidates import SELECTIVE, Setting, _layouts_of, profile_units, sp_divides
+from planner.solver.candidates import _layouts_of, sp_divides
+from planner.solver.space import SELECTIVE, Setting
+from planner.solver.structure import profile_units
 from planner.profiler.profile import profile_model
 from planner.solver.search import build_layouts
 from planner.solver.segments import Segments

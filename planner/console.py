@@ -14,8 +14,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from plans.units import format_bytes
-
 # C0 controls (but newline and tab) -> their Unicode control pictures (U+2400..), DEL -> U+2421, C1 -> U+FFFD:
 # one character for one, so the styles of a rich Text keep their places
 _VISIBLE = {c: chr(0x2400 + c) for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\u2421"} | {c: "\ufffd" for c in range(0x80, 0xA0)}
@@ -61,11 +59,6 @@ def progress(description: str, *, enabled: bool = True) -> Iterator[Callable[[st
                   TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task(visible(description), total=1.0, step="")
         yield lambda step, fraction: bar.update(task, completed=fraction, step=visible(step))
-
-
-def short_by(need: float, have: float) -> str:
-    """"(3.2 MB short)": the shortfall in a unit that shows it (a fixed 0.00 GB hid small ones)."""
-    return f"({format_bytes(need - have)} short)"
 
 
 def human_count(n: float, unit: str = "") -> str:

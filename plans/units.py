@@ -9,3 +9,8 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def short_by(need: float, have: float) -> str:
+    """"(3.2 MB short)": the shortfall in a unit that shows it (a fixed 0.00 GB hid small ones)."""
+    return f"({format_bytes(need - have)} short)"

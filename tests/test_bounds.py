@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from planner.solver.candidates import divisors, micro_batch_counts
+from planner.solver.space import divisors, micro_batch_counts
 from planner.cli import app
 from plans.limits import MAX_FILE_BYTES, MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES
 from plans.serial import schema
@@ -137,7 +137,7 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused_before_launch(tmp_path):
 
 
 def test_a_shortfall_is_shown_in_a_unit_that_shows_it():
-    from planner.console import short_by
+    from plans.units import short_by
 
     assert short_by(8.004e9, 8e9) == "(4.0 MB short)"
     assert short_by(9e9, 8e9) == "(1.0 GB short)"

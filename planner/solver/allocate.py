@@ -13,8 +13,9 @@ from typing import Literal
 
 import pulp
 
-from planner.solver.bounds import boundary_bound, counted_bwd
-from planner.solver.candidates import Layout, Structure, Unit, allowed_gpus
+from planner.solver.bounds import Layout, boundary_bound, counted_bwd
+from planner.solver.space import Unit, allowed_gpus
+from planner.solver.structure import Structure
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 

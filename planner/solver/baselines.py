@@ -24,7 +24,7 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 # marks exactly those); "spans" are what a pipeline split counts: each layer with the non-layer
 # blocks (embeddings, norms, projector, head) that follow it, the blocks before the first layer joining it.
 # When a model has fewer layers than the split needs parts, every block is its own span. (A solver "unit",
-# planner/solver/candidates.py, is something else: the blocks that get one layout.)
+# planner/solver/structure.py, is something else: the blocks that get one layout.)
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "layers", "full"]

@@ -1,16 +1,15 @@
-"""Lower bounds of the simulated step time: per candidate layout, per (tp, dp) run, and per boundary between units."""
+"""A candidate layout (Layout) and lower bounds of the simulated step: per layout, per (tp, dp) run, per boundary."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from cost_models.comm import all_gather_time, fastest_link, link_between
 from cost_models.memory import warmup_forwards
+from planner.solver.space import Policy, Schedule
 from plans.cluster import Cluster
-
-if TYPE_CHECKING:
-    from planner.solver.candidates import Layout
+from plans.plan import Memory
 
 # Bounds. For the ILP and the branch-and-bound of planner/solver/allocate.py every layout carries terms of a lower
 # bound on the simulated step time of any plan using it. For stage k of a unit with per-micro-batch
@@ -57,6 +56,74 @@ class Bound:
     k4: tuple[tuple[float, ...], ...]
     busy: float
     trained: bool = True  # the unit's last stage runs backwards (a frozen source gets no gradient: no boundary back)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate layout of a unit with its per-stage costs (seconds, bytes per rank) and bound terms."""
+
+    unit: str
+    schedule: Schedule
+    micro_batches: int
+    tp: int
+    dp: int
+    zero: int
+    cuts: tuple[int, ...]
+    policies: tuple[Policy, ...]
+    downstream: int | None  # 1F1B sources: the stages after the unit its memory was sized for; None = any
+    assumed_downstream: int  # the depth memory and bounds assume (the largest possible when downstream is None)
+    fwd: tuple[float, ...]  # forward op of one micro-batch, per stage
+    bwd: tuple[float, ...]
+    lag: tuple[float, ...]  # p2p send between stage k and k+1 (each direction)
+    tail: tuple[float, ...]  # gradient sync + optimizer + parameter gather, per stage
+    optimizer: tuple[float, ...]
+    gather: tuple[float, ...]  # the parameter all-gather after the optimizer step (ZeRO 1-2)
+    gpu_bytes: tuple[float, ...]
+    cpu_bytes: tuple[float, ...]
+    nvme_bytes: tuple[float, ...]
+    samples: float  # per replica and micro-batch
+    out_bytes: float  # bytes per sample of the unit's smallest edge to another unit (sources)
+    entries: tuple[int, ...] = ()  # per feed of the unit: the stage holding its first fed block
+    slowest: float = 0.0  # the DP's objective
+    sequence_parallel: bool = False
+    # the stages each stage reads from, when that is not just the one before it (() = a linear pipeline: a unit
+    # holding two encoders side by side, or a block reading past a cut, is not); planner/solver/bounds.py follows it
+    preds: tuple[tuple[int, ...], ...] = ()
+    # per stage, whether the bounds may count on it running backwards (() = every stage): a stage of frozen blocks
+    # fed by no training stage runs forwards only (plans/stage_graph.StageGraph.trains)
+    backward: tuple[bool, ...] = ()
+    # interleaved 1F1B: model chunks per rank (cuts are then the pp * chunks - 1 chunk cut points, stage k holding chunks
+    # k, k + pp, ...; fwd / bwd / tail / bytes are per stage, chunk_fwd / chunk_bwd per chunk)
+    chunks: int = 1
+    chunk_fwd: tuple[float, ...] = ()
+    chunk_bwd: tuple[float, ...] = ()
+    bound: Bound = field(init=False, compare=False, repr=False)  # layout_bound, below
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bound", layout_bound(self))
+
+    @property
+    def pp(self) -> int:
+        return (len(self.cuts) + 1) // self.chunks
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def key(self) -> tuple:
+        return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies,
+                self.sequence_parallel, self.chunks)
+
+    def stage_blocks(self, blocks: Sequence[str]) -> list[tuple[str, ...]]:
+        """Per stage, its blocks in execution order (with chunks > 1: chunks k, k + pp, ... of stage k)."""
+        bounds = (0, *self.cuts, len(blocks))
+        parts = [tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [tuple(x for c in parts[k::self.pp] for x in c) for k in range(self.pp)]
+
+    def memories(self, blocks: Sequence[str], cores: Collection[str] | None = None) -> tuple[Memory, ...]:
+        """Per-stage plan Memory of the layout (blocks: the unit's block names; cores: those with an attention core)."""
+        return tuple(pol.memory(names, cores) for pol, names in zip(self.policies, self.stage_blocks(blocks)))
 
 
 def layout_bound(lay: Layout) -> Bound:

@@ -8,13 +8,15 @@ from dataclasses import replace
 import numpy as np
 
 from cost_models.memory import model_state_bytes
-from planner.console import short_by
-from planner.solver.candidates import GPU_ONLY, OFFLOAD, Policy, Setting, divisors, profile_units, stage_in_flight, tp_degrees, zero_stages
+from planner.solver.candidates import stage_in_flight, zero_stages
 from planner.solver.partition import cut_table
 from planner.solver.segments import Segments
+from planner.solver.space import GPU_ONLY, OFFLOAD, Policy, Setting, divisors, tp_degrees
+from planner.solver.structure import profile_units
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
+from plans.units import short_by
 
 
 def state_bytes(profile: Profile, dtype: str) -> float:

@@ -9,20 +9,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from planner.solver.allocate import Allocator, Choice, Solver, assign_ranks
-from planner.solver.candidates import (
-    Layout,
-    Setting,
-    Structure,
-    Unit,
-    _layouts_of,
-    sp_values,
-    unit_layouts,
-    unit_runs,
-    zero_stages,
-)
+from planner.solver.bounds import Layout
+from planner.solver.candidates import _layouts_of, sp_values, unit_layouts, unit_runs, zero_stages
 from planner.solver.construct import GroupLayout, build_plan
 from planner.solver.segments import BlockTimes, Segments
+from planner.solver.space import Setting, Unit
 from planner.solver.tiers import place_tiers
+from planner.solver.structure import Structure
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,11 +12,9 @@ from cost_models.memory import DTYPE_BYTES, activation_residency, activation_tra
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import optimizer_tensor_time, zero_block_time, zero_optimizer_time
 from cost_models.tail import BUCKET_BYTES, tail_over
+from planner.solver.space import Policy, Setting, Unit
 from plans.cluster import Link
 from plans.graph import Block
-
-if TYPE_CHECKING:
-    from planner.solver.candidates import Policy, Setting, Unit
 
 # A stage of blocks [i, j) of a unit costs what cost_models/ says of those blocks: op times (the simulator's
 # chunk costs), its tail (tail.tail_over) and its bytes per tier (memory.stage_memory's terms). Here they are
@@ -81,7 +78,7 @@ class BlockTimes:
             shard = np.array([tp_shard(b, tp) for b in blocks], dtype=float)
             params = np.array([b.params for b in blocks], dtype=float) / shard
             act = np.array([kept_activation_bytes(b, tp, sequence_parallel=sp) for b in blocks], dtype=float) * samples
-            # selective recompute (only blocks with an attention core take the tier, planner/candidates.Policy.memory):
+            # selective recompute (only blocks with an attention core take the tier, planner/solver/space.Policy.memory):
             # the core leaves the saved activations, its forward is rerun in the backward, and one block's core is
             # rebuilt at a time (memory.stage_memory's transient)
             cores = np.array([b.attention_core_bytes > 0 for b in blocks])

@@ -9,11 +9,13 @@ from typing import Literal
 
 from cost_models.compute import measured_on
 from cost_models.memory import DTYPE_BYTES
-from planner.solver.allocate import Solver, pick_solver
-from planner.solver.candidates import GPU_ONLY, OFFLOAD, ZERO_STAGES, Setting, Structure, Unit, micro_batch_counts, profile_units
-from planner.solver.diagnosis import check_capacity, no_fit
 from planner.solver import baselines
+from planner.solver.allocate import Solver, pick_solver
+from planner.solver.candidates import ZERO_STAGES
+from planner.solver.diagnosis import check_capacity, no_fit
 from planner.solver.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
+from planner.solver.space import GPU_ONLY, OFFLOAD, Setting, Unit, micro_batch_counts
+from planner.solver.structure import Structure, profile_units
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile

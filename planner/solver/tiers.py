@@ -22,10 +22,10 @@ from cost_models.memory import (
 from cost_models.offload import state_streaming, transfer_time
 from cost_models.tail import tail_over
 from planner.solver.allocate import Solver, _solver, pick_solver
-from planner.console import short_by
 from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import ActivationTier, Memory, Plan, Tier, check_plan
+from plans.units import short_by
 
 # Formulation, for the stages s of a plan whose layout and ranks are fixed (cost_models/memory.stage_memory
 # and pipeline.py's chunk costs, term by term, their constants computed by the cost_models functions named

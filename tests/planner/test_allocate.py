@@ -8,7 +8,9 @@ import pytest
 from cost_models.cluster_spec import parse_cluster
 from planner.solver import allocate
 from planner.solver.allocate import Allocator, assign_ranks, combined_bound, pick_solver
-from planner.solver.candidates import Setting, divisors, profile_units, unit_layouts
+from planner.solver.candidates import unit_layouts
+from planner.solver.space import Setting, divisors
+from planner.solver.structure import profile_units
 from plans.errors import MmplanError
 from tests.planner.test_solve import random_instance
 

@@ -1,4 +1,4 @@
-"""The solver's vectorised stage figures (planner/candidates.Segments) are the cost model's own: over random plans,
+"""The solver's vectorised stage figures (planner/solver/segments.Segments) are the cost model's own: over random plans,
 every segment's op times, tail and memory equal what cost_models computes for the built plan."""
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from cost_models.evaluate import evaluate
 from cost_models.memory import block_input_bytes, stage_memory
 from cost_models.tail import stage_tail
-from planner.solver.candidates import GPU_ONLY, OFFLOAD, Setting, allowed_gpus, profile_units, stage_in_flight
+from planner.solver.candidates import stage_in_flight
+from planner.solver.space import GPU_ONLY, OFFLOAD, Setting, allowed_gpus
+from planner.solver.structure import profile_units
 from planner.solver.construct import GroupLayout, build_plan, megatron_ranks
 from planner.solver.segments import Segments
 from plans.cluster import Cluster, Device, Link

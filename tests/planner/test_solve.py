@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from cost_models.cluster_spec import parse_cluster
-from planner.solver.candidates import GPU_ONLY, Setting, divisors, profile_units, unit_layouts
+from planner.solver.candidates import unit_layouts
+from planner.solver.space import GPU_ONLY, Setting, divisors
+from planner.solver.structure import profile_units
 from planner.solver.search import build_layouts
 from planner.solver.solve import VIRTUAL_STAGES, solve
 from plans.cluster import Cluster, Device, Link
