@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cost_models.evaluate import evaluate  # noqa: E402
-from planner.solver.baselines import LayoutSpec, homogeneous_plan  # noqa: E402
+from planner.solver.baselines import homogeneous_plan  # noqa: E402
+from planner.solver.layout_spec import LayoutSpec  # noqa: E402
 from planner.calibrate.calibrate import calibrate  # noqa: E402
 from planner.profiler.profile import profile_model  # noqa: E402
 from runtime.source import call_factory, resolve  # noqa: E402

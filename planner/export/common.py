@@ -196,7 +196,7 @@ def nearest_chain(plan: Plan, drops: Drops, why: str = "per-group layouts") -> C
 
 @dataclass(frozen=True)
 class Recompute:
-    """Recomputation as the Megatron family of targets expresses it (the convention of planner/solver/baselines.py:
+    """Recomputation as the Megatron family of targets expresses it (the convention of planner/solver/megatron_split.py:
     "full" recomputes every block, "selective" every transformer layer; "block" the first k layers of each stage)."""
 
     kind: str  # "none" | "full" | "selective" | "block"

@@ -10,8 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from cost_models.memory import DTYPE_BYTES
-from planner.solver.baselines import LayoutSpec, check_layout, homogeneous_plan
+from planner.solver.baselines import homogeneous_plan
 from planner.solver.construct import GroupLayout, build_plan, with_predictions
+from planner.solver.layout_spec import LayoutSpec, check_layout
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile

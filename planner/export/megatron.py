@@ -125,7 +125,7 @@ def no_activation_offload(stages, drops: Drops) -> tuple[Stage, ...]:
 
 def model_chunks(stages, v: int, roles: Roles, drops: Drops):
     """(blocks, memory) per model chunk in Megatron's layout order: chunk c of stage i is entry c*pp + i. With v > 1
-    each stage's blocks fall into v runs of consecutive layers (planner/solver/baselines.py's interleaved split)."""
+    each stage's blocks fall into v runs of consecutive layers (planner/solver/megatron_split.py's interleaved split)."""
     if v == 1:
         return [(s.blocks, s.memory) for s in stages]
     per_stage = [_runs(s, roles) for s in stages]

@@ -177,7 +177,7 @@ def solve(
         return _baseline_solution(homogeneous, search, started, "homogeneous")
     if not any(s == "chain" for s, _ in structures) and search.best is not None:
         search.best = (search.best[0], search.best[1], "baseline")  # outside the requested placement: a baseline
-    # 2. the Megatron-style baseline (its grid of homogeneous layouts, searched by baselines.search)
+    # 2. the Megatron-style baseline (its grid of homogeneous layouts, searched by baseline_search.search)
     megatron = None
     if baseline and not search.out_of_time():
         note("Megatron-style baseline", 0.3)

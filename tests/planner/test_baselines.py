@@ -7,19 +7,18 @@ import pytest
 
 from cost_models.evaluate import evaluate
 from cost_models.cluster_spec import parse_cluster
+from planner.solver.baseline_search import screen
 from planner.solver.baselines import (
-    LayoutSpec,
     baseline_plan,
     best_homogeneous,
     gpipe_even_plan,
     grid_layouts,
     homogeneous_grid,
     homogeneous_plan,
-    parse_layout,
-    screen,
-    split_blocks,
     zero3_plan,
 )
+from planner.solver.layout_spec import LayoutSpec, parse_layout
+from planner.solver.megatron_split import split_blocks
 from plans.stage_graph import stage_graph
 from plans.errors import MmplanError
 from plans.plan import check_plan, load_plan, save_plan
@@ -237,7 +236,8 @@ def test_megatron_split_puts_the_encoders_on_the_first_stage_and_splits_the_llm_
 
 
 def test_best_megatron_searches_zero_and_schedules_and_every_stage_zero_holds_the_encoders(tiny, four):
-    from planner.solver.baselines import best_megatron, llm_start
+    from planner.solver.baselines import best_megatron
+    from planner.solver.megatron_split import llm_start
 
     plan = best_megatron(tiny, four, 8)
     assert plan.predicted.fits and plan.solver.method == "baseline:megatron"
@@ -275,7 +275,8 @@ def test_a_fitting_full_recompute_layout_is_not_dropped_for_a_cheaper_one_the_gr
     """The megatron grid searches recompute none | selective | full; a full-recompute layout that fits was skipped
     whenever its 'layers' variant (not in the grid) fit too, so on Qwen2-VL-72B over 16 A100s no fitting layout
     was left and the least-memory one (10.4 s) was reported, overstating solve's speed-up over it 1.73x for 1.10x."""
-    from planner.solver.baselines import best_megatron, parse_layout
+    from planner.solver.baselines import best_megatron
+    from planner.solver.layout_spec import parse_layout
     from planner.profiler.profile import profile_model
     from planner.solver.solve import usable_cluster
     from runtime.source import resolve

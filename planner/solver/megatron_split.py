@@ -1,0 +1,112 @@
+"""The Megatron-style split of a homogeneous layout into pipeline stages, and the plan that layout builds."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from cost_models.memory import DTYPE_BYTES
+from planner.solver.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
+from planner.solver.layout_spec import LayoutSpec, Recompute, Split
+from plans.cluster import Cluster
+from plans.errors import MmplanError
+from plans.graph import Profile
+from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
+
+# Vocabulary: a "layer" is a transformer layer, i.e. a block that supports tensor parallelism (the profiler
+# marks exactly those); "spans" are what a pipeline split counts: each layer with the non-layer
+# blocks (embeddings, norms, projector, head) that follow it, the blocks before the first layer joining it.
+# When a model has fewer layers than the split needs parts, every block is its own span. (A solver "unit",
+# planner/solver/structure.py, is something else: the blocks that get one layout.)
+
+GROUP = "model"  # the one group of a homogeneous plan: every block in one pipeline
+
+
+def layer_count(profile: Profile) -> int:
+    """Transformer layers of the model (blocks that support tensor parallelism)."""
+    return sum(1 for b in profile.blocks if b.supports_tp)
+
+
+def llm_start(profile: Profile) -> int:
+    """Index of the first block of the LLM: the group holding the model's last block (the sink)."""
+    sink = profile.blocks[-1].group
+    return next(i for i, b in enumerate(profile.blocks) if b.group == sink)
+
+
+def llm_layer_count(profile: Profile) -> int:
+    """Transformer layers of the LLM (what a Megatron-style MIMO split counts)."""
+    return sum(1 for b in profile.blocks[llm_start(profile):] if b.supports_tp)
+
+
+def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[tuple[str, ...]]:
+    """The model's blocks in `parts` contiguous chunks of (nearly) equal layer count, Megatron-style.
+
+    Each non-layer block goes with the layer before it (the blocks before the first layer with the first
+    layer), so embeddings land in the first chunk and the final norm and head in the last. When the layer
+    count does not divide evenly, the last chunks get one layer more (the first pipeline stage holds the
+    most micro-batches in flight under 1F1B). Fewer layers than parts: every block counts as a layer.
+    split "megatron" (Megatron's MIMO recipe): only the LLM's layers count, so the encoders and projectors all
+    land on the first chunk with the LLM's embedding and first layers.
+    """
+    blocks = profile.blocks
+    first = llm_start(profile) if split == "megatron" else 0
+    if parts < 1 or parts > len(blocks) - first:
+        raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
+                          f"use at most {len(blocks) - first} (pp x virtual stages)")
+    starts = [i for i in range(first, len(blocks)) if blocks[i].supports_tp]
+    if len(starts) < parts:
+        starts = list(range(first, len(blocks)))
+    starts[0] = 0  # the blocks before the first layer join it
+    spans = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
+    q, r = divmod(len(spans), parts)
+    sizes = [q] * (parts - r) + [q + 1] * r
+    out, i = [], 0
+    for n in sizes:
+        out.append(tuple(b.name for u in spans[i:i + n] for b in u))
+        i += n
+    return out
+
+
+def spec_stages(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
+    """Blocks of each pipeline stage; with v chunks per rank stage i holds chunks i, i+pp, ... (Megatron)."""
+    chunks = split_blocks(profile, spec.pp * spec.virtual_stages, spec.split)
+    return [tuple(b for k in range(i, len(chunks), spec.pp) for b in chunks[k]) for i in range(spec.pp)]
+
+
+def recomputed_tiers(profile: Profile, blocks: Iterable[str], recompute: Recompute) -> dict[str, str]:
+    """Activation tiers for `recompute`: full = every block recomputed; layers = the transformer layers recomputed
+    whole (DeepSpeed-style activation checkpointing); selective = Megatron's selective recomputation, the attention
+    core of every block that has one (Korthikanti et al. 2022, section 5; the runtime's "selective" tier)."""
+    if recompute == "none":
+        return {}
+    by_name = {b.name: b for b in profile.blocks}
+    if recompute == "selective":
+        return {b: "selective" for b in blocks if by_name[b].attention_core_bytes > 0}
+    return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
+
+
+def spec_training(profile: Profile, spec: LayoutSpec, global_batch: int) -> Training:
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+    return Training(global_batch=global_batch, micro_batches=global_batch // (spec.dp * spec.micro_batch),
+                    schedule=spec.schedule, virtual_stages=spec.virtual_stages, dtype=dtype)
+
+
+def build_spec_plan(profile: Profile, cluster: Cluster, global_batch: int, spec: LayoutSpec, solver: SolverInfo,
+           *, predict: bool = True, schema: bool = True) -> Plan:
+    training = spec_training(profile, spec, global_batch)
+    stages = spec_stages(profile, spec)
+    memory = tuple(Memory(activations=recomputed_tiers(profile, blocks, spec.recompute)) for blocks in stages)
+    ranks = megatron_ranks(spec.dp, spec.tp, spec.pp)
+    if spec.virtual_stages == 1:
+        names = tuple(b for s in stages for b in s)
+        cuts = tuple(sum(len(s) for s in stages[:i]) for i in range(1, spec.pp))
+        layout = GroupLayout(GROUP, names, cuts, spec.dp, spec.tp, ranks, zero=spec.zero, memory=memory,
+                             sequence_parallel=spec.sequence_parallel)
+        return build_plan(profile, cluster, training, [layout], solver, predict=predict, schema=schema)
+    # Interleaved: GroupLayout could say this too (chunks = v, stage k holding chunks k, k + pp, ...); the Group is built
+    # here from the stage lists instead, and finished as build_plan does (checked with the profile, which fills in the
+    # plan's data flow, then predictions attached).
+    per = spec.dp * spec.tp
+    group = Group(GROUP, spec.dp, spec.tp, spec.pp, zero=spec.zero, sequence_parallel=spec.sequence_parallel and spec.tp > 1, stages=tuple(
+        Stage(blocks, ranks[i * per:(i + 1) * per], memory[i]) for i, blocks in enumerate(stages)))
+    plan = check_plan(Plan(ProfileRef(profile.model, profile.fingerprint), cluster, training, (group,), solver=solver), profile,
+                      schema=schema)
+    return with_predictions(plan, profile)[0] if predict else plan
