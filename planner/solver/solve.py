@@ -22,11 +22,11 @@ from plans.graph import Profile
 from plans.plan import Plan, SolverInfo
 
 # The search, in order (each step its own module):
-# 1. units (planner/candidates.profile_units): the profile's groups, a projector or head merged into its
+# 1. units (planner/solver/structure.profile_units): the profile's groups, a projector or head merged into its
 #    neighbour; three structures -- "chain" (every block in one unit: one layout, cut anywhere),
 #    "non-colocated" (one unit per modality, each on its own disjoint ranks) and "colocated" (every unit on
 #    the same ranks, encoders replicated/sharded over them with pp = 1, the LLM pipelined);
-# 2. candidate layouts per unit and number of micro-batches m (planner/candidates.unit_layouts), cut points
+# 2. candidate layouts per unit and number of micro-batches m (planner/solver/candidates.unit_layouts), cut points
 #    by the DP of planner/solver/partition.py, each with exact per-stage costs (planner/solver/segments.py) and a lower
 #    bound of the step time (planner/solver/bounds.py);
 # 3. the allocation ILP (planner/solver/allocate.py) proposes the combination of smallest bound; it is built and
@@ -154,22 +154,11 @@ def solve(
                     time_limit=time_limit)
     structures = _structures(profile, usable, placement)
     ms = micro_batch_counts(global_batch, micro_batch)
-    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
-    measured = profile.micro_batch if measured_on(profile, usable) else None
-    setting = Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros),
-                      virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else (), sequence_parallel=tuple(sequence_parallel))
+    setting = _setting(profile, usable, global_batch, schedule, zeros, sequence_parallel)
     # 1. the homogeneous baseline: the chain structure alone (one layout for every block, cut points by the DP),
     #    searched first so that its step prunes the heterogeneous structures
-    chain = [(s, u) for s, u in structures if s == "chain"]
-    rest = [(s, u) for s, u in structures if s != "chain"]
-    if baseline and not chain:
-        chain = [("chain", profile_units(profile, "chain"))]
-    proved = True
-    gap = 0.0
-    offload = False
-    if chain and emit != "megatron":
-        quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
-        proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
+    chain, rest, proved, gap, offload = _chain_first(search, profile, structures, setting, ms, solver, memory_tiers,
+                                                     baseline, emit)
     homogeneous = _homogeneous_plan(search, cluster, memory_reserve, memory_tiers) if baseline and emit != "megatron" else None
     if emit == "homogeneous":
         if homogeneous is None:
@@ -187,12 +176,7 @@ def solve(
         if megatron is None and search.stopped_early:
             raise no_fit(profile, usable, setting, structures, memory_tiers, True)
         if megatron is None or not megatron.predicted.fits:
-            need = f"; its least-loaded layout needs {max(m.gpu for m in megatron.predicted.memory) / 1e9:,.2f} GB on its " \
-                   f"fullest GPU" if megatron is not None else ""
-            raise MmplanError(f"no Megatron-style layout of {profile.model} fits {usable.world_size} x {usable.device.name} "
-                              f"({usable.device.memory_bytes / 1e9:,.2f} GB usable per GPU){need}: that baseline keeps every "
-                              f"state and activation on the GPU; solve without --baseline places them in CPU / NVMe tiers, "
-                              f"or add GPUs")
+            raise _megatron_unfit(profile, usable, megatron)
         return _baseline_solution(megatron, search, started, "megatron")
     # 3. the heterogeneous structures, pruned by the best step so far
     if rest and not search.out_of_time():
@@ -201,6 +185,51 @@ def solve(
     if search.best is not None and memory_tiers and not search.out_of_time():
         note("choosing memory tiers", 0.9)
         refine_tiers(search)
+    return _solution(search, profile, cluster, usable, setting, structures, memory_tiers, memory_reserve, homogeneous,
+                     megatron, proved, gap, started, note)
+
+
+def _setting(profile: Profile, usable: Cluster, global_batch: int, schedule: Schedule, zeros: tuple[int, ...],
+             sequence_parallel: tuple[bool, ...]) -> Setting:
+    """What the search holds fixed (GPU-only tiers first; _search adds CPU / NVMe ones when nothing fits)."""
+    searched = "1f1b" if schedule == "interleaved" else schedule
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
+    measured = profile.micro_batch if measured_on(profile, usable) else None
+    return Setting(usable, global_batch, searched, dtype, "adam", measured, GPU_ONLY, zeros=tuple(zeros),
+                   virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else (), sequence_parallel=tuple(sequence_parallel))
+
+
+def _chain_first(search: Search, profile: Profile, structures, setting: Setting, ms, solver: Solver, memory_tiers: bool,
+                 baseline: bool, emit: str):
+    """Step 1 of solve: the chain structure (added for the baseline when the placement leaves it out) searched alone;
+    returns (chain, the other structures, proved, gap, tiers were needed)."""
+    chain = [(s, u) for s, u in structures if s == "chain"]
+    rest = [(s, u) for s, u in structures if s != "chain"]
+    if baseline and not chain:
+        chain = [("chain", profile_units(profile, "chain"))]
+    proved = True
+    gap = 0.0
+    offload = False
+    if chain and emit != "megatron":
+        quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
+        proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
+    return chain, rest, proved, gap, offload
+
+
+def _megatron_unfit(profile: Profile, usable: Cluster, megatron: Plan | None) -> MmplanError:
+    """solve --baseline megatron when no Megatron-style layout fits."""
+    need = f"; its least-loaded layout needs {max(m.gpu for m in megatron.predicted.memory) / 1e9:,.2f} GB on its " \
+           f"fullest GPU" if megatron is not None else ""
+    return MmplanError(f"no Megatron-style layout of {profile.model} fits {usable.world_size} x {usable.device.name} "
+                       f"({usable.device.memory_bytes / 1e9:,.2f} GB usable per GPU){need}: that baseline keeps every "
+                       f"state and activation on the GPU; solve without --baseline places them in CPU / NVMe tiers, "
+                       f"or add GPUs")
+
+
+def _solution(search: Search, profile: Profile, cluster: Cluster, usable: Cluster, setting: Setting, structures,
+              memory_tiers: bool, memory_reserve: float, homogeneous: Plan | None, megatron: Plan | None, proved: bool,
+              gap: float, started: float, note: Progress) -> Solution:
+    """The end of solve: the search's best plan, or a baseline when it is faster (or the search found none)."""
     mega_fits = megatron is not None and megatron.predicted.fits
     if search.best is None and not mega_fits:
         raise no_fit(profile, usable, setting, structures, memory_tiers, search.stopped_early)
