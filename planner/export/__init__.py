@@ -34,6 +34,7 @@ def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str 
         raise MmplanError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
     drops = Drops(target, lossy)
     text = modules[target].export(plan, drops, source)
+    drops.check()
     return Export(target, text, tuple(drops.dropped))
 
 

@@ -22,6 +22,15 @@ from plans.plan import Group, Memory, Plan, Stage
 
 _LAYER = re.compile(r"\.\d+$")
 
+# The version of each target the exports are written for and checked with (tests/planner/test_export_targets.py;
+# pinned copies in tests/fixtures/README.md); every export's header and `mmplan export --to`'s help name it.
+VERSIONS = {
+    "megatron": "Megatron-LM core_v0.16.1 (megatron-core 0.16.1); an encoder on its own ranks: Megatron-LM main d98e8a64dd",
+    "megatron-bridge": "Megatron-Bridge main 0.7.0 (commit 067f987df0) on megatron-core 0.16.1",
+    "torchtitan": "torchtitan 0.3.0",
+    "deepspeed": "DeepSpeed 0.19.8",
+}
+
 
 class Unsupported(MmplanError):
     """A feature of the plan the target cannot express (the CLI prints it on one line and exits 2)."""
@@ -35,26 +44,41 @@ class Drops:
     lossy: bool
     dropped: list[str] = field(default_factory=list)
 
+    refused: list[tuple[str, str]] = field(default_factory=list)  # without --lossy: every feature, raised at the end
+
     def cannot(self, feature: str, nearest: str) -> None:
-        """The target cannot express `feature`; with --lossy the export uses `nearest` instead and says so."""
+        """The target cannot express `feature`; with --lossy the export uses `nearest` instead and says so. Without
+        it the exporter goes on with `nearest` too, so that `check` names every such feature in one error."""
         if not self.lossy:
-            raise Unsupported(f"{self.target} cannot express {feature}; "
-                              f"--lossy exports the nearest plan ({nearest}) and lists what it dropped")
+            self.refused.append((feature, nearest))
         self.dropped.append(f"{feature} -> {nearest}")
+
+    def check(self) -> None:
+        """Raise Unsupported naming every feature the target cannot express (one line), unless --lossy."""
+        if self.refused:
+            features = "; ".join(f"({i}) {f}" if len(self.refused) > 1 else f for i, (f, _) in enumerate(self.refused, 1))
+            nearest = "; ".join(n for _, n in self.refused)
+            raise Unsupported(f"{self.target} cannot express {features}; --lossy exports the nearest plan ({nearest}) "
+                              "and lists what it dropped")
 
 
 @dataclass(frozen=True)
 class Roles:
     """Which blocks are the LLM's, which are transformer layers (see the vocabulary above)."""
 
-    llm: str  # top-level module of the LLM, e.g. "llm"
+    llm: str  # top-level module of the LLM, e.g. "llm"; "" for a text-only model whose blocks are top-level (embed, layers.N, head)
 
     @classmethod
     def of(cls, plan: Plan) -> Roles:
-        return cls(top(plan.groups[-1].stages[-1].blocks[-1]))
+        last = plan.groups[-1].stages[-1].blocks[-1]
+        return cls(top(last) if "." in last else "")
 
     def is_llm(self, block: str) -> bool:
-        return top(block) == self.llm
+        return not self.llm or top(block) == self.llm
+
+    def local(self, block: str) -> str:
+        """The block's name inside the LLM: `llm.layers.3` -> `layers.3` (a text-only model's names are already)."""
+        return block.split(".", 1)[1] if self.llm and "." in block else block if not self.llm else ""
 
     @staticmethod
     def is_layer(block: str) -> bool:
@@ -98,6 +122,7 @@ class Chain:
     zero: int
     stages: tuple[Stage, ...]
     note: str = ""  # how the ranks were renumbered, if they were
+    sequence_parallel: bool | None = None  # None: the plan's groups' (they are the chain); else the kept group's
 
     @property
     def pp(self) -> int:
@@ -162,9 +187,11 @@ def chain_view(plan: Plan) -> Chain | None:
     return Chain(first.dp, first.tp, first.zero, laid, note)
 
 
-def nearest_chain(plan: Plan, drops: Drops, why: str = "per-group layouts") -> Chain:
+def nearest_chain(plan: Plan, drops: Drops, why: str = "per-group layouts", *, headline: bool = True) -> Chain:
     """The plan as one pipeline; when it is not one, the nearest: the LLM group's layout over every GPU with the
-    other groups' blocks in its first stage (Megatron's place for encoders), each change recorded in `drops`."""
+    other groups' blocks in its first stage (Megatron's place for encoders), each change recorded in `drops`: the
+    headline (skipped when the caller has said it) and every semantic change per group (ZeRO stage, tp, dp,
+    sequence parallelism), which a headline alone would hide."""
     chain = chain_view(plan)
     if chain is not None:
         return chain
@@ -184,11 +211,28 @@ def nearest_chain(plan: Plan, drops: Drops, why: str = "per-group layouts") -> C
                      f"{'colocated with ' + repr(g.colocated_with) if g.colocated_with else 'on ranks ' + span(g.ranks)}"
                      for g in others)
     layout = f"the layout of group {main.name!r}, dp={dp} tp={main.tp} pp={main.pp}, over ranks 0-{dp * per_stage - 1}"
-    if others:
+    if headline and others:
         drops.cannot(f"{why}: {what}", f"{layout}, the other groups' blocks in its first stage")
-    else:
+    elif headline:
         drops.cannot(f"the rank order of group {main.name!r} (ranks {span(main.ranks)})", layout)
-    return Chain(dp, main.tp, main.zero, stages)
+    for g in others:
+        semantic_changes(g, main, dp, drops)
+    if dp != main.dp:
+        drops.cannot(f"dp={main.dp} in group {main.name!r}", f"dp={dp} (every GPU in one layout)")
+    return Chain(dp, main.tp, main.zero, stages, sequence_parallel=main.tp > 1 and main.sequence_parallel)
+
+
+def semantic_changes(g: Group, main: Group, dp: int, drops: Drops) -> None:
+    """What running group `g`'s blocks with `main`'s layout (data-parallel over `dp`) changes in how they train."""
+    if g.zero != main.zero:
+        drops.cannot(f"ZeRO-{g.zero} in group {g.name!r}", f"ZeRO-{main.zero}, the stage of group {main.name!r}")
+    if (g.dp, g.tp) != (dp, main.tp):
+        drops.cannot(f"dp={g.dp} tp={g.tp} in group {g.name!r}", f"dp={dp} tp={main.tp}")
+    sp_before = g.tp > 1 and g.sequence_parallel
+    sp_after = main.tp > 1 and main.sequence_parallel
+    if sp_before != sp_after:
+        drops.cannot(f"sequence parallelism {'on' if sp_before else 'off'} in group {g.name!r} (tp={g.tp})",
+                     f"{'on' if sp_after else 'off'}, as in group {main.name!r} (tp={main.tp})")
 
 
 # --- recomputation and memory tiers -------------------------------------------------------------------------------
@@ -237,6 +281,14 @@ def uniform_tier(stages, kind: str, drops: Drops) -> str:
     return pick
 
 
+def chain_sequence_parallel(chain: Chain, plan: Plan, drops: Drops) -> bool:
+    """Sequence parallelism of a chain: the plan's groups' one setting, or, for the nearest chain, its kept group's
+    (nearest_chain recorded what changes for the others)."""
+    if chain.sequence_parallel is not None:
+        return chain.sequence_parallel
+    return chain.tp > 1 and sequence_parallel(plan.groups, drops)
+
+
 def sequence_parallel(groups, drops: Drops, why: str = "") -> bool:
     """Whether the target runs sequence parallelism, one setting for `groups` (a target sets it once): that of their
     tensor-parallel groups (tp > 1; sequence parallelism shards along their tp); when they differ, on."""
@@ -260,8 +312,9 @@ def offloaded_as_recomputed(stage: Stage) -> Stage:
 # --- the opening comment ------------------------------------------------------------------------------------------
 
 
-def header(plan: Plan, source: str, target: str, dropped: list[str], notes: list[str] = ()) -> list[str]:
-    """Comment lines (without the comment marker) naming the plan, its predicted figures and what was dropped."""
+def header(plan: Plan, source: str, target: str, dropped: list[str], notes: list[str] = (), version: str = "") -> list[str]:
+    """Comment lines (without the comment marker) naming the plan, its predicted figures, the target's version the
+    file is written for and what was dropped."""
     t = plan.training
     lines = [f"mmplan plan {source}: {plan.profile.model} (fingerprint {plan.profile.fingerprint}) on {plan.cluster.name}, "
              f"{plan.cluster.world_size} GPUs ({plan.cluster.nodes} x {plan.cluster.gpus_per_node} {plan.cluster.device.name})",
@@ -279,7 +332,7 @@ def header(plan: Plan, source: str, target: str, dropped: list[str], notes: list
         lines.append(f"group {g.name}: dp={g.dp} tp={g.tp} pp={g.pp} zero={g.zero}, "
                      + (f"colocated with {g.colocated_with}" if g.colocated_with else f"ranks {span(g.ranks)}")
                      + f", cuts before {', '.join(s.blocks[0] for s in g.stages[1:]) or '-'}")
-    lines.append(f"exported by `mmplan export --to {target}`" + (" --lossy" if dropped else ""))
+    lines.append(f"exported by `mmplan export --to {target}`" + (" --lossy" if dropped else "") + f" for {version or VERSIONS[target]}")
     lines += [f"note: {n}" for n in notes]
     if dropped:
         lines += ["LOSSY: this is the nearest plan the target can express; dropped:"] + [f"  - {d}" for d in dropped]

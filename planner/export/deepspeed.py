@@ -19,16 +19,26 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
     t = plan.training
     config: dict = {}
     mbs = t.micro_batch // chain.dp
-    config["train_batch_size"] = t.global_batch
+    # DeepSpeedConfig checks train_batch = micro * accumulation * its world size, which is the data-parallel size
+    # only when deepspeed.initialize gets an mpu (a PipelineModule brings one); AutoTP training is launched without
+    # one, so DeepSpeed counts every rank: the ranks of a tensor-parallel group read the same samples.
+    counted = chain.dp * (chain.tp if chain.pp == 1 else 1)
+    config["train_batch_size"] = mbs * t.micro_batches * counted
     config["train_micro_batch_size_per_gpu"] = mbs
-    config["gradient_accumulation_steps"] = t.micro_batches  # train_batch = micro * accumulation * dp
+    config["gradient_accumulation_steps"] = t.micro_batches
+    if counted != chain.dp:
+        notes.append(f"train_batch_size {config['train_batch_size']} counts all {counted} ranks, as deepspeed.initialize "
+                     f"without an mpu does (AutoTP): the plan's global batch is {t.global_batch} distinct samples, "
+                     f"train_batch_size / autotp_size {chain.tp}")
     if t.dtype in ("bf16", "fp16"):
         config[t.dtype] = {"enabled": True}
     if chain.pp > 1:
         drops.cannot(f"pipeline cut points (pp={chain.pp}, cuts before {', '.join(s.blocks[0] for s in chain.stages[1:])}; "
                      "ds_config.json carries no cut points: DeepSpeed's PipelineModule partitions uniform, by parameters "
                      "or by layer type)", f"{chain.pp} stages balanced by parameters")
-        config["pipeline"] = {"stages": chain.pp, "partition": "parameters"}
+        notes.append(f"pipeline: DeepSpeed reads no stage count or partition from ds_config.json: build "
+                     f"deepspeed.pipe.PipelineModule(layers, num_stages={chain.pp}, partition_method='parameters') "
+                     "and pass it to deepspeed.initialize")
     if chain.tp > 1:
         config["tensor_parallel"] = {"autotp_size": chain.tp}
     zero = dict(stage=chain.zero)
@@ -62,6 +72,8 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
     if t.optimizer != "adam":
         notes.append(f"optimizer: {t.optimizer} (give it in your code or an \"optimizer\" section)")
     comment = header(plan, source, "deepspeed", drops.dropped, notes)
+    comment.append("use: deepspeed.initialize(model=..., config=THIS_FILE)" + (" with model a PipelineModule" if chain.pp > 1 else "")
+                   + "; DeepSpeed ignores the \"comment\" key")
     return json.dumps({"comment": comment, **config}, indent=2) + "\n"
 
 

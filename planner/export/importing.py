@@ -68,16 +68,37 @@ def _megatron_parser() -> argparse.ArgumentParser:
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                  "--micro-batch-size", "--global-batch-size", "--num-layers-per-virtual-pipeline-stage",
                  "--num-virtual-stages-per-pipeline-rank", "--recompute-num-layers", "--encoder-tp", "--encoder-dp",
-                 "--llm-offset", "--llm-tp", "--llm-cp", "--llm-pp", "--llm-dp"):
+                 "--llm-offset", "--llm-tp", "--llm-cp", "--llm-pp", "--llm-dp", "--num-layers"):
         p.add_argument(flag, type=int)
     p.add_argument("--pipeline-model-parallel-layout")
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     p.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     for flag in ("--use-distributed-optimizer", "--use-megatron-fsdp", "--recompute-activations", "--optimizer-cpu-offload",
-                 "--sequence-parallel"):
+                 "--sequence-parallel", "--bf16", "--fp16"):
         p.add_argument(flag, action="store_true")
+    p.add_argument("--optimizer")
     return p
+
+
+def _megatron_training(a, profile: Profile, unread: list[str]) -> tuple[str, str]:
+    """(dtype, optimizer) of the plan's Training from --bf16 / --fp16 / --optimizer; what they cannot say goes to `unread`."""
+    dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else _dtype(profile)
+    if not (a.bf16 or a.fp16):
+        unread.append(f"(no --bf16/--fp16: Megatron-LM trains in fp32; the plan keeps the profile's {dtype})")
+    optimizer = a.optimizer or "adam"
+    if optimizer not in ("adam", "sgd"):
+        unread.append(f"--optimizer {optimizer} (the plan prices adam)")
+        optimizer = "adam"
+    return dtype, optimizer
+
+
+def _unread_line(argv: list[str], unknown: list[str], notes: list[str]) -> str:
+    """The plan's notes: the flags it was read from, and in one item every flag it does not carry (model shape, sequence
+    length, learning rate, iterations, data, ...: the profile and the cost model fix them, the plan has no field)."""
+    line = f"from megatron: {' '.join(argv)}"
+    dropped = " ".join(unknown + notes)
+    return line + (f"; not carried (no plan field): {dropped}" if dropped else "")
 
 
 def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_batch: int) -> Plan:
@@ -86,7 +107,7 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
         argv = shlex.split("\n".join(lines))
     except ValueError as e:
         raise MmplanError(f"--from megatron: cannot split the arguments: {e}") from None
-    a, _ = _megatron_parser().parse_known_args(argv)
+    a, unknown = _megatron_parser().parse_known_args(argv)
     for flag, value in (("--context-parallel-size", a.context_parallel_size), ("--llm-cp", a.llm_cp)):
         if value not in (None, 1):
             raise MmplanError(f"--from megatron: {flag} {value}: mmplan plans have no context parallelism; drop it or use 1")
@@ -95,11 +116,16 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
     zero = _megatron_zero(a)
     recompute = "selective" if a.recompute_activations else (a.recompute_granularity or "none")
     block = a.recompute_method == "block" and recompute == "full"
+    llm_layers = sum(1 for b in profile.blocks if b.supports_tp and b.group == _llm_group(profile))
+    if a.num_layers is not None and a.num_layers != llm_layers:
+        raise MmplanError(f"--from megatron: --num-layers {a.num_layers} but the LLM of profile {profile.model!r} has {llm_layers} layers")
     hetero = any(v is not None for v in (a.encoder_tp, a.encoder_dp, a.llm_offset, a.llm_tp, a.llm_pp, a.llm_dp))
     mbs = a.micro_batch_size or 1
-    solver = SolverInfo("baseline:megatron", notes=f"from megatron: {' '.join(argv)}")
+    unread: list[str] = []
+    dtype, optimizer = _megatron_training(a, profile, unread)
+    solver = SolverInfo("baseline:megatron", notes=_unread_line(argv, unknown, unread))
     if hetero:
-        return _megatron_mimo(a, profile, cluster, global_batch, mbs, zero, recompute, solver)
+        return _megatron_mimo(a, profile, cluster, global_batch, mbs, zero, recompute, solver, (dtype, optimizer))
     tp, pp = a.tensor_model_parallel_size or 1, a.pipeline_model_parallel_size or 1
     world = cluster.world_size
     if world % (tp * pp):
@@ -114,7 +140,7 @@ def plan_from_megatron(text: str, profile: Profile, cluster: Cluster, global_bat
     check_layout(profile, cluster, global_batch, LayoutSpec(tp, pp, dp, mbs, schedule, v, "none", zero, sequence_parallel=sp))
     counts = _layer_counts(a.pipeline_model_parallel_layout, len(layers), pp * v)
     chunks = _chunks(profile.blocks, _llm_group(profile), counts)
-    training = Training(global_batch, global_batch // (dp * mbs), schedule, v, _dtype(profile))
+    training = Training(global_batch, global_batch // (dp * mbs), schedule, v, dtype, optimizer)
     first = a.recompute_num_layers if block else None
     memory = [Memory(optimizer="cpu" if a.optimizer_cpu_offload else "gpu", activations=_recomputed(profile, c, recompute, first))
               for c in chunks]
@@ -218,7 +244,7 @@ def _dtype(profile: Profile) -> str:
 
 
 def _megatron_mimo(a, profile: Profile, cluster: Cluster, global_batch: int, mbs: int, zero: int, recompute: str,
-                   solver: SolverInfo) -> Plan:
+                   solver: SolverInfo, dtype_optimizer: tuple[str, str]) -> Plan:
     """examples/mimo's grids: the encoder (every block outside the LLM) on ranks 0..encoder_tp*encoder_dp-1, the LLM
     at --llm-offset with its own tp, pp (cut by the layout or evenly) and dp."""
     enc_tp, enc_dp = a.encoder_tp or 1, a.encoder_dp or 1
@@ -250,7 +276,7 @@ def _megatron_mimo(a, profile: Profile, cluster: Cluster, global_batch: int, mbs
     micro = mbs * llm_dp
     if global_batch % micro:
         raise MmplanError(f"--from megatron: global batch {global_batch} is not divisible by --micro-batch-size * --llm-dp = {micro}")
-    training = Training(global_batch, global_batch // micro, "1f1b", 1, _dtype(profile))
+    training = Training(global_batch, global_batch // micro, "1f1b", 1, *dtype_optimizer)
     return build_plan(profile, cluster, training, layouts, solver)
 
 
@@ -276,6 +302,8 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
     mbs = _int(config, ("train_micro_batch_size_per_gpu",), None, what)
     gas = _int(config, ("gradient_accumulation_steps",), None, what)
     train = train or global_batch
+    if tp > 1 and pp == 1 and train == global_batch * tp:
+        train = global_batch  # AutoTP without an mpu: DeepSpeed counts every rank (mmplan export writes it so)
     if train != global_batch:
         raise MmplanError(f"{what}: train_batch_size {train} differs from --global-batch {global_batch}")
     if mbs is None:
@@ -295,12 +323,30 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
     spec = LayoutSpec(tp, pp, dp, mbs, "1f1b", 1, "layers" if checkpointing else "none", zero)
     notes = (f"from deepspeed: {path}; layout {spec}; activation checkpointing read as every transformer layer "
              "recomputed" if checkpointing else f"from deepspeed: {path}; layout {spec}")
+    unread = _deepspeed_unread(config)
+    if unread:
+        notes += f"; not carried (no plan field): {unread}"
     plan = homogeneous_plan(profile, cluster, global_batch, spec, solver=SolverInfo("baseline:deepspeed", notes=notes), predict=False)
     if params != "gpu" or optimizer != "gpu":  # ZeRO-Offload keeps gradients with the optimizer state
         groups = tuple(replace(g, stages=tuple(replace(s, memory=replace(s.memory, params=params, grads=optimizer, optimizer=optimizer))
                                                 for s in g.stages)) for g in plan.groups)
         plan = check_plan(replace(plan, groups=groups), profile)
     return with_predictions(plan, profile)[0]
+
+
+# What plan_from_deepspeed reads; every other setting is named in the plan's notes (the plan has no field for it).
+DS_READ = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
+           "zero_optimization", "tensor_parallel", "pipeline", "activation_checkpointing", "comment"}
+ZERO_READ = {"stage", "offload_param", "offload_optimizer"}
+
+
+def _deepspeed_unread(config: dict) -> str:
+    """The settings of a ds_config.json the plan does not carry, as `key=value` items (e.g. gradient_clipping=1.0)."""
+    items = [f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in config.items() if k not in DS_READ]
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict):
+        items += [f"zero_optimization.{k}={json.dumps(v, separators=(',', ':'))}" for k, v in zero.items() if k not in ZERO_READ]
+    return ", ".join(items)
 
 
 def _int(config: dict, keys: tuple[str, ...], default, what: str):

@@ -12,6 +12,7 @@ from planner.export.common import (
     Recompute,
     Roles,
     activation_tiers,
+    chain_sequence_parallel,
     collapsed,
     header,
     is_megatron_order,
@@ -34,6 +35,12 @@ ZERO_FLAGS = {
     3: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"],
 }
 DTYPE_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
+# The code the files are checked with (tests/fixtures/README.md): the stock flags are Megatron-LM core_v0.16.1's; the
+# heterogeneous MIMO flags and examples.mimo.pretrain_mimo exist only on Megatron-LM main (this commit).
+MEGATRON_LM = "Megatron-LM core_v0.16.1 (megatron-core 0.16.1)"
+MIMO_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+MEGATRON_LM_MIMO = (f"Megatron-LM main at commit {MIMO_COMMIT} (2026-08-22): the MIMO flags, examples.mimo.pretrain_mimo and "
+                    "ModuleGridSpec are not in core_v0.16.1 / megatron-core 0.16.1")
 
 
 def export(plan: Plan, drops: Drops, source: str) -> str:
@@ -45,15 +52,31 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
         args = _stock(plan, roles, drops, notes)
     else:
         args = _mimo(plan, roles, drops, notes, *hetero)
-    lines = [f"# {line}" for line in header(plan, source, "megatron", drops.dropped, notes)]
-    lines.append("# use: torchrun ... pretrain_vlm.py $(grep -v '^#' THIS_FILE) <your model and data flags>"
-                 if hetero is None else
-                 "# use: torchrun ... -m examples.mimo.pretrain_mimo $(grep -v '^#' THIS_FILE) <your model and data flags>")
-    tp = max(int(flag[1]) for flag in args if flag[0] in ("--tensor-model-parallel-size", "--llm-tp", "--encoder-tp"))
-    if tp > 1:  # validate_args refuses tensor parallelism on Hopper and older without it
-        lines.append("# with tensor parallelism: export CUDA_DEVICE_MAX_CONNECTIONS=1")
+    version = MEGATRON_LM if hetero is None else MEGATRON_LM_MIMO
+    lines = [f"# {line}" for line in header(plan, source, "megatron", drops.dropped, notes, version)]
+    lines += [f"# use: {line}" for line in usage(plan, roles, args, hetero is not None)]
     lines += [" ".join(shlex.quote(a) for a in flag) for flag in args]
     return "\n".join(lines) + "\n"
+
+
+def usage(plan: Plan, roles: Roles, args: list[list[str]], mimo: bool) -> list[str]:
+    """How to launch the file with bash: the environment validate_args asks for, the arguments read into an array
+    (eval keeps the quoting of values such as 'Et*16|t*16L'; word-splitting $(...) would keep the quotes), the script."""
+    flags = {flag[0]: flag[1:] for flag in args}
+    tp = max(int(flag[1]) for flag in args if flag[0] in ("--tensor-model-parallel-size", "--llm-tp", "--encoder-tp"))
+    lines = []
+    if "--use-megatron-fsdp" in flags:  # validate_args: "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one"
+        lines.append("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP refuses 1 (with tensor parallelism it only warns)")
+    elif tp > 1:  # validate_args refuses tensor parallelism on Hopper and older without it
+        lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # tensor parallelism on Hopper and older")
+    lines.append("eval \"MEGATRON_ARGS=($(grep -v '^#' THIS_FILE))\"")
+    if mimo:
+        script = "-m examples.mimo.pretrain_mimo"
+    else:
+        text_only = all(roles.is_llm(b) for g in plan.groups for b in g.blocks)
+        script = "pretrain_gpt.py" if text_only else "pretrain_vlm.py"
+    lines.append(f"torchrun ... {script} \"${{MEGATRON_ARGS[@]}}\" <your model and data flags>")
+    return lines
 
 
 def _hetero_groups(plan: Plan, drops: Drops) -> tuple[Group, Group] | None:
@@ -87,14 +110,14 @@ def _pipeline_flags(plan: Plan, pp: int, dp: int, blocks, chunks, roles: Roles, 
 
 def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> list[list[str]]:
     already = bool(drops.dropped)  # _hetero_groups said why the plan becomes one layout: do not say it twice
-    chain = nearest_chain(plan, Drops(drops.target, True) if already else drops)
+    chain = nearest_chain(plan, drops, headline=not already)
     notes += [chain.note] if chain.note else []
     chain = encoders_first(chain, roles, drops)
     stages = no_activation_offload(chain.stages, drops)
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
     args = [["--tensor-model-parallel-size", str(chain.tp)], ["--pipeline-model-parallel-size", str(chain.pp)]]
     args += _pipeline_flags(plan, chain.pp, chain.dp, chain.blocks, chunks, roles, drops)
-    if chain.tp > 1 and sequence_parallel(plan.groups, drops):
+    if chain_sequence_parallel(chain, plan, drops):
         args.append(["--sequence-parallel"])
     args += _zero_flags(chain.zero)
     args += _recompute_flags(recompute_of([(blocks, mem) for blocks, mem in chunks], roles, drops))
@@ -218,15 +241,6 @@ def optimizer_offload(stages, drops: Drops) -> bool:
         drops.cannot("gradients in CPU memory without the optimizer state", "gradients and optimizer state in CPU memory")
         optimizer = "cpu"
     return optimizer != "gpu"
-
-
-OFFLOAD_FIELDS = {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "optimizer_offload_fraction": 1.0}
-ZERO_FIELDS = {  # DistributedDataParallelConfig fields (ZeRO-1: distributed optimizer; 2 and 3: Megatron FSDP)
-    0: {},
-    1: {"use_distributed_optimizer": True},
-    2: {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads"},
-    3: {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
-}
 
 
 def _tier_flags(stages, drops: Drops) -> list[list[str]]:

@@ -7,17 +7,15 @@ from planner.export.common import (
     Drops,
     Roles,
     activation_tiers,
+    chain_sequence_parallel,
     collapsed,
     header,
     is_megatron_order,
     nearest_chain,
     recompute_of,
-    sequence_parallel,
     span,
 )
 from planner.export.megatron import (
-    OFFLOAD_FIELDS,
-    ZERO_FIELDS,
     encoders_first,
     layout_string,
     model_chunks,
@@ -28,6 +26,19 @@ from planner.export.megatron import (
 from plans.plan import Plan
 
 LANGUAGE = "language"  # MIMO_LANGUAGE_MODULE_KEY: Bridge's name of the language module
+# Every field the plan decides is written, off included: a recipe's ConfigContainer arrives with its own choices
+# (Bridge's recipes turn the distributed optimizer, sequence parallelism and recomputation on), and apply() must
+# leave the plan, not the recipe's plan. DistributedDataParallelConfig / OptimizerConfig (megatron-core 0.16.1):
+# ZeRO-1 is the distributed optimizer, 2 and 3 Megatron FSDP; OptimizerConfig.use_distributed_optimizer follows DDP's.
+ZERO_DDP = {
+    0: {"use_distributed_optimizer": False, "use_megatron_fsdp": False, "data_parallel_sharding_strategy": "no_shard"},
+    1: {"use_distributed_optimizer": True, "use_megatron_fsdp": False, "data_parallel_sharding_strategy": "no_shard"},
+    2: {"use_distributed_optimizer": False, "use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads"},
+    3: {"use_distributed_optimizer": False, "use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
+}
+OFFLOAD = {True: {"optimizer_cpu_offload": True, "use_precision_aware_optimizer": True, "optimizer_offload_fraction": 1.0},
+           False: {"optimizer_cpu_offload": False, "optimizer_offload_fraction": 0.0}}
+NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
 TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
 
 
@@ -63,6 +74,8 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
                      "world with disjoint rank_offset ranges)", "one layout for the whole model")
     body = _mimo(plan, groups, roles, drops, notes) if mimo else _one_layout(plan, roles, drops, notes, quiet=groups is None)
     lines = [f"# {line}" for line in header(plan, source, "megatron-bridge", drops.dropped, notes)]
+    lines.append("# every field the plan decides is set, off included: apply() onto a recipe's ConfigContainer replaces the recipe's "
+                 "distributed optimizer, sequence parallelism and recomputation")
     return "\n".join(lines) + "\n" + body
 
 
@@ -76,26 +89,21 @@ def _dict(fields: dict) -> str:
 
 def _one_layout(plan: Plan, roles: Roles, drops: Drops, notes: list[str], *, quiet: bool) -> str:
     """One layout: the GPT/VLM model provider's parallelism fields (encoders on the first pipeline stage)."""
-    chain = nearest_chain(plan, Drops(drops.target, True) if quiet else drops)
+    chain = nearest_chain(plan, drops, headline=not quiet)
     notes += [chain.note] if chain.note else []
     chain = encoders_first(chain, roles, drops)
     stages = no_activation_offload(chain.stages, drops)
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
-    model = {"tensor_model_parallel_size": chain.tp, "pipeline_model_parallel_size": chain.pp}
-    if chain.pp > 1:
-        model["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
-        _no_gpipe(plan, drops)
-    model.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
-    if chain.tp > 1 and sequence_parallel(plan.groups, drops):
-        model["sequence_parallel"] = True
+    model = {"tensor_model_parallel_size": chain.tp, "pipeline_model_parallel_size": chain.pp, "context_parallel_size": 1}
+    model.update(_pipeline(plan, chain.pp, chunks, roles, drops))
+    model.update(NO_RECOMPUTE, **recompute_fields(recompute_of(list(chunks), roles, drops)))
+    model["sequence_parallel"] = chain_sequence_parallel(chain, plan, drops)
     model.update(_dtype(plan, chain.pp))
     return (f"\nimport torch\n\nWORLD_SIZE = {chain.world}  # data_parallel_size = WORLD_SIZE / (tensor * pipeline) = {chain.dp}\n"
             f"MICRO_BATCH_SIZE = {plan.training.micro_batch // chain.dp}  # per data-parallel replica\n"
             f"GLOBAL_BATCH_SIZE = {plan.training.global_batch}\n\n"
             f"# fields of the model provider (a megatron.core TransformerConfig)\nmodel_overrides = {_dict(model)}\n"
-            f"# fields of megatron.core's DistributedDataParallelConfig and OptimizerConfig\n"
-            f"ddp_overrides = {_dict(ZERO_FIELDS[chain.zero])}\n"
-            f"optimizer_overrides = {_dict(OFFLOAD_FIELDS if optimizer_offload(stages, drops) else {})}\n" + APPLY)
+            + _ddp_optimizer(chain.zero, optimizer_offload(stages, drops)) + APPLY)
 
 
 def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> str:
@@ -129,17 +137,10 @@ def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> s
                          "the encoder's state and activations on the GPU")
     stages = no_activation_offload(llm.stages, drops)
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
-    language = {}
-    if llm.pp > 1:
-        language["pipeline_model_parallel_layout"] = layout_string(chunks, roles, drops)
-        _no_gpipe(plan, drops)
-    language.update(recompute_fields(recompute_of(list(chunks), roles, drops)))
-    for g in groups[:-1]:
-        if g.tp > 1 and g.sequence_parallel:
-            drops.cannot(f"sequence parallelism in encoder group {g.name!r} (these fields configure the language model)",
-                         "the encoder without it")
-    if llm.tp > 1 and llm.sequence_parallel:
-        language["sequence_parallel"] = True
+    language = {"context_parallel_size": 1, **_pipeline(plan, llm.pp, chunks, roles, drops)}
+    language.update(NO_RECOMPUTE, **recompute_fields(recompute_of(list(chunks), roles, drops)))
+    language["sequence_parallel"] = llm.tp > 1 and llm.sequence_parallel
+    _encoder_sequence_parallel(groups, drops)
     language.update(_dtype(plan, llm.pp))
     entries = "".join(f"        {name!r}: ModuleParallelismConfig(\n{_values(fields, ' ' * 12)}        ),\n"
                       for name, fields in modules.items())
@@ -153,9 +154,7 @@ def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> s
             "here: rename them to your provider's, e.g. 'images' in Bridge's LLaVA example)\n"
             f"megatron_mimo_parallelism_config = MegatronMIMOParallelismConfig(\n    module_parallelisms={{\n{entries}    }},\n)\n\n"
             f"# fields of the language model provider (a megatron.core TransformerConfig)\nmodel_overrides = {_dict(language)}\n"
-            f"# fields of megatron.core's DistributedDataParallelConfig and OptimizerConfig\n"
-            f"ddp_overrides = {_dict(ZERO_FIELDS[max(zeros)])}\n"
-            f"optimizer_overrides = {_dict(OFFLOAD_FIELDS if optimizer_offload(stages, drops) else {})}\n"
+            + _ddp_optimizer(max(zeros), optimizer_offload(stages, drops))
             + APPLY.replace("    for name, value in model_overrides.items():\n        setattr(cfg.model, name, value)\n",
                             "    cfg.model.megatron_mimo_parallelism_config = megatron_mimo_parallelism_config\n"
                             "    language = cfg.model.language_model_spec.params[\"config\"]  # the language model's TransformerConfig\n"
@@ -163,12 +162,40 @@ def _mimo(plan: Plan, groups, roles: Roles, drops: Drops, notes: list[str]) -> s
                             "        setattr(language, name, value)\n"))
 
 
-def _no_gpipe(plan: Plan, drops: Drops) -> None:
+def _pipeline(plan: Plan, pp: int, chunks, roles: Roles, drops: Drops) -> dict:
+    """The cut points (the layout string, None for one stage) and the chunks per rank (None for one)."""
+    if pp == 1:
+        return {"pipeline_model_parallel_layout": None, "virtual_pipeline_model_parallel_size": None}
     if plan.training.schedule == "gpipe":
         drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
+    v = len(chunks) // pp
+    return {"pipeline_model_parallel_layout": layout_string(chunks, roles, drops),
+            "virtual_pipeline_model_parallel_size": v if v > 1 else None}
+
+
+def _encoder_sequence_parallel(groups, drops: Drops) -> None:
+    """Bridge's ModuleParallelismConfig has no sequence_parallel: this file sets the language model's only; an
+    encoder's tensor-parallel setting that differs from it is the user's provider's to match, so it is recorded."""
+    llm = groups[-1]
+    language = llm.tp > 1 and llm.sequence_parallel
+    for g in groups[:-1]:
+        mine = g.tp > 1 and g.sequence_parallel
+        if g.tp > 1 and mine != language:
+            drops.cannot(f"sequence parallelism {'on' if mine else 'off'} in encoder group {g.name!r} (tp={g.tp}) while the "
+                         f"language model has it {'on' if language else 'off'} (Megatron-Bridge's ModuleParallelismConfig "
+                         "has no sequence_parallel; this file sets the language model's TransformerConfig only)",
+                         f"sequence_parallel={language} for the language model; the encoder's TransformerConfig in your "
+                         f"provider left as it is (set sequence_parallel={mine} there)")
+
+
+def _ddp_optimizer(zero: int, offload: bool) -> str:
+    ddp = ZERO_DDP[zero]
+    optimizer = {"use_distributed_optimizer": ddp["use_distributed_optimizer"], **OFFLOAD[offload]}
+    return (f"# fields of megatron.core's DistributedDataParallelConfig and OptimizerConfig\n"
+            f"ddp_overrides = {_dict(ddp)}\noptimizer_overrides = {_dict(optimizer)}\n")
 
 
 def _dtype(plan: Plan, pp: int) -> dict:
     """Mixed precision, and the dtype of tensors sent between pipeline stages (TransformerConfig requires it with pp > 1)."""
-    fields = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[plan.training.dtype]
-    return {**fields, "pipeline_dtype": _Code(TORCH_DTYPE[plan.training.dtype])} if pp > 1 else fields
+    dtype = plan.training.dtype
+    return {"bf16": dtype == "bf16", "fp16": dtype == "fp16", "pipeline_dtype": _Code(TORCH_DTYPE[dtype]) if pp > 1 else None}

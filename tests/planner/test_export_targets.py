@@ -308,7 +308,10 @@ def test_torchtitan_parallel_dims_and_mesh_agree(name, torchtitan, plans, tmp_pa
     assert isinstance(cfg, ParallelismConfig)
     dims = ParallelDims.from_config(cfg, ns["WORLD_SIZE"])
     assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp) == (want["dp"], want["tp"], want["pp"])
-    assert cfg.module_fqns_per_model_part == want["blocks"]
+    # torchtitan 0.3.0's Decoder names for the LLM's blocks (models/common/decoder.py); encoders keep mmplan's
+    titan = {"llm.embed": "tok_embeddings", "llm.norm": "norm", "llm.head": "lm_head"}
+    assert cfg.module_fqns_per_model_part == [[titan.get(b, b[len("llm."):] if LLM_LAYER.match(b) else b) for b in s]
+                                              for s in want["blocks"]]
     plan = load_plan(plans[name])
     assert cfg.pipeline_parallel_microbatch_size * want["dp"] == plan.training.micro_batch
     assert ns["training"]["local_batch_size"] * want["dp"] == plan.training.global_batch
@@ -359,7 +362,8 @@ def test_deepspeed_config_accepts_the_export(name, deepspeed_config, plans, tmp_
     ds = load_ds(deepspeed_config, path, want["dp"])
     assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == \
            (plan.training.global_batch, plan.training.micro_batch // want["dp"], plan.training.micro_batches)
-    assert ds.zero_optimization_stage == want["zero"] and ds.pipeline["stages"] == want["pp"]
+    assert ds.zero_optimization_stage == want["zero"] and "pipeline" not in data  # DeepSpeed reads no stage count from it
+    assert want["pp"] == 1 or any(f"num_stages={want['pp']}" in c for c in data["comment"])
     assert ds.bfloat16_config.enabled
     if want["tp"] > 1:
         assert ds.tensor_parallel_config.autotp_size == want["tp"]

@@ -1,0 +1,283 @@
+"""Issue 29: eleven plan kinds, each exported to every target and loaded with the target's own code (megatron-core
+0.16.1 with Megatron-LM's pinned parser, Megatron-Bridge's pinned MIMO config, torchtitan 0.3.0, DeepSpeed 0.19.8),
+checking what each field MEANS there -- the ZeRO stage the target runs, its reshard policy, its activation
+checkpointing, its batch count -- and that --lossy lists every semantic change."""
+from __future__ import annotations
+
+import json
+import runpy
+import shlex
+import subprocess
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.export import export_plan
+from planner.export.common import Unsupported
+from plans.plan import load_plan
+from tests.planner.test_export_targets import (  # noqa: F401 (fixtures)
+    FIXTURES,
+    bridge,
+    deepspeed_config,
+    fake_world,
+    megatron_lm,
+    parse_megatron,
+    torchtitan,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "plans" / "examples"
+KINDS = {  # plan kind: a homogeneous layout of llava-1.5-7b on 64 H100s (tiers set below), or a solved example
+    "homogeneous": "tp=2,pp=4,dp=8",
+    "interleaved": "tp=2,pp=4,dp=8,schedule=interleaved:2",
+    "zero1": "tp=2,pp=1,dp=32,zero=1",
+    "zero2": "tp=2,pp=1,dp=32,zero=2",
+    "zero3": "tp=2,pp=1,dp=32,zero=3",
+    "zero3-pp": "tp=2,pp=4,dp=8,zero=3",
+    "sp-selective": "tp=4,pp=2,dp=8,recompute=selective",  # sequence parallelism set below (the ViT's 577 tokens)
+    "full-recompute": "tp=2,pp=2,dp=16,recompute=full",
+    "cpu-optimizer": "tp=2,pp=1,dp=32,zero=1",
+    "colocated": "llava-1.5-13b-solved-64xh100-sxm",
+    "encoder-apart": "vit22b-llama70b-non-colocated-128xh100-sxm",
+}
+
+
+@pytest.fixture(scope="module")
+def kinds():
+    from cost_models.hardware import parse_cluster
+    from planner.profiler.profile import profile_model
+    from planner.solver.baselines import homogeneous_plan
+    from runtime.source import resolve
+
+    profile = profile_model(resolve("llava-1.5-7b"))
+    cluster = parse_cluster("64xh100-sxm")
+    out = {}
+    for kind, spec in KINDS.items():
+        if "=" not in spec:
+            out[kind] = load_plan(EXAMPLES / f"{spec}.json")
+            continue
+        plan = homogeneous_plan(profile, cluster, 256, spec, predict=False)
+        if kind == "cpu-optimizer":
+            g = plan.groups[0]
+            stages = tuple(replace(s, memory=replace(s.memory, grads="cpu", optimizer="cpu")) for s in g.stages)
+            plan = replace(plan, groups=(replace(g, stages=stages),))
+        if kind == "sp-selective":
+            plan = replace(plan, groups=tuple(replace(g, sequence_parallel=True) for g in plan.groups))
+        out[kind] = plan
+    return out
+
+
+def layout(plan) -> tuple[int, int, int, int]:
+    """(dp, tp, pp, zero) of the LLM group: what a one-layout export runs (for a chain it is every group's)."""
+    g = plan.groups[-1]
+    return g.dp, g.tp, g.pp, g.zero
+
+
+def write(tmp_path: Path, plan, target: str, name: str) -> tuple[Path, tuple[str, ...]]:
+    result = export_plan(plan, target, lossy=True, source=f"{name}.json")
+    path = tmp_path / f"{name}.{target}"
+    path.write_text(result.text)
+    return path, result.dropped
+
+
+# --- Megatron-LM ------------------------------------------------------------------------------------------------------
+
+
+def launch_env(path: Path, monkeypatch) -> None:
+    """The environment the export's `# use:` lines set (W1: Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1)."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    for line in path.read_text().splitlines():
+        if line.startswith("# use: export CUDA_DEVICE_MAX_CONNECTIONS="):
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", line.split("=")[1].split()[0])
+
+
+def megatron_args(path: Path, hidden: int = 4096, heads: int = 32) -> list[str]:
+    """The arguments as bash reads them with the export's own `# use:` lines (eval into an array)."""
+    use = [line[len("# use: "):] for line in path.read_text().splitlines() if line.startswith("# use: eval")]
+    script = use[0].replace("THIS_FILE", shlex.quote(str(path))) + '; printf "%s\\0" "${MEGATRON_ARGS[@]}"'
+    argv = subprocess.run(["bash", "-c", script], capture_output=True, check=True).stdout.decode().split("\0")[:-1]
+    return argv + ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--seq-length", "2048",
+                   "--max-position-embeddings", "2048"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_megatron_lm_validates_every_kind_and_runs_its_zero_sp_and_recompute(kind, kinds, megatron_lm, tmp_path, monkeypatch):
+    plan = kinds[kind]
+    path, dropped = write(tmp_path, plan, "megatron", kind)
+    text = path.read_text()
+    launch_env(path, monkeypatch)
+    mimo = "--encoder-tp" in text
+    world = plan.cluster.world_size
+    extra = megatron_lm.mimo.add_hetero_grid_args if mimo else None
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain", *megatron_args(path, *((8192, 64) if mimo else (4096, 32)))])
+    args = megatron_lm.arguments.parse_args(extra)
+    if mimo:
+        assert "Megatron-LM main at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553" in text  # W8: the code it needs
+        assert "d98e8a64ddf34856e74b24714e3bedb2f5a39553" in (FIXTURES / "README.md").read_text()
+        _, llm_n = megatron_lm.mimo.validate_hetero_grid_args(args, world)
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size = args.llm_tp, args.llm_pp, llm_n
+        megatron_lm.arguments.validate_args(args, {"dataloader_type": "external"})
+    else:
+        assert "Megatron-LM core_v0.16.1" in text and "pretrain_vlm.py" in text
+        megatron_lm.arguments.validate_args(args)
+    dp, tp, pp, zero = layout(plan)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
+    ran_zero = (2 if args.data_parallel_sharding_strategy == "optim_grads" else 3) if args.use_megatron_fsdp else int(args.use_distributed_optimizer)
+    assert ran_zero == max(zero, 1 if mimo else 0)
+    config = megatron_lm.arguments.core_transformer_config_from_args(args)
+    assert config.sequence_parallel == (kind == "sp-selective")
+    assert config.recompute_granularity == {"sp-selective": "selective", "full-recompute": "full"}.get(kind)
+    assert bool(args.optimizer_cpu_offload) == (kind == "cpu-optimizer")
+    if kind == "colocated":  # W7: the vision group's ZeRO stage changes, said in the file
+        assert any("ZeRO-2 in group 'vision' -> ZeRO-3" in d for d in dropped)
+        with pytest.raises(Unsupported) as e:
+            export_plan(plan, "megatron")
+        assert all(d.split(" -> ")[0] in str(e.value) for d in dropped)
+
+
+def test_megatron_text_only_plan_launches_pretrain_gpt():
+    from planner.export.common import Roles
+    from planner.export.megatron import usage
+
+    plan = load_plan(EXAMPLES / "tiny-vlm-pp2.json")
+    args = [["--tensor-model-parallel-size", "1"]]
+    assert "pretrain_vlm.py" in usage(plan, Roles.of(plan), args, False)[-1]
+    llm = plan.groups[-1]
+    text_only = replace(plan, groups=(llm,))  # only the LLM's blocks (usage reads the blocks, nothing else)
+    assert "pretrain_gpt.py" in usage(text_only, Roles.of(text_only), args, False)[-1]
+
+
+# --- Megatron-Bridge ----------------------------------------------------------------------------------------------------
+
+
+def recipe():
+    """A ConfigContainer as Bridge's recipes return it: distributed optimizer, sequence parallelism, recomputation,
+    a virtual pipeline and CPU offload ON, so apply() must turn off what the plan does not run (W6)."""
+    model = types.SimpleNamespace(sequence_parallel=True, recompute_granularity="full", recompute_method="uniform",
+                                  recompute_num_layers=1, virtual_pipeline_model_parallel_size=2, context_parallel_size=2,
+                                  pipeline_model_parallel_layout="Et|tL", bf16=False, fp16=True)
+    ddp = types.SimpleNamespace(use_distributed_optimizer=True, use_megatron_fsdp=True, data_parallel_sharding_strategy="optim")
+    optimizer = types.SimpleNamespace(use_distributed_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+    language = types.SimpleNamespace(**vars(model))
+    model.language_model_spec = types.SimpleNamespace(params={"config": language})
+    return types.SimpleNamespace(model=model, ddp=ddp, optimizer=optimizer, train=types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_megatron_bridge_apply_sets_every_field_on_a_recipe(kind, kinds, bridge, tmp_path, monkeypatch):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    plan = kinds[kind]
+    path, dropped = write(tmp_path, plan, "megatron-bridge", kind)
+    assert "Megatron-Bridge main 0.7.0" in path.read_text()
+    ns = runpy.run_path(str(path))
+    cfg = ns["apply"](recipe())
+    mimo = "megatron_mimo_parallelism_config" in ns
+    model = cfg.model.language_model_spec.params["config"] if mimo else cfg.model
+    dp, tp, pp, zero = layout(plan)
+    if mimo:
+        ns["megatron_mimo_parallelism_config"].finalize(ns["WORLD_SIZE"])
+        fields = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    else:
+        fields = {"tensor_model_parallel_size": model.tensor_model_parallel_size, "pipeline_model_parallel_size": model.pipeline_model_parallel_size}
+        assert (fields["tensor_model_parallel_size"], fields["pipeline_model_parallel_size"]) == (tp, pp)
+    core = {k: v for k, v in vars(model).items() if k != "language_model_spec" and k not in fields}
+    config = TransformerConfig(num_layers=sum(1 for g in plan.groups for b in g.blocks if b.startswith("llm.layers.")),
+                               hidden_size=4096, num_attention_heads=32, **fields, **core)
+    ddp = DistributedDataParallelConfig(**vars(cfg.ddp))
+    optimizer = OptimizerConfig(**vars(cfg.optimizer))
+    ran_zero = (2 if ddp.data_parallel_sharding_strategy == "optim_grads" else 3) if ddp.use_megatron_fsdp else int(ddp.use_distributed_optimizer)
+    assert ran_zero == zero and optimizer.use_distributed_optimizer == ddp.use_distributed_optimizer  # ZeRO-0 included
+    assert config.sequence_parallel == (kind == "sp-selective")
+    assert config.recompute_granularity == {"sp-selective": "selective", "full-recompute": "full"}.get(kind)
+    assert config.context_parallel_size == 1 and optimizer.optimizer_cpu_offload == (kind == "cpu-optimizer")
+    assert (config.virtual_pipeline_model_parallel_size or 1) == (2 if kind == "interleaved" else 1)
+    if kind == "colocated":
+        assert any("ZeRO-2 in group 'vision' -> ZeRO-3" in d for d in dropped)
+
+
+def test_megatron_bridge_lossy_list_says_the_encoder_runs_tp_without_sequence_parallelism():
+    """W9: Bridge's ModuleParallelismConfig has no sequence_parallel; the file sets the language model's only."""
+    plan = load_plan(EXAMPLES / "vit22b-llama70b-non-colocated-128xh100-sxm.json")
+    vision, llm = plan.groups
+    sp = replace(plan, groups=(vision, replace(llm, sequence_parallel=True)))  # vision tp=4 without it
+    with pytest.raises(Unsupported, match="sequence parallelism off in encoder group 'vision'"):
+        export_plan(sp, "megatron-bridge")
+    result = export_plan(sp, "megatron-bridge", lossy=True)
+    assert any("sequence parallelism off in encoder group 'vision' (tp=4)" in d for d in result.dropped)
+    assert "sequence_parallel=True" in result.text
+
+
+# --- torchtitan ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torchtitan_apply_sets_reshard_policy_and_activation_checkpointing(kind, kinds, torchtitan, tmp_path):
+    import typing
+
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig, FullAC, SelectiveAC
+    from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    plan = kinds[kind]
+    path, dropped = write(tmp_path, plan, "torchtitan", kind)
+    assert "torchtitan 0.3.0" in path.read_text()
+    ns = runpy.run_path(str(path))
+    # Trainer.Config's defaults (its module needs triton to import): SelectiveAC, a default ParallelismConfig
+    config = ns["apply"](types.SimpleNamespace(parallelism=ParallelismConfig(), training=TrainingConfig(),
+                                               activation_checkpoint=SelectiveAC.Config()))
+    dims = ParallelDims.from_config(config.parallelism, ns["WORLD_SIZE"])
+    ac = config.activation_checkpoint
+    # None is the "none" member of torchtitan's ActivationCheckpointingConfig (W3)
+    assert any(typing.get_args(a)[0] is type(None) for a in typing.get_args(ActivationCheckpointingConfig))
+    recomputes = kind in ("full-recompute", "sp-selective")  # selective: FullAC, listed as dropped
+    assert (isinstance(ac, FullAC.Config) if recomputes else ac is None)
+    dp, tp, pp, zero = layout(plan)
+    zero = {1: 2}.get(zero, zero) if kind != "cpu-optimizer" else 3  # ZeRO-1 -> FSDP; CPU offload -> FSDP2's
+    sharded = dims.dp_shard > 1
+    assert sharded == (zero > 0)
+    if sharded:  # W2: ZeRO-3 reshards after forward with a pipeline too; ZeRO-2 never does
+        assert get_fsdp_reshard_after_forward_policy(config.parallelism.fsdp_reshard_after_forward, dims.pp_enabled) == (zero == 3)
+    assert config.parallelism.enable_sequence_parallel == (kind == "sp-selective")
+    if kind in ("zero1", "cpu-optimizer", "sp-selective"):
+        assert dropped
+    if dims.pp_enabled and kind != "encoder-apart":
+        parts = config.parallelism.module_fqns_per_model_part
+        flat = [f for p in parts for f in p]
+        assert flat[flat.index("tok_embeddings"):] == ["tok_embeddings", *[f"layers.{i}" for i in range(32)], "norm", "lm_head"]
+
+
+# --- DeepSpeed ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepspeed_config_as_initialize_builds_it(kind, kinds, deepspeed_config, tmp_path, monkeypatch):
+    """deepspeed.initialize(model, config=FILE): DeepSpeedConfig(config, mpu) with mpu None (AutoTP, no pipeline; it
+    counts every rank) or a PipelineModule's grid (data-parallel ranks) -- W4; no stage count in the file -- W5."""
+    import deepspeed.comm
+
+    plan = kinds[kind]
+    path, dropped = write(tmp_path, plan, "deepspeed", kind)
+    data = json.loads(path.read_text())
+    assert "DeepSpeed 0.19.8" in " ".join(data["comment"]) and "pipeline" not in data
+    dp, tp, pp, zero = layout(plan)
+    if kind in ("colocated", "encoder-apart"):
+        dp, tp, pp = data["train_batch_size"] // (data["train_micro_batch_size_per_gpu"] * data["gradient_accumulation_steps"]), 1, 1
+        tp = data.get("tensor_parallel", {}).get("autotp_size", 1)
+        dp //= tp
+    world = dp * tp * pp
+    monkeypatch.setattr(deepspeed.comm, "get_world_size", lambda group=None: world)
+    from tests.planner.test_export_targets import DataParallel
+
+    ds = deepspeed_config(str(path), mpu=DataParallel(dp) if pp > 1 else None)
+    assert ds.train_micro_batch_size_per_gpu * ds.gradient_accumulation_steps * dp == plan.training.global_batch
+    assert ds.zero_optimization_stage == max(zero, 0) or dropped
+    if pp > 1:
+        assert any(f"num_stages={pp}" in c for c in data["comment"])
