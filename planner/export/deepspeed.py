@@ -61,9 +61,12 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
         zero["offload_param"] = _device(params)
     if optimizer != "gpu":
         zero["offload_optimizer"] = _device(optimizer)
+    if chain.pp > 1 and zero["stage"] > 1:  # PipelineEngine asserts zero_optimization_stage < 2
+        drops.cannot(f"ZeRO-{zero['stage']} with a pipeline (DeepSpeed's PipelineEngine runs ZeRO stage 0 or 1 only)",
+                     "ZeRO-1" + (", parameters on the GPU" if "offload_param" in zero else ""))
+        zero["stage"] = 1
+        zero.pop("offload_param", None)
     config["zero_optimization"] = zero
-    if chain.pp > 1 and zero["stage"] > 1:
-        notes.append("DeepSpeed's pipeline engine runs with ZeRO stage 0 or 1 only")
     checkpointing = _activations(chain, roles, drops, notes)
     if checkpointing:
         config["activation_checkpointing"] = checkpointing
