@@ -268,7 +268,7 @@ def test_readme_megatron_usage_runs_in_bash_and_passes_values_without_quotes(lla
     arguments, a quoted layout such as 'Et*4|...L' without its quotes."""
     import subprocess
 
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.solver.baselines import homogeneous_plan
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -292,7 +292,7 @@ def test_gpt3_175b_megatron_flags_round_trip_with_nothing_dropped_silently(tmp_p
     `solve --from megatron` and `export --to megatron`: the same parallel flags; every flag the plan has no field for
     is named in its notes, the ones it has (precision, optimizer) are carried."""
     from bench.published_models import gpt_profile
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     profile = gpt_profile("gpt-175b", layers=96, dim=12288, heads=96, seq=2048, vocab=51200)
     profile = replace(profile, blocks=tuple(replace(b, group="gpt") for b in profile.blocks))  # one group: the LLM
@@ -320,7 +320,7 @@ def test_gpt3_175b_megatron_flags_round_trip_with_nothing_dropped_silently(tmp_p
 
 def test_deepspeed_round_trip_lists_gradient_clipping(llava, tmp_path):
     profile, _ = llava
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 256, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,

@@ -46,7 +46,7 @@ KINDS = {  # plan kind: a homogeneous layout of llava-1.5-7b on 64 H100s (tiers 
 
 @pytest.fixture(scope="module")
 def kinds():
-    from cost_models.hardware import parse_cluster
+    from cost_models.cluster_spec import parse_cluster
     from planner.profiler.profile import profile_model
     from planner.solver.baselines import homogeneous_plan
     from runtime.source import resolve
