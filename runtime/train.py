@@ -189,7 +189,7 @@ class RankTrainer:
     def _apply_zero(self) -> dict[str, list]:
         """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py); keyed
         by chunk, since each chunk's last backward of the step is when its gradients are final."""
-        from runtime.zero import apply_zero
+        from runtime.zero import apply_zero, check_ties_within_chunks
 
         out = {}
         for key, group in self.dp_groups.items():
@@ -197,6 +197,7 @@ class RankTrainer:
             zero = self.plan.group(st.group).zero
             if zero:
                 offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
+                check_ties_within_chunks([self.layout.stages[ck].blocks for ck in self._chunks_of(key)], self.rm.local)
                 for ck in self._chunks_of(key):
                     blocks = self.layout.stages[ck].blocks
                     adopted = self._adopted(blocks)  # read outside their block: left whole, all-reduced

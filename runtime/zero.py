@@ -20,6 +20,12 @@ shards (`local_view`), so a CPU-offloaded optimizer holds only this rank's share
 gradients in the cpu tier uses FSDP2's CPUOffloadPolicy (ZeRO-Offload / ZeRO-Infinity's host-resident shards);
 no other parameter or gradient tier runs under ZeRO (`zero_runs_with`). Checkpoints stay
 unsharded and layout-independent: `full` gathers, `local_of` takes this rank's shard of a full tensor.
+
+Tied parameters (a token embedding shared with the LM head, `tie_word_embeddings`): the blocks sharing one are
+sharded as one FSDP2 unit, `fully_shard([embed, head])` as torchtitan does, so both blocks hold the same DTensor
+(one shard set, one optimizer state, one gradient reduction of the summed gradient, one update). Sharded block by
+block, each `fully_shard` would swap the shared Parameter for a DTensor of its own: two copies, each stepped with
+half the gradient. FSDP2 takes a grouped unit only below a root, so a unit gets a parameterless holder as its root.
 """
 from __future__ import annotations
 
@@ -60,15 +66,72 @@ def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: 
     mesh = DeviceMesh.from_group(group, device.type)
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     sharded, keep = [], {id(p) for p in replicated}
-    for m in modules.values():
-        ignored = {p for p in m.parameters() if id(p) in keep}
-        if not any(id(p) not in keep for p in m.parameters()):
+    for unit in tied_units(modules.values()):
+        ignored = {p for m in unit for p in m.parameters() if id(p) in keep}
+        if not any(id(p) not in keep for m in unit for p in m.parameters()):
             continue
-        fully_shard(m, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy, ignored_params=ignored or None)
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)
-        sharded.append(m)
+        # blocks sharing a parameter (a tied embedding and LM head) are one FSDP unit, as torchtitan shards them: one
+        # DTensor in both blocks, one shard set, one optimizer state, one gradient reduction. Sharded one by one, each
+        # block's fully_shard would replace the shared Parameter by a DTensor of its own (two copies, each updated).
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy,
+                    ignored_params=ignored or None)
+        sharded.extend(unit)  # each block of a unit is an FSDPModule of the unit's one state
+        if len(unit) > 1:  # FSDP2 refuses a grouped state as a root: a holder without parameters of its own is its root
+            holder = _Holder(unit)
+            fully_shard(holder, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy)
+            holder._get_fsdp_state()._lazy_init()
+        unit[0].set_gradient_divide_factor(1.0)
+        unit[0].set_force_sum_reduction_for_comms(True)
     return sharded
+
+
+class _Holder(nn.Module):
+    """The root FSDP2 needs above a unit of several blocks (it is never called: the blocks run on their own)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self) -> None:  # pragma: no cover - never called
+        raise RuntimeError("a ZeRO unit's holder is not run")
+
+
+def check_ties_within_chunks(chunks: Iterable[Iterable[str]], modules: Mapping[str, nn.Module]) -> None:
+    """A ZeRO stage's chunks (one, or v under the interleaved schedule) are sharded one by one, so blocks sharing a
+    parameter must be in one chunk (each chunk's FSDP2 units reduce at that chunk's last backward)."""
+    from plans.errors import MmplanError
+
+    owner: dict[int, tuple[int, str]] = {}
+    for i, blocks in enumerate(chunks):
+        for b in blocks:
+            for p in modules[b].parameters():
+                j, other = owner.setdefault(id(p), (i, b))
+                if j != i:
+                    raise MmplanError(f"blocks {other} and {b} share a parameter but are in different chunks of an "
+                                      "interleaved ZeRO stage; the runtime shards a tied parameter within one chunk")
+
+
+def tied_units(modules: Iterable[nn.Module]) -> list[list[nn.Module]]:
+    """`modules` grouped into units: modules sharing a parameter (directly or through others) in one unit, in the
+    order of each unit's first module."""
+    modules = list(modules)
+    root = list(range(len(modules)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, m in enumerate(modules):
+        for p in m.parameters():
+            j = owner.setdefault(id(p), i)
+            root[find(i)] = find(j)
+    units: dict[int, list[nn.Module]] = {}
+    for i, m in enumerate(modules):
+        units.setdefault(find(i), []).append(m)
+    return list(units.values())
 
 
 def before_backward(modules: Iterable[FSDPModule], zero: int, last: bool) -> None:

@@ -45,6 +45,11 @@ _TINY = (
             embed_dim=32, text_hidden=64, text_layers=2, text_heads=4, text_mlp=128, vocab=256, text_seq=16
         ),
     ),
+    # tiny-vlm with the LM head tied to the token embedding (as Gemma 3, PaliGemma, GPT-2): `llm.embed` and `llm.head`
+    # are two blocks holding one Parameter (the tests of tied weights under ZeRO and pipelines).
+    ArchConfig(name="tiny-vlm-tied", vision=_TINY_VISION,
+               decoder=DecoderConfig(type="llama", hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, vocab=256,
+                                     text_seq=16, tie_embeddings=True)),
     # The vision tower costs far more than the LLM (about 28x its forward FLOPs): a case for uneven pipeline stages.
     ArchConfig(
         name="tiny-vlm-heavy",

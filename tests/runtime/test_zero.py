@@ -79,3 +79,75 @@ def test_a_bf16_zero_plan_steps_fp32_masters_of_its_shards(case):
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
     assert all(g.dtype == torch.bfloat16 for r in results for g in r["grads"].values())
     check_parity(case, results, reference(model, job), loss_rtol=2e-2, grad_tol=4e-2)
+
+
+# --- tied parameters: tiny-vlm-tied's llm.embed and llm.head hold one Parameter (tie_embeddings, as Gemma 3 / PaliGemma)
+
+TIED = "tiny-vlm-tied"
+TIED_WEIGHT, TIED_ALIAS = "llm.embed.weight", "llm.head.weight"  # its first name (the reference's) and the head's
+TIED_CASES = {"zero1": (1, Memory()), "zero2": (2, Memory()), "zero3": (3, Memory()),
+              "zero3-params-cpu": (3, Memory(params="cpu", grads="cpu", optimizer="cpu"))}
+
+
+def tied_plan(zero: int, memory: Memory = Memory()):
+    return make_plan(TIED, [{"name": "all", "dp": 2, "zero": zero, "stages": [(VLM_ALL, [0, 1], memory)]}])
+
+
+@pytest.mark.parametrize("case", list(TIED_CASES))
+def test_a_tied_embedding_and_head_train_as_one_parameter_under_zero(case):
+    """The blocks sharing the weight are one FSDP2 unit: one DTensor, one reduction of the summed gradient, one Adam
+    update -- the reference's losses and gradients (sharded block by block, the two copies each took a step: 1.5e-4
+    off the reference's loss after 6 steps)."""
+    plan = tied_plan(*TIED_CASES[case])
+    job = Job(plan=plan, model=TIED, steps=STEPS, seed=0, probe_grads=True)
+    results = launch(train_rank, plan.world_size, job, timeout_s=240)
+    for r in results:  # ranks probe the weight under both blocks' names, the reference under its first
+        alias = r["grads"].pop(TIED_ALIAS, None)
+        if alias is not None:
+            assert torch.equal(alias, r["grads"][TIED_WEIGHT])
+    check_parity(f"tied-{case}", results, reference(TIED, job))
+
+
+def _tied_checkpoint(directory, zero: int) -> dict:
+    """block -> (params, optimizer state) of the checkpoint one dp2 step of tiny-vlm-tied at `zero` writes."""
+    from runtime.checkpoint import latest_checkpoint, load_block
+
+    launch(train_rank, 2, Job(plan=tied_plan(zero), model=TIED, steps=1, checkpoint_every=1, checkpoint_dir=str(directory)),
+           timeout_s=240)
+    manifest = latest_checkpoint(directory)
+    return {b: load_block(manifest, b) for b in manifest.blocks}
+
+
+@pytest.fixture(scope="module")
+def tied_zero0_checkpoint(tmp_path_factory):
+    return _tied_checkpoint(tmp_path_factory.mktemp("tied-zero0"), 0)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_a_tied_parameter_is_checkpointed_with_one_optimizer_state_under_zero(zero, tied_zero0_checkpoint, tmp_path):
+    """One optimizer state for the tied weight (the embedding's file; the head's file holds the same weight), and
+    every tensor of every block file as ZeRO-0's (sharded block by block: both weights 2e-3 off, two Adam states)."""
+    got, want = _tied_checkpoint(tmp_path / "ckpt", zero), tied_zero0_checkpoint
+    states = [n for _, optimizer in got.values() for n, state in optimizer.items() if state and n in (TIED_WEIGHT, TIED_ALIAS)]
+    assert states == [TIED_WEIGHT]
+    assert torch.equal(got["llm.head"][0][TIED_ALIAS], got["llm.embed"][0][TIED_WEIGHT])
+    assert got.keys() == want.keys()
+    for b, (params, optimizer) in got.items():
+        assert params.keys() == want[b][0].keys() and optimizer.keys() == want[b][1].keys(), b
+        for n, t in params.items():
+            torch.testing.assert_close(t, want[b][0][n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+        for n, state in optimizer.items():
+            for k, t in state.items():
+                torch.testing.assert_close(t, want[b][1][n][k], rtol=1e-5, atol=1e-9, msg=lambda m, n=n, k=k: f"{n} {k}: {m}")
+
+
+def test_a_tie_between_chunks_of_an_interleaved_zero_stage_is_refused():
+    from plans.errors import MmplanError
+    from runtime.zero import check_ties_within_chunks
+
+    embed, head = torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4, bias=False)
+    head.weight = embed.weight
+    modules = {"embed": embed, "head": head}
+    check_ties_within_chunks([["embed", "head"]], modules)
+    with pytest.raises(MmplanError, match="embed and head share a parameter"):
+        check_ties_within_chunks([["embed"], ["head"]], modules)
