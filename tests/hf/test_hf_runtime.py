@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from planner.cli import app
@@ -174,3 +175,29 @@ def test_parameters_outside_blocks_join_the_block_that_reads_them(models):
 
     priced = profile_model(resolve(models["clip"])).block("text_projection").params  # the profile counts it there too
     assert priced == sum(p.numel() for p in rm.local["text_projection"].parameters()) == 16 * 32 + 1
+
+
+# ZeRO on a stock decoder whose lm_head is tied to embed_tokens (Gemma 3, PaliGemma, InternVL tie them) and on the same
+# decoder untied: the tied weight is one FSDP2 unit of both blocks (runtime/zero.py), updated once per step
+DECODER = ["model", "lm_head"]
+
+
+@pytest.mark.parametrize("tie", ["tied", "untied"])
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_on_a_stock_decoder_with_and_without_tied_embeddings(zero, tie, tmp_path):
+    model = f"hf:{getattr(tiny_configs, f'llama_{tie}')(tmp_path / tie)}"
+    plan = make_plan(model, [{"name": "all", "dp": 2, "zero": zero, "stages": [(DECODER, [0, 1])]}])
+    job = Job(plan=plan, model=model, steps=6, seed=0, probe_grads=True)
+    ref = reference_run(job)
+    results = launch(train_rank, plan.world_size, job, timeout_s=240)
+    for got, want in zip([m["loss"] for m in results[0]["metrics"]], ref["losses"]):
+        assert abs(got - want) <= 1e-5 * abs(want), (zero, tie, got, want)
+    grads = {}
+    for r in results:
+        grads.update(r["grads"])
+    if tie == "tied":  # probed under both blocks' names, in the reference under its first
+        assert torch.equal(grads.pop("lm_head.weight"), grads["model.embed_tokens.weight"])
+    assert set(grads) == set(ref["grads"])
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    for name, want in ref["grads"].items():
+        assert float((grads[name] - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3 * scale), name

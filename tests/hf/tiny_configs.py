@@ -84,3 +84,24 @@ def siglip(directory: Path) -> Path:
     config.mmplan_inputs = {"text_tokens": 8}
     config.save_pretrained(directory)
     return directory
+
+
+def _llama_lm(directory: Path, tie: bool) -> Path:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=tie,
+                         architectures=["LlamaForCausalLM"])
+    config.mmplan_inputs = {"text_tokens": 8}
+    config.save_pretrained(directory)
+    return directory
+
+
+def llama_tied(directory: Path) -> Path:
+    """A 2-layer Llama decoder whose lm_head is its embed_tokens (tie_word_embeddings, as Gemma 3 and PaliGemma)."""
+    return _llama_lm(directory, True)
+
+
+def llama_untied(directory: Path) -> Path:
+    """The same decoder with its own lm_head."""
+    return _llama_lm(directory, False)
