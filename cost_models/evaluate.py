@@ -76,6 +76,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
             [blocks[b] for b in stage.blocks], samples=training.micro_batch / g.dp, tp=g.tp, dp=g.dp,
             zero=g.zero, memory=stage.memory, in_flight_micro_batches=sc.in_flight, input_bytes=inputs,
             dtype=training.dtype, optimizer=training.optimizer, sequence_parallel=g.sequence_parallel,
+            reshard_after_forward=g.reshard_after_forward,
         )
         per_stage.append(tb)
         for r in stage.ranks:

@@ -97,7 +97,7 @@ def model_state_bytes(params: float, *, dp: int, zero: int, dtype: str = "bf16",
 
 
 def state_residency(params: float, largest: float, *, dp: int, zero: int, memory: StateTiers, dtype: str = "bf16",
-                    optimizer: str = "adam", trained: Any = None) -> TierBytes:
+                    optimizer: str = "adam", trained: Any = None, reshard_after_forward: bool = True) -> TierBytes:
     """Bytes per tier of one rank's model states: `params` parameters on the rank (tp-parallel blocks divided
     by tp), the largest block's `largest` of them; `trained` of them (default: all) are not frozen and have gradients
     and optimizer state.
@@ -107,7 +107,9 @@ def state_residency(params: float, largest: float, *, dp: int, zero: int, memory
     keep the block in use and the one prefetched (2 x the largest block's share; ZeRO-Infinity style, Rajbhandari
     et al. 2021, section 5); gradients off the GPU keep one block's gradients on the device while they move out
     (GradTier moves each gradient out as soon as it has accumulated); ZeRO-3 keeps a double buffer of the largest
-    gathered block (the one in use and the one being all-gathered, ZeRO section 7.2).
+    gathered block (the one in use and the one being all-gathered, ZeRO section 7.2). ZeRO-3 without
+    `reshard_after_forward` (FSDP2's reshard_after_forward=False) holds every block's gathered parameters from its
+    forward to its backward: at the peak, with a micro-batch between the two, the stage's whole parameters unsharded.
     """
     share = zero_divisors(zero, dp)
     state = model_state_bytes(params, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
@@ -122,6 +124,8 @@ def state_residency(params: float, largest: float, *, dp: int, zero: int, memory
         out = out.put("gpu", block / share.grads)
     if zero >= 3:
         out = out.put("gpu", 2 * block)
+    if zero >= 3 and not reshard_after_forward:
+        out = out.put("gpu", state.params * (share.params - 1))  # the rest of the unsharded parameters
     return out
 
 
@@ -220,6 +224,7 @@ def stage_memory(
     dtype: str = "bf16",
     optimizer: str = "adam",
     sequence_parallel: bool = False,
+    reshard_after_forward: bool = True,
 ) -> TierBytes:
     """Peak bytes per tier on one rank of a stage running `blocks` on `samples` samples per micro-batch.
 
@@ -233,7 +238,8 @@ def stage_memory(
     params = sum(b.params / shard[b.name] for b in blocks)
     trained = sum(b.params / shard[b.name] for b in blocks if not b.frozen)  # frozen blocks: no grads, no optimizer state
     largest = max((b.params / shard[b.name] for b in blocks), default=0.0)
-    out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer, trained=trained)
+    out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer, trained=trained,
+                          reshard_after_forward=reshard_after_forward)
     transient = 0.0  # bytes: the one block being recomputed, or the two being offloaded / prefetched
     for b in blocks:
         tier = memory.activations.get(b.name, "keep")

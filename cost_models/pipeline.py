@@ -7,8 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.comm import dp_link, hand_over_time, link_for, p2p_time, ring_bytes_sent, zero_collectives
+from cost_models.comm import (all_gather_time, dp_link, hand_over_time, link_for, p2p_time, reduce_scatter_time,
+                              ring_bytes_sent, zero_collectives)
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
+from cost_models.fsdp import copy_time, host_floor, overlap_share, pass_times
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
@@ -301,6 +303,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     time, tp_bytes, params = OpTime(), 0.0, 0.0
     added = 0.0  # trained parameters whose gradients are accumulated by a separate add (not inside a GEMM)
     out_bytes = {"cpu": 0.0, "nvme": 0.0}  # activation bytes offloaded per micro-batch, by tier
+    per_block = []  # (forward, backward compute, parameter bytes, trained parameter bytes) of each block
     for name in ch.blocks:
         b = blocks[name]
         t = tp_shard(b, g.tp)
@@ -310,6 +313,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
                         overlapped_tp_backward=overlapped_tp_backward, tp_comm_overlap=tp_comm_overlap,
                         cross_entropy_bytes=cross_entropy_bytes)
         time += op
+        per_block.append((op.fwd, op.bwd, b.params / t * width, 0.0 if b.frozen else b.params / t * width))
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
             tp_bytes += ring_bytes_sent((b.output_bytes if b.vocab_parallel == "embedding" else inputs.get(name, 0.0)) * samples,
                                         t, all_reduce=True)
@@ -324,27 +328,52 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         added += 0.0 if b.frozen or (fused_grad_accumulation and b.fwd_matmul_flops > 0) else b.params / t
         cost.tensors += 0 if b.frozen else b.param_tensors
     # every backward but the first adds its weight gradients into the accumulated ones (compute.grad_accumulation_time)
-    time += OpTime(bwd=grad_accumulation_time(added, micro_batches=training.micro_batches, dp=g.dp, zero=g.zero,
-                                              grads_tier=mem.grads, cluster=cluster, dtype=training.dtype))
+    extra_bwd = grad_accumulation_time(added, micro_batches=training.micro_batches, dp=g.dp, zero=g.zero,
+                                       grads_tier=mem.grads, cluster=cluster, dtype=training.dtype)
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster, param_bytes) / 2  # both ways
-    time += OpTime(fwd=sharded, bwd=sharded)
     act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
     params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op
-    # ZeRO's gathers / reduce-scatters, prefetched / bucketed behind compute
-    gather, scatter, zero_bytes = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=dp_link(cluster, ch.ranks, g.tp))
-    cost.params, cost.time = params, time
+    cost.params = params
     cost.transfer_fwd = act + params_in
     cost.transfer_bwd = act + params_in + grads_out
-    cost.overlap_comm_fwd, cost.overlap_comm_bwd = gather, gather + scatter
-    if overlaps_compute(cluster):
-        cost.fwd = time.fwd + time.fwd_comm + exposed(max(cost.transfer_fwd, gather), time.fwd)
-        cost.bwd = time.bwd + time.bwd_comm + exposed(max(cost.transfer_bwd, gather + scatter), time.bwd)
+    link = dp_link(cluster, ch.ranks, g.tp)
+    if overlaps_compute(cluster):  # GPUs: FSDP2 per block (cost_models/fsdp.py)
+        zf, zb, gathers, scatters, copies = _zero_blocks(per_block, g, link, cluster)
+        time += OpTime(fwd=sharded + copies[0], bwd=sharded + extra_bwd + copies[1])
+        cost.fwd = zf + copies[0] + sharded + time.fwd_comm + exposed(cost.transfer_fwd, time.fwd)
+        cost.bwd = zb + copies[1] + sharded + extra_bwd + time.bwd_comm + exposed(cost.transfer_bwd, time.bwd)
+        cost.overlap_comm_fwd, cost.overlap_comm_bwd = gathers[0], gathers[1] + scatters
+        zero_bytes = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link).bytes_sent
+        if g.zero >= 3 and not g.reshard_after_forward:  # no backward all-gather
+            zero_bytes -= ring_bytes_sent(param_bytes, g.dp, all_reduce=False)
     else:  # CPU ranks: transfers and collectives take the compute's cores, one after another
+        time += OpTime(fwd=sharded, bwd=sharded + extra_bwd)
+        gather, scatter, zero_bytes = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link)
+        back = gather if g.reshard_after_forward else 0.0
+        cost.overlap_comm_fwd, cost.overlap_comm_bwd = gather, back + scatter
         cost.fwd = time.fwd + time.fwd_comm + cost.transfer_fwd + gather
-        cost.bwd = time.bwd + time.bwd_comm + cost.transfer_bwd + gather + scatter
+        cost.bwd = time.bwd + time.bwd_comm + cost.transfer_bwd + back + scatter
+        if g.zero >= 3 and not g.reshard_after_forward:
+            zero_bytes -= ring_bytes_sent(param_bytes, g.dp, all_reduce=False)
+    cost.time = time
     cost.bytes_per_mb = tp_bytes + zero_bytes
     return cost
+
+
+def _zero_blocks(per_block, g: Group, link, cluster: Cluster):
+    """A chunk's compute with its ZeRO collectives per block on a GPU (fsdp.pass_times): (forward, backward) seconds,
+    the (forward, backward) gathers' and the reduce-scatters' seconds, and FSDP2's (forward, backward) copies."""
+    share = zero_divisors(g.zero, g.dp)
+    again = g.zero >= 3 and g.reshard_after_forward  # the backward gathers the parameters again
+    gathers = [all_gather_time(p, share.params, link) if g.zero >= 3 else 0.0 for _, _, p, _ in per_block]
+    scatters = [reduce_scatter_time(tr, share.grads, link) if g.zero >= 2 else 0.0 for _, _, _, tr in per_block]
+    zf, zb = pass_times([f for f, _, _, _ in per_block], [b for _, b, _, _ in per_block], gathers, scatters,
+                        share=overlap_share(cluster), backward_gather=again, host_s=host_floor(cluster))
+    copy_in = sum(copy_time(p, g.dp, cluster) for _, _, p, _ in per_block) if g.zero >= 3 else 0.0
+    copy_out = sum(copy_time(tr, g.dp, cluster) for _, _, _, tr in per_block) if g.zero >= 2 else 0.0
+    copies = (copy_in, (copy_in if again else 0.0) + copy_out)
+    return zf, zb, (sum(gathers), sum(gathers) if again else 0.0), sum(scatters), copies
 
 
 def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:

@@ -75,6 +75,9 @@ class Group:
     zero: int = 0  # ZeRO stage 0-3 over the group's dp replicas
     colocated_with: str | None = None  # another group whose ranks this one time-shares; None = own ranks
     sequence_parallel: bool = False  # tp > 1: norm/residual regions sharded along the sequence (Korthikanti et al. 2022)
+    # ZeRO-3: FSDP2's reshard_after_forward -- False keeps each block's gathered parameters from its forward to its
+    # backward (one all-gather per micro-batch instead of two; the unsharded parameters held meanwhile)
+    reshard_after_forward: bool = field(default=True, metadata={OMIT_DEFAULT: True})
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -240,6 +243,9 @@ def _check_group(g: Group, plan: Plan, what: str) -> None:
     for i, s in enumerate(g.stages):
         _check_stage(g, i, s, plan, what)
     _check_unique_ranks(g, what)
+    if not g.reshard_after_forward and g.zero != 3:
+        raise FormatError(f"{what}: group {g.name!r}: reshard_after_forward=false needs zero=3 (ZeRO 1-2 never reshard "
+                          f"after a forward), got zero={g.zero}; drop the field or set zero to 3")
     if plan.training.micro_batch % g.dp:
         raise FormatError(
             f"{what}: group {g.name!r}: a micro-batch of {plan.training.micro_batch} samples is not divisible by dp={g.dp}; "

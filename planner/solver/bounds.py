@@ -97,6 +97,7 @@ class Layout:
     chunks: int = 1
     chunk_fwd: tuple[float, ...] = ()
     chunk_bwd: tuple[float, ...] = ()
+    reshard_after_forward: bool = True  # ZeRO-3: FSDP2 gathers again for the backward (plans.plan.Group)
     bound: Bound = field(init=False, compare=False, repr=False)  # layout_bound, below
 
     def __post_init__(self) -> None:
@@ -113,7 +114,7 @@ class Layout:
     @property
     def key(self) -> tuple:
         return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies,
-                self.sequence_parallel, self.chunks)
+                self.sequence_parallel, self.chunks, self.reshard_after_forward)
 
     def stage_blocks(self, blocks: Sequence[str]) -> list[tuple[str, ...]]:
         """Per stage, its blocks in execution order (with chunks > 1: chunks k, k + pp, ... of stage k)."""

@@ -131,10 +131,11 @@ def unit_layouts(
         if time.perf_counter() > deadline:
             break
         for sp in sps:
-            for zero in zero_stages(cl, dp, setting.zeros):
+            for zero, again in zero_forms(cl, dp, setting.zeros):
                 if time.perf_counter() > deadline:
                     break
-                seg = Segments(unit, setting, tp, dp, zero, micro_batches, times, sequence_parallel=sp)
+                seg = Segments(unit, setting, tp, dp, zero, micro_batches, times, sequence_parallel=sp,
+                               reshard_after_forward=again)
                 out += _layouts_of(seg, depth, downstream, merge_depths, limit, work)
     return out
 
@@ -162,6 +163,14 @@ ZERO_STAGES = (0, 1, 2, 3)  # every ZeRO stage the cost model prices and runtime
 def zero_stages(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) -> tuple[int, ...]:
     """ZeRO stages worth trying at dp replicas: 0 alone at dp = 1 (nothing to shard), else `zeros`."""
     return (0,) if dp == 1 else tuple(zeros)
+
+
+def zero_forms(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) -> tuple[tuple[int, bool], ...]:
+    """(ZeRO stage, reshard_after_forward) pairs worth trying: every zero_stages one, and ZeRO-3 also without
+    resharding after the forward (FSDP2's reshard_after_forward=False: one all-gather per micro-batch, the gathered
+    parameters held from each forward to its backward). Keeping parameters unsharded across a step's micro-batches
+    (gather once, reduce-scatter once per step) is ZeRO-1 as the runtime runs it (runtime/zero.py), already here."""
+    return tuple((z, again) for z in zero_stages(cluster, dp, zeros) for again in ((True, False) if z == 3 else (True,)))
 
 
 def runs_with(policy: Policy, zero: int) -> bool:
@@ -293,6 +302,7 @@ def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
             rows = [tuple(r) for r in best_rows.tolist()]
             out.append(Layout(
                 unit=seg.unit.name, schedule="1f1b", micro_batches=m, tp=seg.tp, dp=seg.dp, zero=seg.zero, cuts=cuts,
+                reshard_after_forward=seg.reshard_after_forward,
                 policies=tuple(choice), downstream=None, assumed_downstream=0, fwd=rows[0], bwd=rows[1],
                 lag=(0.0,) * (pp - 1), tail=rows[2], optimizer=rows[3], gather=rows[4], gpu_bytes=rows[5], cpu_bytes=rows[6],
                 nvme_bytes=rows[7], samples=seg.samples, out_bytes=seg.unit.out_bytes, slowest=slowest,
@@ -344,6 +354,7 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
         backward.append(any(trains[a:b]) or (not preds and k > 0 and backward[-1]))
     return Layout(
         unit=seg.unit.name, schedule=st.schedule, micro_batches=seg.micro_batches, tp=seg.tp, dp=seg.dp, zero=seg.zero,
+        reshard_after_forward=seg.reshard_after_forward,
         cuts=tuple(cuts), policies=policies, downstream=downstream, assumed_downstream=stages.downstream,
         fwd=tuple(fwd.tolist()), bwd=tuple(bwd.tolist()), lag=lag, tail=tuple(tail.tolist()), optimizer=tuple(opt.tolist()),
         gather=tuple(gather.tolist()), gpu_bytes=tuple((g0 + flights * g1).tolist()), cpu_bytes=tuple((c0 + flights * c1).tolist()),

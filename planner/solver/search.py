@@ -275,7 +275,8 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
         cores = {b.name for b in unit.blocks if b.attention_core_bytes > 0}
         host = units[sink].name if structure == "colocated" and sink is not None and i != sink else None
         groups.append(GroupLayout(unit.name, names, lay.cuts, lay.dp, lay.tp, r, zero=lay.zero, colocated_with=host,
-                                  memory=lay.memories(names, cores), sequence_parallel=lay.sequence_parallel, chunks=lay.chunks))
+                                  memory=lay.memories(names, cores), sequence_parallel=lay.sequence_parallel, chunks=lay.chunks,
+                                  reshard_after_forward=lay.reshard_after_forward))
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     chunks = max(lay.chunks for lay in layouts)  # an interleaved layout (the chain unit's) makes the schedule interleaved
     training = Training(global_batch, layouts[0].micro_batches, "interleaved" if chunks > 1 else schedule, chunks, dtype=dtype)

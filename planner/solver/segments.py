@@ -6,9 +6,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from cost_models.comm import dp_link, zero_collectives
+from cost_models.comm import all_gather_time, dp_link, reduce_scatter_time, zero_collectives
 from cost_models.compute import block_time, grad_accumulation_time, tp_shard
-from cost_models.memory import DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency
+from cost_models.fsdp import copy_time, host_floor, overlap_share, segment_times
+from cost_models.memory import (DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency,
+                                zero_divisors)
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import optimizer_tensor_time, zero_block_time, zero_optimizer_time
 from cost_models.tail import BUCKET_BYTES, tail_over
@@ -100,6 +102,9 @@ class BlockTimes:
                 # fully_shard units): cost_models/overhead.py's measured terms, as the simulator applies them
                 tensors=_span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)),
                 sharded=_span(np.array([1.0 if b.params else 0.0 for b in blocks])),
+                # per block (not per segment): cost_models/fsdp.py's ZeRO timing per block
+                block_fwd=np.array([o.fwd for o in ops]), block_bwd=np.array([o.bwd for o in ops]), block_core=core_time,
+                block_params=params, block_trained=trained,
                 checkpoint=_span(inp), valid=np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :])
         return self._arrays[key]
 
@@ -163,6 +168,7 @@ class Segments:
     micro_batches: int
     times: BlockTimes | None = None
     sequence_parallel: bool = False  # tp > 1: the layout's norm / residual regions sharded along the sequence
+    reshard_after_forward: bool = True  # ZeRO-3: FSDP2 gathers again for the backward (plans.plan.Group)
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -183,6 +189,7 @@ class Segments:
         self.checkpoint = arrays["checkpoint"]
         self.core, self.act_sel, self.core_max = arrays["core"], arrays["act_sel"], arrays["core_max"]
         self.valid = arrays["valid"]
+        self.blocks = {k: arrays[k] for k in ("block_fwd", "block_bwd", "block_core", "block_params", "block_trained")}
         self.dp_link = self._dp_link()
 
     def _dp_link(self) -> Link:
@@ -201,10 +208,11 @@ class Segments:
         recompute = policy.activations == "recompute"
         param_bytes = self.params * self.width
         hooks = zero_block_time(self.sharded, z, cl, param_bytes) / 2  # ZeRO's FSDP2 work per block and byte, both ways
+        selective = policy.activations == "selective"
         fwd, fwd_comm = self.fwd + hooks, self.fwd_comm
-        bwd = self.bwd + hooks + (self.fwd if recompute else self.core if policy.activations == "selective" else 0.0)
-        bwd = bwd + grad_accumulation_time(self.trained, micro_batches=self.micro_batches, dp=dp, zero=z,
-                                           grads_tier=policy.grads, cluster=cl, dtype=st.dtype)
+        extra = hooks + grad_accumulation_time(self.trained, micro_batches=self.micro_batches, dp=dp, zero=z,
+                                               grads_tier=policy.grads, cluster=cl, dtype=st.dtype)
+        bwd = self.bwd + (self.fwd if recompute else self.core if selective else 0.0) + extra
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
         act_out = 0.0
         memo, k = self.times.coefficients, (dp, z, policy, self.tp)  # the link is the one (dp, tp) gives
@@ -215,16 +223,21 @@ class Segments:
         grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).grads_out, param_bytes,
                             memo, ("out", *k))
         link = self.dp_link
-        gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).gather, param_bytes, memo, ("gather", *k))
-        scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).scatter, param_bytes, memo, ("scatter", *k))
         t_fwd = act_out + params_in
         t_bwd = act_out + params_in + grads_out
-        if overlaps_compute(cl):
-            fwd_op = fwd + fwd_comm + np.maximum(0.0, np.maximum(t_fwd, gather) - fwd)
-            bwd_op = bwd + bwd_comm + np.maximum(0.0, np.maximum(t_bwd, gather + scatter) - bwd)
+        if overlaps_compute(cl):  # GPUs: ZeRO's collectives per block (cost_models/fsdp.py), as pipeline._zero_blocks
+            b = self.blocks
+            block_bwd = b["block_bwd"] + (b["block_fwd"] if recompute else b["block_core"] if selective else 0.0)
+            zf, zb, copies = self._zero_blocks(block_bwd, memo, k, link)
+            fwd, bwd = fwd + copies[0], bwd + copies[1]
+            fwd_op = zf + hooks + copies[0] + fwd_comm + np.maximum(0.0, t_fwd - fwd)
+            bwd_op = zb + extra + copies[1] + bwd_comm + np.maximum(0.0, t_bwd - bwd)
         else:  # CPU ranks: nothing hides behind compute (cost_models.offload.overlaps_compute)
+            gather = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).gather, param_bytes, memo, ("gather", *k))
+            scatter = _affine(lambda x: zero_collectives(x, dp=dp, zero=z, link=link).scatter, param_bytes, memo, ("scatter", *k))
+            back = gather if self.reshard_after_forward else 0.0
             fwd_op = fwd + fwd_comm + t_fwd + gather
-            bwd_op = bwd + bwd_comm + t_bwd + gather + scatter
+            bwd_op = bwd + bwd_comm + t_bwd + back + scatter
 
         def tail(x: float):
             return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
@@ -242,6 +255,22 @@ class Segments:
         self._cache[key] = out
         return out
 
+    def _zero_blocks(self, block_bwd: np.ndarray, memo: dict, k: tuple, link: Link) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """(forward, backward) of every segment with ZeRO's collectives per block (fsdp.segment_times over the blocks'
+        forward and `block_bwd`, their backward with recompute), and FSDP2's (forward, backward) copies
+        (fsdp.copy_time) per segment: pipeline._zero_blocks over every segment at once."""
+        cl, dp, z = self.setting.cluster, self.dp, self.zero
+        share = zero_divisors(z, dp)
+        again = z >= 3 and self.reshard_after_forward
+        pb, tb = self.blocks["block_params"] * self.width, self.blocks["block_trained"] * self.width
+        gathers = _affine(lambda x: all_gather_time(x, share.params, link), pb, memo, ("block gather", *k)) if z >= 3 else 0.0 * pb
+        scatters = _affine(lambda x: reduce_scatter_time(x, share.grads, link), tb, memo, ("block scatter", *k)) if z >= 2 else 0.0 * tb
+        zf, zb = segment_times(self.blocks["block_fwd"], block_bwd, gathers + 0.0 * pb, scatters + 0.0 * tb,
+                               share=overlap_share(cl), backward_gather=again, host_s=host_floor(cl))
+        copy_in = _span(copy_time(pb, dp, cl)) if z >= 3 else 0.0
+        copy_out = _span(copy_time(tb, dp, cl)) if z >= 2 else 0.0
+        return zf, zb, (copy_in, (copy_in if again else 0.0) + copy_out)
+
     def memory(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(gpu, cpu, nvme) bytes per rank of every segment as base + in_flight * per_micro_batch pairs: the
         terms of cost_models/memory.stage_memory (state_residency, activation_residency, activation_transient)
@@ -252,6 +281,7 @@ class Segments:
             return self._cache[key]
         st = self.setting
         base = state_residency(self.params, self.largest, dp=self.dp, zero=self.zero, memory=policy, dtype=st.dtype,
+                               reshard_after_forward=self.reshard_after_forward,
                                optimizer=st.optimizer, trained=self.trained)
         selective = policy.activations == "selective"
         base = base.put("gpu", self.core_max if selective else activation_transient(policy.activations, self.act_max))

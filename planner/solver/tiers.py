@@ -142,7 +142,8 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                     continue
                 memory = Memory(*k)
                 tiers = state_residency(params, largest, dp=g.dp, zero=g.zero, memory=memory, dtype=training.dtype,
-                                        optimizer=training.optimizer, trained=trained)
+                                        optimizer=training.optimizer, trained=trained,
+                                        reshard_after_forward=g.reshard_after_forward)
                 pin, gout = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=memory, cluster=cluster)
                 opt = tail_over(trained, dp=g.dp, zero=g.zero, memory=memory, link=link, cluster=cluster,
                                 dtype=training.dtype, optimizer=training.optimizer).optimizer

@@ -74,7 +74,8 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
     profile, cluster, tp, dp, zero, cuts, m, global_batch, schedule, policy, sp = random_plan(seed)
     unit = profile_units(profile, "chain")[0]
     setting = Setting(cluster, global_batch, schedule, "bf16", "adam", None, (policy,))
-    seg = Segments(unit, setting, tp, dp, zero, m, sequence_parallel=sp)
+    again = zero != 3 or seed % 2 == 0  # ZeRO-3 without reshard_after_forward on odd seeds
+    seg = Segments(unit, setting, tp, dp, zero, m, sequence_parallel=sp, reshard_after_forward=again)
     names = tuple(b.name for b in profile.blocks)
     cores = {b.name for b in profile.blocks if b.attention_core_bytes > 0}
     pp = len(cuts) + 1
@@ -82,8 +83,9 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
     memories = tuple(policy.memory(names[a:b], cores) for a, b in zip(bounds, bounds[1:]))
     training = Training(global_batch, m, schedule, dtype="bf16")
     plan = build_plan(profile, cluster, training, [GroupLayout("model", names, cuts, dp, tp, megatron_ranks(dp, tp, pp),
-                                                               zero=zero, memory=memories, sequence_parallel=sp)])
-    assert plan.groups[0].sequence_parallel == sp
+                                                               zero=zero, memory=memories, sequence_parallel=sp,
+                                                               reshard_after_forward=again)])
+    assert plan.groups[0].sequence_parallel == sp and plan.groups[0].reshard_after_forward == again
     ev = evaluate(plan, profile)
     fwd, bwd, tail, opt, gather = seg.time(policy)
     g0, g1, c0, c1, n0, n1 = seg.memory(policy)
@@ -104,7 +106,8 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
             assert opt[a, b] <= scalar.optimizer * (1 + REL) and tail[a, b] <= scalar.total * (1 + REL)
         assert gather[a, b] == pytest.approx(scalar.param_gather, rel=REL, abs=1e-15)
         direct = stage_memory(profile.blocks[a:b], samples=global_batch / m / dp, tp=tp, dp=dp, zero=zero,
-                              memory=memories[k], in_flight_micro_batches=flight, input_bytes=inputs, sequence_parallel=sp)
+                              memory=memories[k], in_flight_micro_batches=flight, input_bytes=inputs, sequence_parallel=sp,
+                              reshard_after_forward=again)
         assert direct == mem
         assert g0[a, b] + flight * g1[a, b] == pytest.approx(mem.gpu, rel=REL)
         assert c0[a, b] + flight * c1[a, b] == pytest.approx(mem.cpu, rel=REL, abs=1e-6)
