@@ -204,7 +204,8 @@ class RankTrainer:
                     if adopted:
                         self.zero_replicated[key] = self.zero_replicated.get(key, []) + adopted
                     out[ck] = apply_zero({b: self.rm.local[b] for b in blocks}, group, zero, self.ctx.device, offload,
-                                         replicated=adopted)
+                                         replicated=adopted,
+                                         reshard_after_forward=self.plan.group(st.group).reshard_after_forward)
         return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:

@@ -50,13 +50,15 @@ def zero_runs_with(params: str, grads: str, optimizer: str) -> bool:
 
 
 def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: torch.device,
-               offload: bool = False, replicated: Iterable[nn.Parameter] = ()) -> list[FSDPModule]:
+               offload: bool = False, replicated: Iterable[nn.Parameter] = (),
+               reshard_after_forward: bool = True) -> list[FSDPModule]:
     """Shard each block with parameters over `group` (this rank's data-parallel group of the stage), in place;
     returns the sharded blocks. Apply after tensor parallelism (the shards are of the tp-local tensors).
     `offload`: FSDP2's CPU offload (sharded parameters and gradients on the host, gathered to the device for use).
     `replicated`: parameters left whole (FSDP2's ignored_params) -- a block's adopted parameter that the model's
     forward reads outside the block (CLIP's logit_scale): FSDP2 only gathers a parameter around its own module's
-    forward. Their gradients are the caller's to all-reduce."""
+    forward. Their gradients are the caller's to all-reduce. `reshard_after_forward=False` (ZeRO-3 only: the plan's
+    Group field) keeps each block's gathered parameters from its forward to its backward (resharded after it)."""
     if zero not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3 here, got {zero}")
     # FSDP2 warns, on every rank and run, when a block returns a view (a projector's reshape): an in-place op on it
@@ -73,12 +75,13 @@ def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: 
         # blocks sharing a parameter (a tied embedding and LM head) are one FSDP unit, as torchtitan shards them: one
         # DTensor in both blocks, one shard set, one optimizer state, one gradient reduction. Sharded one by one, each
         # block's fully_shard would replace the shared Parameter by a DTensor of its own (two copies, each updated).
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy,
+        reshard = zero >= 3 and reshard_after_forward
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, offload_policy=policy,
                     ignored_params=ignored or None)
         sharded.extend(unit)  # each block of a unit is an FSDPModule of the unit's one state
         if len(unit) > 1:  # FSDP2 refuses a grouped state as a root: a holder without parameters of its own is its root
             holder = _Holder(unit)
-            fully_shard(holder, mesh=mesh, reshard_after_forward=zero >= 3, offload_policy=policy)
+            fully_shard(holder, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
             holder._get_fsdp_state()._lazy_init()
         unit[0].set_gradient_divide_factor(1.0)
         unit[0].set_force_sum_reduction_for_comms(True)

@@ -45,7 +45,8 @@ def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_ba
             stages.append(Stage(blocks=blocks, ranks=tuple(ranks), memory=mem))
         stages = tuple(stages)
         built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=g.get("tp", 1), pp=len(stages), stages=stages,
-                           zero=g.get("zero", 0), colocated_with=g.get("colocated_with")))
+                           zero=g.get("zero", 0), colocated_with=g.get("colocated_with"),
+                           reshard_after_forward=g.get("reshard_after_forward", True)))
     world = len({r for g in built for r in g.ranks})
     plan = Plan(profile=ProfileRef(prof.model, prof.fingerprint), cluster=local_cluster(world),
                 training=Training(global_batch=global_batch, micro_batches=micro_batches, schedule=schedule, dtype=dtype,

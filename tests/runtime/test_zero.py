@@ -151,3 +151,25 @@ def test_a_tie_between_chunks_of_an_interleaved_zero_stage_is_refused():
     check_ties_within_chunks([["embed", "head"]], modules)
     with pytest.raises(MmplanError, match="embed and head share a parameter"):
         check_ties_within_chunks([["embed"], ["head"]], modules)
+
+
+# ZeRO-3 with FSDP2's reshard_after_forward=False (the plan's Group field): gathered once per micro-batch, held to the
+# backward; 20 steps, with a pipeline and 4 micro-batches (several forwards in flight hold their blocks gathered)
+KEPT = {
+    "dp2-zero3-kept": ("tiny-vlm", [{"name": "all", "dp": 2, "zero": 3, "reshard_after_forward": False,
+                                     "stages": [(VLM_ALL, [0, 1])]}], {"micro_batches": 2}),
+    "pp2-dp2-zero3-kept": ("tiny-vlm", [
+        {"name": "all", "dp": 2, "zero": 3, "reshard_after_forward": False,
+         "stages": [(["vision", "vision_proj", "llm.embed"], [0, 1]), (["llm"], [2, 3])]},
+    ], {"micro_batches": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(KEPT))
+def test_zero3_without_reshard_after_forward_matches_reference(case):
+    model, groups, training = KEPT[case]
+    plan = make_plan(model, groups, **training)
+    assert not plan.groups[0].reshard_after_forward
+    job = Job(plan=plan, model=model, steps=20, seed=0, probe_grads=True)
+    results = launch(train_rank, plan.world_size, job, timeout_s=480)
+    check_parity(case, results, reference(model, job))
