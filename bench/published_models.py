@@ -131,10 +131,10 @@ class Decoder(nn.Module):
 
 def gpt_profile(name: str, *, layers: int, dim: int, heads: int, seq: int = 2048, vocab: int = 51200,
                 mlp: int | None = None, kv_heads: int | None = None, attention: str = "math", dropout: float = 0.1,
-                gated: bool = False, dtype: str = "bf16", softmax_grad_in_memory: bool = False) -> Profile:
+                gated: bool = False, dtype: str = "bf16", softmax_grad_in_memory: bool = False, fused: bool = True) -> Profile:
     """The profile of a `layers`-deep decoder: two layers profiled, the second repeated (same module, same block).
     `softmax_grad_in_memory`: the attention softmax's backward reads its incoming gradient from memory (Megatron-LM's
-    separate attention-dropout kernel; profile_model)."""
+    separate attention-dropout kernel; profile_model); `fused=False`: memory-bound traffic as eager PyTorch moves it."""
     kw = dict(vocab=vocab, seq=seq, dim=dim, heads=heads, mlp=mlp or 4 * dim, kv_heads=kv_heads, dropout=dropout,
               attention=attention, norm="rmsnorm" if gated else "layernorm", gated=gated)
 
@@ -143,7 +143,8 @@ def gpt_profile(name: str, *, layers: int, dim: int, heads: int, seq: int = 2048
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         return model, {"ids": ids, "labels": ids}
 
-    small = profile_model(ModelSource(name, factory, dtype), micro_batch=1, softmax_grad_in_memory=softmax_grad_in_memory)
+    small = profile_model(ModelSource(name, factory, dtype), micro_batch=1, softmax_grad_in_memory=softmax_grad_in_memory,
+                          fused=fused)
     return repeat_layers(small, layers)
 
 

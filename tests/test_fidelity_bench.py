@@ -16,7 +16,7 @@ import fidelity_bench as fb  # noqa: E402
 
 def test_rows_cover_the_must_show():
     assert len(fb.ROWS) >= 12
-    assert len({fb.parse_cluster(r.gpu).device.name.split("-")[0] for r in fb.ROWS}) >= 2  # a100, h100
+    assert len({fb._cluster(r).device.name.split("-")[0] for r in fb.ROWS}) >= 2  # a100, h100
     multimodal = [r for r in fb.ROWS if r.model.zoo or r.model.hf]
     assert multimodal and all(r.metric == "time" and r.published_step_s > 0 for r in multimodal)
     cited = {r.source.split()[0] for r in fb.ROWS}  # N21, K22, L3, LLaVA-1.5
