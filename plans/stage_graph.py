@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from plans.errors import FormatError
-from plans.plan import Plan
+from plans.plan_types import Plan
 
 
 @dataclass(frozen=True, slots=True)

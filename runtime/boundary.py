@@ -15,34 +15,21 @@ integer leaves) the sending replica's tp-rank 0 sends each tp rank of the receiv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from runtime.layout import Layout, Route
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """Structure of a block's output: pytree spec and (per-row shape, dtype) of each tensor leaf; `rows`: each
-    leaf's rows per sample (empty: one, batch-major; k for a packed leaf, runtime/samples.py)."""
-
-    tree: TreeSpec
-    leaves: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    rows: tuple[int, ...] = ()
-
-    def rows_of(self, leaf: int) -> int:
-        return self.rows[leaf] if self.rows else 1
+from runtime.output_spec import OutputSpec
+from runtime.stage_map import Route, StageMap
 
 
 class Exchange:
     """This rank's end of every route; counts the seconds it spends waiting for data."""
 
-    def __init__(self, layout: Layout, rank: int, specs: dict[str, OutputSpec], device: torch.device):
-        self.layout = layout
+    def __init__(self, stage_map: StageMap, rank: int, specs: dict[str, OutputSpec], device: torch.device):
+        self.stage_map = stage_map
         self.rank = rank
         self.specs = specs
         self.device = device
@@ -52,20 +39,20 @@ class Exchange:
         self.bytes_sent = 0
         self.tp_groups: dict[str, Any] = {}  # stage key -> this rank's tp group there (set by the trainer)
         self._tag: dict[tuple, int] = {}
-        for i, route in enumerate(layout.routes):
+        for i, route in enumerate(stage_map.routes):
             for k in range(len(route.pieces)):
                 for leaf in range(len(specs[route.block].leaves)):
                     for direction in (0, 1):
                         self._tag[(i, k, leaf, direction)] = len(self._tag)
 
     def tag(self, route: int, piece: int, leaf: int, direction: int, mb: int) -> int:
-        return self._tag[(route, piece, leaf, direction)] * self.layout.micro_batches + mb
+        return self._tag[(route, piece, leaf, direction)] * self.stage_map.micro_batches + mb
 
     def _rank(self, stage: str, replica: int) -> int:
-        return self.layout.stages[stage].leader(replica)
+        return self.stage_map.stages[stage].leader(replica)
 
     def _leads(self, stage: str, replica: int) -> bool:
-        return self.layout.stages[stage].leader(replica) == self.rank
+        return self.stage_map.stages[stage].leader(replica) == self.rank
 
     def _put(self, dst: int, tensor: torch.Tensor, key: tuple, tag: int) -> None:
         if dst == self.rank:
@@ -86,12 +73,12 @@ class Exchange:
 
     def _scattered(self, route: Route) -> int:
         """tp when the route hands over by scatter/gather (see the module docstring), else 0."""
-        src, dst = self.layout.stages[route.src], self.layout.stages[route.dst]
+        src, dst = self.stage_map.stages[route.src], self.stage_map.stages[route.dst]
         return src.tp if src.tp == dst.tp > 1 and src.ranks != dst.ranks else 0
 
     def _gather(self, part: torch.Tensor, stage: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole tensor of `shape` from this rank's part and its tp group's (parts in tp-rank order)."""
-        group = self.tp_groups[self.layout.stages[stage].key]
+        group = self.tp_groups[self.stage_map.stages[stage].key]
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
         t0 = _now()
         dist.all_gather(parts, part, group=group)
@@ -100,17 +87,17 @@ class Exchange:
 
     # forward: producer replica -> consumer replicas
     def send_forward(self, route_idx: int, replica: int, mb: int, value: Any) -> None:
-        route = self.layout.routes[route_idx]
-        tp, stage = self._scattered(route), self.layout.stages[route.src]
+        route = self.stage_map.routes[route_idx]
+        tp, stage = self._scattered(route), self.stage_map.stages[route.src]
         if not self._leads(route.src, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
-        start0, _ = self.layout.slice(route.src, replica)
+        start0, _ = self.stage_map.slice(route.src, replica)
         spec = self.specs[route.block]
         leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
                 continue
-            for j, dst in enumerate(self.layout.stages[route.dst].tp_ranks(p.dst_replica)):
+            for j, dst in enumerate(self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)):
                 for leaf, t in enumerate(leaves):
                     key = (route_idx, k, leaf, 0, mb)
                     r = spec.rows_of(leaf)
@@ -124,17 +111,17 @@ class Exchange:
     def recv_forward(self, route_idx: int, replica: int, mb: int, needs_grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
         """The producer's output for this consumer replica's samples, as fresh leaves (requiring grad when
         `needs_grad`: the producer runs a backward)."""
-        route = self.layout.routes[route_idx]
+        route = self.stage_map.routes[route_idx]
         spec = self.specs[route.block]
         tp = self._scattered(route)
-        j = self.layout.stages[route.dst].tp_index(self.rank) if tp else 0
+        j = self.stage_map.stages[route.dst].tp_index(self.rank) if tp else 0
         parts: list[list[torch.Tensor]] = [[] for _ in spec.leaves]
         for k, p in self._pieces_into(route, replica):
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 key = (route_idx, k, leaf, 0, mb)
                 full = ((p.stop - p.start) * spec.rows_of(leaf), *shape)
                 if tp and dtype.is_floating_point:
-                    src = self.layout.stages[route.src].tp_ranks(p.src_replica)[j]
+                    src = self.stage_map.stages[route.src].tp_ranks(p.src_replica)[j]
                     part = self._get(src, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
                     parts[leaf].append(self._gather(part, route.dst, full))
                 else:
@@ -146,14 +133,14 @@ class Exchange:
 
     # backward: consumer replica -> producer replicas
     def send_backward(self, route_idx: int, replica: int, mb: int, leaves: list[torch.Tensor]) -> None:
-        route = self.layout.routes[route_idx]
-        tp, stage = self._scattered(route), self.layout.stages[route.dst]
+        route = self.stage_map.routes[route_idx]
+        tp, stage = self._scattered(route), self.stage_map.stages[route.dst]
         if not self._leads(route.dst, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
         spec = self.specs[route.block]
-        start0, _ = self.layout.slice(route.dst, replica)
+        start0, _ = self.stage_map.slice(route.dst, replica)
         for k, p in self._pieces_into(route, replica):
-            for j, src in enumerate(self.layout.stages[route.src].tp_ranks(p.src_replica)):
+            for j, src in enumerate(self.stage_map.stages[route.src].tp_ranks(p.src_replica)):
                 if tp and stage.tp_index(self.rank) != j:
                     continue  # scatter/gather: tp-rank j sends the j-th part to its counterpart only
                 for leaf, t in enumerate(leaves):
@@ -167,15 +154,15 @@ class Exchange:
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
         """Add the gradients of this producer replica's output that the route's consumers send back."""
-        route = self.layout.routes[route_idx]
+        route = self.stage_map.routes[route_idx]
         spec = self.specs[route.block]
-        start0, _ = self.layout.slice(route.src, replica)
+        start0, _ = self.stage_map.slice(route.src, replica)
         tp = self._scattered(route)
-        j = self.layout.stages[route.src].tp_index(self.rank) if tp else 0
+        j = self.stage_map.stages[route.src].tp_index(self.rank) if tp else 0
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
                 continue
-            dst = self.layout.stages[route.dst].tp_ranks(p.dst_replica)[j] if tp else self._rank(route.dst, p.dst_replica)
+            dst = self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)[j] if tp else self._rank(route.dst, p.dst_replica)
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 if not dtype.is_floating_point:
                     continue
@@ -188,7 +175,7 @@ class Exchange:
                 else:
                     piece = self._get(dst, full, dtype, key, self.tag(*key[:4], mb))
                 if grads[leaf] is None:
-                    n = self.layout.slice(route.src, replica)
+                    n = self.stage_map.slice(route.src, replica)
                     grads[leaf] = torch.zeros(((n[1] - n[0]) * r, *shape), dtype=dtype, device=self.device)
                 grads[leaf][(p.start - start0) * r:(p.stop - start0) * r] += piece
 

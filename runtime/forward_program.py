@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plans.errors import MmplanError
+from runtime.output_spec import OutputSpec
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.samples import batch_samples
 from runtime.vocab_parallel import HeadPaths
@@ -74,8 +75,6 @@ class ForwardProgram:
     """The Program interface of runtime/program.py for a model run by its own forward (see the module docstring)."""
 
     def __init__(self, model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module]):
-        from runtime.boundary import OutputSpec
-
         self.modules = blocks
         self.inputs = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True

@@ -19,6 +19,9 @@ import torch
 from torch import nn
 
 from plans.errors import MmplanError
+from runtime.blocks import block_modules, is_hf_model  # noqa: F401  (is_hf_model: where callers look for it)
+from runtime.model_source import ModelSource
+from runtime.tensor_parallel import PLAN_ATTR
 
 PREFIX = "hf:"
 TEXT_TOKENS = 32  # text tokens per sample after the modality tokens
@@ -84,9 +87,6 @@ def for_training(model: nn.Module) -> nn.Module:
     for config in _configs(getattr(model, "config", None)):
         if hasattr(config, "use_cache"):
             config.use_cache = False
-    from runtime.program import block_modules
-    from runtime.tensor_parallel import PLAN_ATTR
-
     blocks = block_modules(model)
     for name, plan in tp_plans(model, blocks).items():
         setattr(blocks[name], PLAN_ATTR, plan)
@@ -164,8 +164,6 @@ def default_dtype(config) -> str:
 
 def hf_source(spec: str):
     """The ModelSource of an `hf:` spec: the factory builds the model and its example batch from the config."""
-    from runtime.source import ModelSource
-
     config = load_config(spec)
     model_class(config)  # a missing class is a one-line error now, not in the factory
 
@@ -257,7 +255,3 @@ def _example_inputs(config, micro_batch: int) -> dict[str, Any]:
     raise MmplanError(f"mmplan builds example inputs for HF LLaVA, Qwen2-VL, Qwen2-Audio, CLIP/SigLIP and text-only LMs, not model_type "
                       f"{kind!r}: write a factory `package.module:factory` returning (model, batch)")
 
-
-def is_hf_model(model: nn.Module) -> bool:
-    """A transformers PreTrainedModel (without importing transformers when it is not loaded)."""
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(model).__mro__)

@@ -20,38 +20,9 @@ from torch import nn
 from plans.errors import MmplanError
 from plans.graph import block_structure, fingerprint
 from plans.plan import Flow, FlowBlock
+from runtime.blocks import CONTAINERS, block_modules, is_hf_model
+from runtime.forward_program import ForwardProgram
 
-CONTAINERS = (nn.ModuleList, nn.Sequential)
-
-
-def block_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Blocks by name, with the profiler's rule: container elements plus maximal container-free modules."""
-
-    def has_container(m: nn.Module) -> bool:
-        return any(isinstance(c, CONTAINERS) for c in m.modules())
-
-    found: dict[str, nn.Module] = {}
-
-    def walk(prefix: str, m: nn.Module) -> None:
-        for name, child in m.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(m, CONTAINERS) or not has_container(child):
-                found[path] = child
-            else:
-                walk(path + ".", child)
-
-    if isinstance(model, CONTAINERS) or not has_container(model):
-        raise MmplanError(f"{type(model).__name__} has no nn.ModuleList/Sequential of layers to cut into blocks")
-    walk("", model)
-    if _is_hf(model):  # parameter-free helpers (rotary tables) are glue: every stage computes them itself
-        found = {n: m for n, m in found.items() if any(True for _ in m.parameters())}
-    return found
-
-
-def _is_hf(model: nn.Module) -> bool:
-    from runtime.hf import is_hf_model
-
-    return is_hf_model(model)
 
 
 @dataclass(frozen=True)
@@ -140,15 +111,11 @@ def trace_program(model: nn.Module, batch: dict[str, Any]):
     Hugging Face models, and models fx cannot trace, run their own forward per stage instead
     (runtime/forward_program.py): a ForwardProgram, with the same interface."""
     blocks = block_modules(model)
-    if _is_hf(model):
-        from runtime.forward_program import ForwardProgram
-
+    if is_hf_model(model):
         return ForwardProgram(model, batch, blocks)
     try:
         return _fx_program(model, batch, blocks)
     except MmplanError as fx_error:
-        from runtime.forward_program import ForwardProgram
-
         try:
             return ForwardProgram(model, batch, blocks)
         except MmplanError:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from plans.errors import FormatError, MmplanError
 from plans.schedule import schedule, task_name
-from runtime.layout import Layout
+from runtime.stage_map import StageMap
 
 Kind = Literal["F", "B"]
 
@@ -19,25 +19,25 @@ Kind = Literal["F", "B"]
 @dataclass(frozen=True, order=True)
 class Task:
     kind: Kind
-    stage: str  # the chunk's key (runtime/layout.chunk_key)
+    stage: str  # the chunk's key (runtime/stage_map.chunk_key)
     replica: int
     mb: int
     name: str = ""  # plans.schedule.task_name: the event name in predicted and measured traces
 
 
-def has_backward(layout: Layout, stage: str) -> bool:
-    return layout.distance[stage] >= 0
+def has_backward(stage_map: StageMap, stage: str) -> bool:
+    return stage_map.distance[stage] >= 0
 
 
-def rank_tasks(layout: Layout, policy: str, rank: int) -> list[Task]:
+def rank_tasks(stage_map: StageMap, policy: str, rank: int) -> list[Task]:
     """This rank's tasks in execution order."""
     try:
-        sched = schedule(layout.graph, policy)
+        sched = schedule(stage_map.graph, policy)
     except FormatError as e:
         raise MmplanError(str(e)) from None
-    keys = list(layout.stages)  # aligned with graph.chunks
+    keys = list(stage_map.stages)  # aligned with graph.chunks
     out = []
-    for t in sched.rank_order(layout.graph, rank):
-        st = layout.graph.chunks[t.chunk]
-        out.append(Task("B" if t.backward else "F", keys[t.chunk], st.replica_of(rank), t.mb, task_name(layout.graph, t)))
+    for t in sched.rank_order(stage_map.graph, rank):
+        st = stage_map.graph.chunks[t.chunk]
+        out.append(Task("B" if t.backward else "F", keys[t.chunk], st.replica_of(rank), t.mb, task_name(stage_map.graph, t)))
     return out

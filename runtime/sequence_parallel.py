@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plans.errors import MmplanError
+from runtime.grad_buckets import all_reduce_grads
+from runtime.tp_shards import full_parameter_names
 
 SEQ_DIM = 1  # (B, S, D)
 
@@ -247,8 +249,6 @@ def sequence_runs(program: Any, blocks: Iterable[str], capable: set[str], leavin
 
 def sequence_parallel_params(block: nn.Module) -> list[nn.Parameter]:
     """The replicated parameters of a sequence-parallel block (norms, row-parallel biases): partial gradients."""
-    from runtime.tensor_parallel import full_parameter_names
-
     infos = full_parameter_names(block)
     return [p for n, p in block.named_parameters() if infos[n].dim is None]
 
@@ -256,6 +256,4 @@ def sequence_parallel_params(block: nn.Module) -> list[nn.Parameter]:
 def sync_sequence_parallel_grads(params: list[nn.Parameter], group: Any) -> None:
     """Sum the partial gradients of sequence-parallel replicated parameters over the tp group (one flat
     all-reduce); afterwards every tp rank holds the full, identical gradient."""
-    from runtime.grad_buckets import all_reduce_grads
-
     all_reduce_grads(params, group)

@@ -6,26 +6,17 @@ import inspect
 import os
 import sys
 from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from plans.errors import MmplanError
+from runtime.hf import example_inputs, for_training, hf_source
+from runtime.model_source import Factory, ModelSource
 
 _MICRO_BATCH: ContextVar[int] = ContextVar("micro_batch", default=1)  # for inputs built after the factory returns
-Factory = Callable[[int], tuple[nn.Module, dict[str, Any]]]
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: its display name, a factory(micro_batch) -> (model, batch), default dtype."""
-
-    name: str
-    factory: Factory
-    default_dtype: str = "fp32"
 
 
 def is_factory(spec: str) -> bool:
@@ -37,8 +28,6 @@ def is_factory(spec: str) -> bool:
 def resolve(spec: str) -> ModelSource:
     """Zoo name | path to an architecture .toml | `hf:CONFIG` (runtime/hf.py) | `package.module:factory`."""
     if spec.startswith("hf:"):
-        from runtime.hf import hf_source
-
         return hf_source(spec)
     if is_factory(spec):
         return ModelSource(spec, _import_factory(spec), "fp32")
@@ -94,8 +83,6 @@ def _import_factory(spec: str) -> Factory:
 
 def _check_factory_output(spec: str, out: Any) -> tuple[nn.Module, dict[str, Any]]:
     if isinstance(out, nn.Module) and hasattr(out, "config"):  # a transformers model: inputs from its config
-        from runtime.hf import example_inputs, for_training
-
         return for_training(out), example_inputs(out.config, micro_batch=_MICRO_BATCH.get())
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module) and isinstance(out[1], dict)):
         raise MmplanError(f"factory {spec} must return (nn.Module, dict of example inputs) or a transformers model, got {type(out).__name__}")

@@ -9,8 +9,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from runtime.boundary import OutputSpec
-from runtime.program import Program, block_modules, trace_program
+from runtime.blocks import block_modules
+from runtime.output_spec import OutputSpec
+from runtime.program import Program, trace_program
 from runtime.samples import rows_per_sample
 
 

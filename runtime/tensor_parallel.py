@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -57,6 +56,7 @@ from plans.errors import MmplanError
 from .models.flamingo import GatedCrossAttention
 from .models.layers import Attention, CrossAttention, GeluMLP, SwiGLU, TransformerLayer
 from .sequence_parallel import reduce_scatter_to_sequence, sequence_parallel_region
+from .tp_shards import LAYOUT_ATTR, ShardInfo, TPLayout, full_parameter_names  # noqa: F401  (full_parameter_names: callers)
 
 Style = Literal["colwise", "rowwise"]
 
@@ -153,55 +153,6 @@ def _region_entry_hook(group: dist.ProcessGroup | None):
     return hook
 
 
-# ----------------------------------------------------------------------------------------------- metadata
-@dataclass(frozen=True, slots=True)
-class ShardInfo:
-    """How one local parameter maps to the unsharded block's parameter of the same name.
-
-    full = torch.cat([shard of tp rank 0, ..., shard of tp rank parts-1], dim); dim None means replicated
-    (every tp rank holds the full tensor, index 0 and parts 1).
-    """
-
-    full_name: str
-    dim: int | None
-    index: int
-    parts: int
-    full_shape: tuple[int, ...]
-
-    def full_slice(self) -> tuple[slice, ...]:
-        """The index of this shard inside the full tensor: full[info.full_slice()] == local."""
-        if self.dim is None:
-            return (slice(None),)
-        size = self.full_shape[self.dim] // self.parts
-        return (slice(None),) * self.dim + (slice(self.index * size, (self.index + 1) * size),)
-
-
-@dataclass(frozen=True, slots=True)
-class TPLayout:
-    """What apply_tp did to a block: its tp size, this rank's tp rank, and every sharded parameter's ShardInfo."""
-
-    tp: int
-    tp_rank: int
-    shards: dict[str, ShardInfo]
-    sequence_parallel: bool = False
-
-
-_LAYOUT_ATTR = "_mmplan_tp_layout"
-
-
-def full_parameter_names(block: nn.Module) -> dict[str, ShardInfo]:
-    """Every local parameter name -> ShardInfo (full name, sharded dim or None, shard index, parts, full shape).
-
-    Works on blocks with and without TP applied (then all are replicated). Names are unchanged by apply_tp,
-    so full_name == local name; it is spelled out so checkpoint code need not rely on that.
-    """
-    layout: TPLayout | None = getattr(block, _LAYOUT_ATTR, None)
-    shards = layout.shards if layout is not None else {}
-    return {
-        name: shards.get(name, ShardInfo(name, None, 0, 1, tuple(p.shape))) for name, p in block.named_parameters()
-    }
-
-
 # ----------------------------------------------------------------------------------------------- checks
 # A block may carry its own plan (Hugging Face blocks, from the model's `base_model_tp_plan`; runtime/hf.py):
 # {region path inside the block: {linear attribute: style}}.
@@ -250,7 +201,7 @@ def check_tp(block: nn.Module, tp: int) -> None:
         raise MmplanError(f"{cls}: tensor-parallel size must be a positive integer, got {tp!r}")
     if not supports_tp(block):
         raise MmplanError(f"{cls} does not support tensor parallelism (no supports_tensor_parallel = True)")
-    if getattr(block, _LAYOUT_ATTR, None) is not None:
+    if getattr(block, LAYOUT_ATTR, None) is not None:
         raise MmplanError(f"{cls}: tensor parallelism was already applied to this block")
     regions = _regions(block)
     if not regions:
@@ -360,5 +311,5 @@ def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int,
             sequence_parallel_region(region, tp_group)
         else:
             region.register_forward_pre_hook(_region_entry_hook(tp_group), with_kwargs=True)
-    setattr(block, _LAYOUT_ATTR, TPLayout(tp, tp_rank, shards, sequence_parallel))
+    setattr(block, LAYOUT_ATTR, TPLayout(tp, tp_rank, shards, sequence_parallel))
     return block

@@ -25,7 +25,7 @@ from runtime.data import Prefetcher, open_dataset
 from runtime.precision import cast_inputs, to_precision, torch_dtype
 from runtime.launch import RankContext
 from runtime.memory import RankTiers
-from runtime.layout import Layout, build_layout
+from runtime.stage_map import StageMap, build_stage_map
 from runtime.program import evaluate, tensor_leaves, trace_program
 from runtime.schedule import Task, has_backward, rank_tasks
 from runtime.forward_program import bare
@@ -104,13 +104,13 @@ class RankTrainer:
         model, example = build_model(job)
         self.dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
         program = trace_program(model, example)
-        self.layout: Layout = build_layout(self.plan, program)
-        local = {b for st in self.layout.stages_on(ctx.rank) for b in st.blocks}
+        self.stage_map: StageMap = build_stage_map(self.plan, program)
+        local = {b for st in self.stage_map.stages_on(ctx.rank) for b in st.blocks}
         self.rm: RankModel = build_rank_model(model, example, local, ctx.device)
-        self.stage_inputs = {key: _stage_inputs(self.rm, st.blocks, key == self.layout.loss_stage)
-                             for key, st in self.layout.stages.items()}
-        self.tasks: list[Task] = rank_tasks(self.layout, self.plan.training.schedule, ctx.rank)
-        self.exchange = Exchange(self.layout, ctx.rank, self.rm.specs, ctx.device)
+        self.stage_inputs = {key: _stage_inputs(self.rm, st.blocks, key == self.stage_map.loss_stage)
+                             for key, st in self.stage_map.stages.items()}
+        self.tasks: list[Task] = rank_tasks(self.stage_map, self.plan.training.schedule, ctx.rank)
+        self.exchange = Exchange(self.stage_map, ctx.rank, self.rm.specs, ctx.device)
         self.dp_groups, tp_groups = self._process_groups()
         self.tp_groups = self.exchange.tp_groups = tp_groups
         self._apply_tensor_parallel(tp_groups)
@@ -118,12 +118,12 @@ class RankTrainer:
         self.zero_blocks = self._apply_zero()  # stage key -> its blocks sharded by FSDP2 (ZeRO 1-3)
         self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind != "F"}  # ZeRO syncs, buckets armed there
         self.params = self.rm.parameters()
-        mine = self.layout.stages_on(ctx.rank)
+        mine = self.stage_map.stages_on(ctx.rank)
         # the plan's memory tiers: device budget, activation tiers, parameter/gradient/optimizer placement, Adam
         self.tiers = RankTiers([(st.blocks, self.plan.group(st.group).stages[st.stage].memory) for st in mine],
                                self.rm.local, limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device,
                                lr=job.lr, prefetch=job.prefetch)
-        self.route_index = {id(r): i for i, r in enumerate(self.layout.routes)}
+        self.route_index = {id(r): i for i, r in enumerate(self.stage_map.routes)}
         self.buckets = self._grad_buckets()
         self.start_step = self._resume(job.resume) if job.resume else 0
         self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
@@ -133,7 +133,7 @@ class RankTrainer:
         of its stages (keyed "group/index": a stage's chunks share them). new_group is collective: every rank
         creates every group, in the same order."""
         dp_groups, tp_groups = {}, {}
-        for st in self.layout.stages.values():
+        for st in self.stage_map.stages.values():
             if st.index:  # a further chunk of an interleaved stage
                 continue
             key = st.key
@@ -152,7 +152,7 @@ class RankTrainer:
 
     def _stage(self, key: str):
         """The first chunk of the stage "group/index" (what its chunks share: group, stage, dp, tp, ranks)."""
-        return next(c for c in self.layout.stages.values() if c.key == key)
+        return next(c for c in self.stage_map.stages.values() if c.key == key)
 
     def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
         """Shard the blocks that support it (transformer layers; the token embedding, LM head and loss over the
@@ -165,17 +165,17 @@ class RankTrainer:
 
         for key, group in tp_groups.items():
             st = self._stage(key)
-            leaving = {r.block for ck in self._chunks_of(key, everywhere=True) for r in self.layout.routes_out_of(ck)}
+            leaving = {r.block for ck in self._chunks_of(key, everywhere=True) for r in self.stage_map.routes_out_of(ck)}
             self.stage_tp[key] = parallelize_stage(
-                self.rm.program, self.layout.stage_blocks(key), self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
+                self.rm.program, self.stage_map.stage_blocks(key), self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
                 vocab=vocab_of(self.rm.model), leaving=leaving,
                 sequence_parallel=self.plan.group(st.group).sequence_parallel)
 
     def _chunks_of(self, key: str, everywhere: bool = False) -> list[str]:
         """The chunk keys of stage "group/index" (one, or v under the interleaved schedule) on this rank, in
         order; with everywhere=True on every rank of the stage (the same chunks)."""
-        keys = self.layout.stages if everywhere else self.layout.keys_on(self.ctx.rank)
-        return [ck for ck in keys if self.layout.stages[ck].key == key]
+        keys = self.stage_map.stages if everywhere else self.stage_map.keys_on(self.ctx.rank)
+        return [ck for ck in keys if self.stage_map.stages[ck].key == key]
 
     def _adopted(self, blocks) -> list:
         """The adopted parameters (runtime/stage.adopt_free_parameters) of these blocks on this rank."""
@@ -199,7 +199,7 @@ class RankTrainer:
                 offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
                 check_ties_within_chunks([self.layout.stages[ck].blocks for ck in self._chunks_of(key)], self.rm.local)
                 for ck in self._chunks_of(key):
-                    blocks = self.layout.stages[ck].blocks
+                    blocks = self.stage_map.stages[ck].blocks
                     adopted = self._adopted(blocks)  # read outside their block: left whole, all-reduced
                     if adopted:
                         self.zero_replicated[key] = self.zero_replicated.get(key, []) + adopted
@@ -211,13 +211,13 @@ class RankTrainer:
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
         out = {}
-        for key in self.layout.keys_on(self.ctx.rank):
+        for key in self.stage_map.keys_on(self.ctx.rank):
             keys = self.stage_inputs[key]
             if not keys:
                 continue
-            r = self.layout.stages[key].replica_of(self.ctx.rank)
-            s0, s1 = self.layout.slice(key, r)
-            for j in range(self.layout.micro_batches):
+            r = self.stage_map.stages[key].replica_of(self.ctx.rank)
+            s0, s1 = self.stage_map.slice(key, r)
+            for j in range(self.stage_map.micro_batches):
                 batch = cast_inputs(self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1)), self.dtype)
                 out[(key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
         return out
@@ -305,7 +305,7 @@ class RankTrainer:
         )
 
     def forward(self, task: Task, batches: dict, state: dict) -> float:
-        lay, rm = self.layout, self.rm
+        lay, rm = self.stage_map, self.rm
         st = lay.stages[task.stage]
         batch = batches.get((task.stage, task.replica, task.mb), {})
         received: dict[str, Any] = {}
@@ -358,8 +358,8 @@ class RankTrainer:
             roots.append(loss)
             grads.append(None)
         by_block: dict[str, list[torch.Tensor | None]] = {}
-        for route in self.layout.routes_out_of(task.stage):
-            if not has_backward(self.layout, route.dst):
+        for route in self.stage_map.routes_out_of(task.stage):
+            if not has_backward(self.stage_map, route.dst):
                 continue
             g = by_block.setdefault(route.block, [None] * len(self.rm.specs[route.block].leaves))
             self.exchange.recv_backward(self.route_index[id(route)], task.replica, task.mb, g)
@@ -372,7 +372,7 @@ class RankTrainer:
             from runtime.zero import before_backward
 
             last = self.tasks[self.last_backward[task.stage]] is task
-            before_backward(self.zero_blocks[task.stage], self.plan.group(self.layout.stages[task.stage].group).zero, last)
+            before_backward(self.zero_blocks[task.stage], self.plan.group(self.stage_map.stages[task.stage].group).zero, last)
         if roots:
             torch.autograd.backward(roots, grads)
         self.tiers.after_backward()
@@ -409,7 +409,7 @@ class RankTrainer:
         from runtime import zero
 
         out: dict[str, torch.Tensor] = {}
-        for st in self.layout.stages_on(self.ctx.rank):
+        for st in self.stage_map.stages_on(self.ctx.rank):
             shards = self._shards(st)
             for b in st.blocks:
                 for name, p in self.rm.local[b].named_parameters():
@@ -429,7 +429,7 @@ class RankTrainer:
         optimizer = self.tiers.state_by_name()
         sharded = self.tiers.sharded  # ZeRO: parameters gathered, optimizer state gathered from the local shards
         blocks, states = {}, {}
-        for st in self.layout.stages_on(self.ctx.rank):
+        for st in self.stage_map.stages_on(self.ctx.rank):
             shards = self._shards(st)
             writes = st.replica_of(self.ctx.rank) == 0 and st.tp_index(self.ctx.rank) == 0
             for b in st.blocks:
@@ -458,7 +458,7 @@ class RankTrainer:
         if manifest is None:
             raise MmplanError(f"no complete checkpoint in {directory} to resume from")
         state: dict[str, dict[str, torch.Tensor]] = {}
-        for st in self.layout.stages_on(self.ctx.rank):
+        for st in self.stage_map.stages_on(self.ctx.rank):
             shards = self._shards(st)
             for b in st.blocks:
                 params, opt = load_block(manifest, b)
@@ -488,7 +488,7 @@ class RankTrainer:
             memory = self.plan.group(st.group).stages[st.stage].memory
             if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu" and not self.plan.group(st.group).zero:
                 for ck in self._chunks_of(key):  # per chunk: armed at the chunk's last backward of the step
-                    params = [p for b in self.layout.stages[ck].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
+                    params = [p for b in self.stage_map.stages[ck].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
                     if params:
                         out[ck] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
         return out
@@ -515,7 +515,7 @@ class RankTrainer:
                     self.buckets[ck].finish()
                 events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
                 continue
-            params = [p for b in self.layout.stage_blocks(key) for p in self.rm.local[b].parameters() if p.requires_grad]
+            params = [p for b in self.stage_map.stage_blocks(key) for p in self.rm.local[b].parameters() if p.requires_grad]
             params = list({id(p): p for p in params}.values())
             if not params:
                 continue

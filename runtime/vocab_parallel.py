@@ -31,7 +31,8 @@ from torch.utils._pytree import tree_flatten
 
 from plans.errors import MmplanError
 
-from .tensor_parallel import _LAYOUT_ATTR, ShardInfo, TPLayout, copy_to_tp_region, reduce_from_tp_region
+from .tensor_parallel import copy_to_tp_region, reduce_from_tp_region
+from .tp_shards import LAYOUT_ATTR, ShardInfo, TPLayout
 
 # glue allowed between the head and the loss: it must keep the vocabulary as the last dim
 _PASS_METHODS = {"flatten", "view", "reshape", "float", "to", "contiguous", "__getitem__", "type_as"}
@@ -164,9 +165,9 @@ def _shard_rows(p: nn.Parameter, tp_rank: int, tp: int) -> nn.Parameter:
 
 
 def _record(block: nn.Module, tp: int, tp_rank: int, shards: dict[str, ShardInfo]) -> None:
-    old: TPLayout | None = getattr(block, _LAYOUT_ATTR, None)
+    old: TPLayout | None = getattr(block, LAYOUT_ATTR, None)
     merged = {**(old.shards if old else {}), **shards}
-    setattr(block, _LAYOUT_ATTR, TPLayout(tp, tp_rank, merged))
+    setattr(block, LAYOUT_ATTR, TPLayout(tp, tp_rank, merged))
 
 
 def vocab_embeddings(block: nn.Module, vocab: int) -> dict[str, nn.Embedding]:

@@ -14,7 +14,7 @@ from cost_models.trace import chrome_trace
 from planner.profiler.profile import profile_model
 from plans.plan import load_plan
 from plans.trace import task_events
-from runtime.layout import build_layout
+from runtime.stage_map import build_stage_map
 from runtime.program import trace_program
 from runtime.schedule import rank_tasks
 from runtime.source import call_factory, resolve
@@ -45,11 +45,11 @@ def test_runtime_order_is_the_predicted_order(path: Path) -> None:
     from plans.plan import check_plan
 
     plan = check_plan(plan, prof)
-    layout = build_layout(plan, trace_program(module, batch))
+    stage_map = build_stage_map(plan, trace_program(module, batch))
     sim = simulate(plan, prof)
     ranks = sorted({r for g in plan.groups for r in g.ranks})
     for rank in ranks[:: max(1, len(ranks) // 16)]:  # every rank of a small plan; a sample of a large one
-        executed = [t.name for t in rank_tasks(layout, plan.training.schedule, rank)]
+        executed = [t.name for t in rank_tasks(stage_map, plan.training.schedule, rank)]
         assert executed == _compute_order(sim.rank_timeline(rank)), (path.name, rank)
 
 

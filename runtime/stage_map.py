@@ -14,7 +14,7 @@ from plans.plan import Plan
 from plans.stage_graph import Chunk, Piece, StageGraph, slice_of, stage_graph
 from runtime.program import Program
 
-__all__ = ["Layout", "Piece", "Route", "build_layout", "chunk_key"]
+__all__ = ["StageMap", "Piece", "Route", "build_stage_map", "chunk_key"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class Route:
 
 
 @dataclass(frozen=True)
-class Layout:
+class StageMap:
+    """The plan's stage graph as this runtime addresses it: chunks by key, routes between keys, the loss's chunk."""
+
     graph: StageGraph
     stages: dict[str, Chunk]  # every chunk by its key (chunk_key), in the stage graph's order
     routes: tuple[Route, ...]  # aligned with graph.routes
@@ -57,7 +59,7 @@ class Layout:
 
 
 
-def build_layout(plan: Plan, program: Program) -> Layout:
+def build_stage_map(plan: Plan, program: Program) -> StageMap:
     """The plan's stages and routes; refuses a plan whose routes are not the model's traced data flow."""
     try:
         graph = stage_graph(plan)
@@ -67,10 +69,10 @@ def build_layout(plan: Plan, program: Program) -> Layout:
     keys = [chunk_key(c, c.key in several) for c in graph.chunks]
     stages = dict(zip(keys, graph.chunks))
     routes = tuple(Route(r.block, keys[r.src], keys[r.dst], r.pieces) for r in graph.routes)
-    layout = Layout(graph, stages, routes, keys[graph.loss], plan.training.micro_batch, plan.training.micro_batches,
+    stage_map = StageMap(graph, stages, routes, keys[graph.loss], plan.training.micro_batch, plan.training.micro_batches,
                     {k: graph.distance[i] if graph.has_backward(i) else -1 for i, k in enumerate(keys)})
-    _check_against(layout, program)
-    return layout
+    _check_against(stage_map, program)
+    return stage_map
 
 
 def chunk_key(chunk: Chunk, several: bool) -> str:
@@ -78,9 +80,9 @@ def chunk_key(chunk: Chunk, several: bool) -> str:
     return f"{chunk.key}.{chunk.index}" if several else chunk.key
 
 
-def _check_against(layout: Layout, program: Program) -> None:
+def _check_against(stage_map: StageMap, program: Program) -> None:
     """The traced model reads, across stages, exactly the blocks the plan routes, and its loss is where the plan says."""
-    stage_of = {b: key for key, st in layout.stages.items() for b in st.blocks}
+    stage_of = {b: key for key, st in stage_map.stages.items() for b in st.blocks}
     missing = sorted(set(program.blocks) - set(stage_of))
     if missing:
         raise MmplanError(f"the model has block(s) {', '.join(missing[:5])} that the plan places in no stage; re-profile and re-solve")
@@ -95,8 +97,8 @@ def _check_against(layout: Layout, program: Program) -> None:
         if len(where) > 1:
             raise MmplanError(f"parameter {param} (outside every block) is read on stages {', '.join(sorted(where))}; "
                               "mmplan trains it on one stage: place its readers ({}) together".format(", ".join(sorted(readers))))
-    planned = {(r.block, r.dst) for r in layout.routes}
-    if traced != planned or loss_stage != layout.loss_stage:
+    planned = {(r.block, r.dst) for r in stage_map.routes}
+    if traced != planned or loss_stage != stage_map.loss_stage:
         if traced - planned:
             block, dst = sorted(traced - planned)[0]
             why = f"stage {dst} reads block {block} in the model, but the plan routes no such output"
@@ -104,5 +106,5 @@ def _check_against(layout: Layout, program: Program) -> None:
             block, dst = sorted(planned - traced)[0]
             why = f"the plan routes block {block} to stage {dst}, which the model does not read there"
         else:
-            why = f"the model's loss is computed on stage {loss_stage}, the plan's on {layout.loss_stage}"
+            why = f"the model's loss is computed on stage {loss_stage}, the plan's on {stage_map.loss_stage}"
         raise MmplanError(f"the model's traced data flow differs from the plan's ({why}); re-profile the model and re-solve")
