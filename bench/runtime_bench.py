@@ -30,7 +30,8 @@ from plans.plan import Training, save_plan  # noqa: E402
 from runtime.data import open_dataset  # noqa: E402
 from runtime.launch import launch  # noqa: E402
 from runtime.source import resolve  # noqa: E402
-from runtime.train import Job, build_model, step_samples, train_rank, vocab_of  # noqa: E402
+from runtime.rank import build_model, vocab_of  # noqa: E402
+from runtime.train import Job, step_samples, train_rank  # noqa: E402
 
 WARMUP = 2
 

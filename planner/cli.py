@@ -271,7 +271,7 @@ def run(
     Checks the plan against the model first (fingerprint, every block in one stage, rank count). At the end prints the
     measured step time, busy time and memory beside the cost model's prediction.
     """
-    from planner.commands.run import measured_summary, run_plan
+    from planner.commands.run import check_options, measured_summary, prepare_run, run_plan
 
     if log:
         check_writable(log)
@@ -282,25 +282,20 @@ def run(
         check_writable(trace)
         check_not_input(trace, "--trace", [plan_path, profile_path, Path(model) if model else None, Path(data), log])
     from planner.commands.monitor import MonitorOptions
-    from planner.commands.run import actual_prediction
 
-    actual = actual_prediction(plan_path, measured_profile, model)
-    if actual is not None and actual.warning and not quiet and int(os.environ.get("RANK", "0")) == 0:
-        console.err.print(actual.warning, soft_wrap=True)
-    result = run_plan(plan_path, steps=steps, model=model, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
+    check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+                  device_budget=device_budget, timeout_s=timeout, op_timeout_s=op_timeout)
+    prepared = prepare_run(plan_path, model, measured_profile)  # the plan read, checked and evaluated once
+    if prepared.actual.warning and not quiet and int(os.environ.get("RANK", "0")) == 0:
+        console.err.print(prepared.actual.warning, soft_wrap=True)
+    result = run_plan(plan_path, steps=steps, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       op_timeout_s=op_timeout, monitor=MonitorOptions(show=not quiet, log_every=log_every, tensorboard=tensorboard),
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite, profile=measured_profile, trace=trace)
+                      checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite, trace=trace, prepared=prepared)
     if result.rank != 0:
         return
-    from cost_models.evaluate import evaluate
-
-    if measured_profile:
-        evaluation = evaluate(result.plan, measured_profile, actual.cluster if actual is not None and not actual.same else None)
-    elif actual is not None and actual.predicted is not None:  # solved for another cluster: the prediction here
-        evaluation = actual.predicted
-    else:  # the plan's own predictions (from the profile it was solved with)
-        evaluation = result.plan.predicted
+    # the cost model's evaluation with --profile; else the plan's prediction on this cluster, or its own
+    evaluation = prepared.predicted
     predicted = getattr(evaluation, "predicted", evaluation)
     summary = measured_summary(result.metrics)
     if as_json:

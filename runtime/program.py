@@ -20,7 +20,7 @@ from torch import nn
 from plans.errors import MmplanError
 from plans.graph import block_structure, fingerprint
 from plans.plan import Flow, FlowBlock
-from runtime.blocks import CONTAINERS, block_modules, is_hf_model
+from runtime.blocks import block_modules, is_hf_model
 from runtime.forward_program import ForwardProgram
 
 

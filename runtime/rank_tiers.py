@@ -14,7 +14,8 @@ from plans.plan import ActivationTier
 from runtime.activations import ActivationTiers, SavedActivations
 from runtime.budget import DeviceBudget
 from runtime.param_tiers import GradTier, ParamStore, TieredAdam, unique_params
-from runtime.zero import ZERO_TIERS, is_sharded, local_grad, local_of, local_view, zero_runs_with
+from plans.capabilities import ZERO_TIERS, zero_runs_with
+from runtime.zero import is_sharded, local_grad, local_of, local_view
 
 
 class TieredBlocks(Mapping):

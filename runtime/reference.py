@@ -9,7 +9,9 @@ from runtime.data import open_dataset
 from runtime.param_tiers import TieredAdam
 from runtime.precision import cast_inputs, torch_dtype
 from runtime.source import model_loss
-from runtime.train import Job, build_model, step_samples, vocab_of
+from runtime.job import Job
+from runtime.rank import build_model, vocab_of
+from runtime.train import step_samples
 
 
 def reference_run(job: Job) -> dict[str, Any]:

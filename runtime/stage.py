@@ -9,6 +9,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
+from plans.capabilities import TIED_ACROSS_STAGES
 from runtime.blocks import block_modules
 from runtime.output_spec import OutputSpec
 from runtime.program import Program, trace_program
@@ -53,15 +54,17 @@ def output_specs(model: nn.Module, example: dict[str, Any]) -> dict[str, OutputS
     return specs
 
 
-def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: set[str], device: torch.device) -> RankModel:
-    """Trace the model, record output shapes, keep only `local_blocks` in memory (on `device`)."""
-    program = trace_program(model, example)
+def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: set[str], device: torch.device,
+                     program: Program | None = None) -> RankModel:
+    """Record output shapes, keep only `local_blocks` in memory (on `device`); `program`: the model's traced
+    forward (traced here when not given)."""
+    program = program if program is not None else trace_program(model, example)
     own_forward = hasattr(program, "run_stage")  # runtime/forward_program.py: the model's own forward runs
     specs = program.specs if own_forward else output_specs(model, example)
     blocks = block_modules(model)
     aliases = adopt_free_parameters(model, blocks, getattr(program, "free_owner", {}))
     shared = _shared_across(blocks, local_blocks)
-    if shared:
+    if shared and not TIED_ACROSS_STAGES:
         raise ValueError(f"parameter shared between a local and a remote block ({shared}); tied weights across stages are not supported")
     for name, m in blocks.items():
         if name in local_blocks:

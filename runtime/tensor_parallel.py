@@ -44,33 +44,31 @@ from __future__ import annotations
 
 import math
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from plans.capabilities import (SEQUENCE_PARALLEL_KINDS, TP_DIVIDES, TP_REGIONS, TP_REPLICATED_KINDS, Style)
 from plans.errors import MmplanError
 
-from .models.flamingo import GatedCrossAttention
+from .models.flamingo import FlamingoLayer, GatedCrossAttention
 from .models.layers import Attention, CrossAttention, GeluMLP, SwiGLU, TransformerLayer
 from .sequence_parallel import reduce_scatter_to_sequence, sequence_parallel_region
 from .tp_shards import LAYOUT_ATTR, ShardInfo, TPLayout, full_parameter_names  # noqa: F401  (full_parameter_names: callers)
 
-Style = Literal["colwise", "rowwise"]
-
-# The TP plan as data: region class -> {linear's attribute name: style}. Everything else is replicated.
-REGION_PLANS: dict[type[nn.Module], dict[str, Style]] = {
-    Attention: {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
-    CrossAttention: {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
-    SwiGLU: {"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
-    GeluMLP: {"fc1": "colwise", "fc2": "rowwise"},
-}
+# The kinds plans/capabilities.py names, as the classes this runtime implements them with.
+KIND_CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (
+    TransformerLayer, FlamingoLayer, Attention, CrossAttention, SwiGLU, GeluMLP, GatedCrossAttention, nn.LayerNorm)}
+# The TP plan as data (plans/capabilities.TP_REGIONS): region class -> {linear's attribute name: style}.
+REGION_PLANS: dict[type[nn.Module], dict[str, Style]] = {KIND_CLASSES[k]: plan for k, plan in TP_REGIONS.items()}
 # The dim of an nn.Linear weight each style splits (biases: dim 0 for colwise, replicated for rowwise).
 _WEIGHT_DIM: dict[Style, int] = {"colwise": 0, "rowwise": 1}
 # Modules that may hold parameters outside the regions (replicated ones) in a supported block.
-_REPLICATED_OK = (nn.LayerNorm, GatedCrossAttention)
+_REPLICATED_OK = tuple(KIND_CLASSES[k] for k in TP_REPLICATED_KINDS)
+_SEQUENCE_PARALLEL = tuple(KIND_CLASSES[k] for k in SEQUENCE_PARALLEL_KINDS)
 
 
 # ----------------------------------------------------------------------------------------------- f and g
@@ -177,11 +175,23 @@ def _regions(block: nn.Module) -> dict[str, nn.Module]:
     return {name: block.get_submodule(name) for name in _region_plans(block)}
 
 
+def _listed_size(region: nn.Module, kind: str, what: str) -> int:
+    """One size plans/capabilities.TP_DIVIDES lists for a region kind: (kv) heads, or the MLP's width (the out
+    features of its first column-parallel linear)."""
+    if what == "heads":
+        return region.wq.out_features // region.head_dim
+    if what == "kv_heads":
+        return region.wk.out_features // region.head_dim
+    first = next(attr for attr, style in TP_REGIONS[kind].items() if style == "colwise")
+    return getattr(region, first).out_features
+
+
 def _region_sizes(region: nn.Module, plan: dict[str, Style]) -> dict[str, int]:
-    """What tp must divide in a region: heads and kv heads of an attention, else each sharded width."""
-    if isinstance(region, (Attention, CrossAttention)):
-        hd = region.head_dim
-        return {"heads": region.wq.out_features // hd, "kv_heads": region.wk.out_features // hd}
+    """What tp must divide in a region: the sizes plans/capabilities.TP_DIVIDES lists for a zoo region, else
+    each sharded width of a block's own plan (in heads when the region has a head_dim)."""
+    kind = type(region).__name__
+    if type(region) in REGION_PLANS:
+        return {what: _listed_size(region, kind, what) for what in TP_DIVIDES[kind]}
     head_dim = getattr(region, "head_dim", None)
     sizes = {}
     for attr, style in plan.items():
@@ -222,12 +232,7 @@ def _divided_sizes(block: nn.Module) -> list[tuple[str, str, int]]:
     """(region path, what, size) of every size tensor parallelism must divide in the block."""
     out, plans = [], _region_plans(block)
     for path, region in _regions(block).items():
-        if isinstance(region, SwiGLU) or isinstance(region, GeluMLP):
-            first = region.w1 if isinstance(region, SwiGLU) else region.fc1
-            sizes = {"mlp width": first.out_features}
-        else:
-            sizes = _region_sizes(region, plans[path])
-        out += [(path, what, size) for what, size in sizes.items()]
+        out += [(path, what, size) for what, size in _region_sizes(region, plans[path]).items()]
     return out
 
 
@@ -258,8 +263,9 @@ def _shard(p: nn.Parameter, dim: int, tp_rank: int, tp: int) -> nn.Parameter:
 
 
 def supports_sequence_parallel(block: nn.Module) -> bool:
-    """Blocks whose regions all read the block's sequence (self-attention and MLPs): the zoo's TransformerLayer."""
-    return isinstance(block, TransformerLayer)
+    """Blocks whose regions all read the block's sequence (self-attention and MLPs): plans/capabilities'
+    SEQUENCE_PARALLEL_KINDS (the zoo's TransformerLayer)."""
+    return isinstance(block, _SEQUENCE_PARALLEL)
 
 
 def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int, tp: int, *,

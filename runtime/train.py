@@ -17,46 +17,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from plans.plan import Plan
-from runtime.boundary import Exchange
-from runtime.data import Prefetcher, open_dataset
-from runtime.precision import cast_inputs, to_precision, torch_dtype
-from runtime.launch import RankContext
-from runtime.memory import RankTiers
-from runtime.stage_map import StageMap, build_stage_map
-from runtime.program import evaluate, tensor_leaves, trace_program
-from runtime.schedule import Task, has_backward, rank_tasks
+from runtime.data import Prefetcher
 from runtime.forward_program import bare
 from runtime.grad_buckets import all_reduce_grads
-from runtime.source import call_factory, model_loss, resolve
-from runtime.stage import RankModel, build_rank_model
+from runtime.job import Job
+from runtime.launch import RankContext
+from runtime.precision import cast_inputs, torch_dtype
+from runtime.program import evaluate, tensor_leaves
+from runtime.rank import build_rank, chunks_of
+from runtime.schedule import Task, has_backward
+from runtime.source import model_loss
 
-
-@dataclass(frozen=True)
-class Job:
-    """Everything a rank needs to train; identical on every rank."""
-
-    plan: Plan
-    model: str  # model source: zoo name, architecture TOML, or package.module:factory
-    steps: int
-    seed: int = 0
-    lr: float = 1e-3
-    data: str | None = None  # None: the built-in synthetic dataset; else package.module:factory
-    log: str | None = None  # JSONL path written by rank 0
-    probe_grads: bool = False  # return the first step's gradients (parity tests)
-    fail_at: tuple[int, int] | None = None  # (rank, step): raise there (failure-handling tests)
-    device_budget: float | None = None  # bytes each rank's device tier may hold (None: unbounded)
-    nvme_dir: str | None = None  # where the nvme tier's files go
-    prefetch: bool = True  # bring offloaded activations / parameters back ahead of use
-    checkpoint_every: int = 0  # steps between checkpoints (0: none)
-    checkpoint_dir: str | None = None
-    resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
-    trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
-    lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)
-    bucket_bytes: int = 25 * 2**20  # dp gradient all-reduce in buckets during the backward (grad_buckets.py); 0: after it
-    progress: str | None = None  # rank 0 appends each step's metrics here as a JSON line (the launcher's monitor reads it)
+__all__ = ["Job", "RankTrainer", "StepMetrics", "step_samples", "train_rank"]  # Job: runtime/job.py, given to train_rank
 
 
 @dataclass
@@ -70,26 +44,6 @@ class StepMetrics:
     peak_memory_bytes: list[float] = field(default_factory=list)
 
 
-def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, Any]]:
-    """The model with its initial weights in the plan's precision (runtime/precision.py), the plan's frozen blocks
-    frozen: the same on every rank and in the reference run."""
-    torch.manual_seed(job.seed)
-    model, example = to_precision(*call_factory(resolve(job.model), micro_batch), job.plan.training.dtype)
-    frozen = {b.name for b in job.plan.flow.blocks if b.frozen} if job.plan.flow is not None else set()
-    if frozen:
-        from runtime.program import block_modules
-
-        for name, m in block_modules(model).items():
-            if name in frozen:
-                m.requires_grad_(False)
-    return model, example
-
-
-def vocab_of(model: nn.Module) -> int:
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return max(sizes) if sizes else 2
-
-
 def step_samples(step: int, plan: Plan, mb: int, start: int, stop: int) -> range:
     base = step * plan.training.global_batch + mb * plan.training.micro_batch
     return range(base + start, base + stop)
@@ -101,112 +55,14 @@ class RankTrainer:
     def __init__(self, ctx: RankContext, job: Job):
         self.ctx, self.job, self.plan = ctx, job, job.plan
         self.dtype = torch_dtype(job.plan.training.dtype)
-        model, example = build_model(job)
-        self.dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
-        program = trace_program(model, example)
-        self.stage_map: StageMap = build_stage_map(self.plan, program)
-        local = {b for st in self.stage_map.stages_on(ctx.rank) for b in st.blocks}
-        self.rm: RankModel = build_rank_model(model, example, local, ctx.device)
-        self.stage_inputs = {key: _stage_inputs(self.rm, st.blocks, key == self.stage_map.loss_stage)
-                             for key, st in self.stage_map.stages.items()}
-        self.tasks: list[Task] = rank_tasks(self.stage_map, self.plan.training.schedule, ctx.rank)
-        self.exchange = Exchange(self.stage_map, ctx.rank, self.rm.specs, ctx.device)
-        self.dp_groups, tp_groups = self._process_groups()
-        self.tp_groups = self.exchange.tp_groups = tp_groups
-        self._apply_tensor_parallel(tp_groups)
-        self.zero_replicated: dict[str, list] = {}  # stage key -> adopted parameters ZeRO leaves whole
-        self.zero_blocks = self._apply_zero()  # stage key -> its blocks sharded by FSDP2 (ZeRO 1-3)
-        self.last_backward = {t.stage: i for i, t in enumerate(self.tasks) if t.kind != "F"}  # ZeRO syncs, buckets armed there
-        self.params = self.rm.parameters()
-        mine = self.stage_map.stages_on(ctx.rank)
-        # the plan's memory tiers: device budget, activation tiers, parameter/gradient/optimizer placement, Adam
-        self.tiers = RankTiers([(st.blocks, self.plan.group(st.group).stages[st.stage].memory) for st in mine],
-                               self.rm.local, limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device,
-                               lr=job.lr, prefetch=job.prefetch)
-        self.route_index = {id(r): i for i, r in enumerate(self.stage_map.routes)}
-        self.buckets = self._grad_buckets()
+        self.rank = rank = build_rank(ctx, job)  # runtime/rank.py: the one composition of the techniques
+        self.stage_map, self.rm, self.dataset, self.stage_inputs = rank.stage_map, rank.rm, rank.dataset, rank.stage_inputs
+        self.tasks, self.exchange, self.route_index = rank.tasks, rank.exchange, rank.route_index
+        self.dp_groups, self.tp_groups, self.stage_tp = rank.dp_groups, rank.tp_groups, rank.stage_tp
+        self.zero_blocks, self.zero_replicated, self.last_backward = rank.zero_blocks, rank.zero_replicated, rank.last_backward
+        self.tiers, self.buckets = rank.tiers, rank.buckets
         self.start_step = self._resume(job.resume) if job.resume else 0
         self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
-
-    def _process_groups(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """This rank's data-parallel group (same tp index across replicas) and tensor-parallel group of each
-        of its stages (keyed "group/index": a stage's chunks share them). new_group is collective: every rank
-        creates every group, in the same order."""
-        dp_groups, tp_groups = {}, {}
-        for st in self.stage_map.stages.values():
-            if st.index:  # a further chunk of an interleaved stage
-                continue
-            key = st.key
-            if st.dp > 1 or self.plan.group(st.group).zero:  # ZeRO shards over the group even at dp 1 (FSDP2 path)
-                for k in range(st.tp):
-                    ranks = [st.ranks[r * st.tp + k] for r in range(st.dp)]
-                    g = dist.new_group(ranks)
-                    if self.ctx.rank in ranks:
-                        dp_groups[key] = g
-            if st.tp > 1:
-                for r in range(st.dp):
-                    g = dist.new_group(list(st.tp_ranks(r)))
-                    if self.ctx.rank in st.tp_ranks(r):
-                        tp_groups[key] = g
-        return dp_groups, tp_groups
-
-    def _stage(self, key: str):
-        """The first chunk of the stage "group/index" (what its chunks share: group, stage, dp, tp, ranks)."""
-        return next(c for c in self.stage_map.stages.values() if c.key == key)
-
-    def _apply_tensor_parallel(self, tp_groups: dict[str, Any]) -> None:
-        """Shard the blocks that support it (transformer layers; the token embedding, LM head and loss over the
-        vocabulary; sequence parallelism where the plan asks) across their replica's tp ranks; the others stay
-        replicated (runtime/tp_stage.py)."""
-        self.stage_tp: dict[str, Any] = {}
-        if not tp_groups:
-            return
-        from runtime.tp_stage import parallelize_stage
-
-        for key, group in tp_groups.items():
-            st = self._stage(key)
-            leaving = {r.block for ck in self._chunks_of(key, everywhere=True) for r in self.stage_map.routes_out_of(ck)}
-            self.stage_tp[key] = parallelize_stage(
-                self.rm.program, self.stage_map.stage_blocks(key), self.rm.local, group, st.tp_index(self.ctx.rank), st.tp,
-                vocab=vocab_of(self.rm.model), leaving=leaving,
-                sequence_parallel=self.plan.group(st.group).sequence_parallel)
-
-    def _chunks_of(self, key: str, everywhere: bool = False) -> list[str]:
-        """The chunk keys of stage "group/index" (one, or v under the interleaved schedule) on this rank, in
-        order; with everywhere=True on every rank of the stage (the same chunks)."""
-        keys = self.stage_map.stages if everywhere else self.stage_map.keys_on(self.ctx.rank)
-        return [ck for ck in keys if self.stage_map.stages[ck].key == key]
-
-    def _adopted(self, blocks) -> list:
-        """The adopted parameters (runtime/stage.adopt_free_parameters) of these blocks on this rank."""
-        out = []
-        for alias in self.rm.aliases:
-            block, local = alias.rsplit(".", 1)
-            if block in blocks and block in self.rm.local:
-                out.append(self.rm.local[block].get_parameter(local))
-        return out
-
-    def _apply_zero(self) -> dict[str, list]:
-        """Shard the blocks of each ZeRO stage over their data-parallel group with FSDP2 (runtime/zero.py); keyed
-        by chunk, since each chunk's last backward of the step is when its gradients are final."""
-        from runtime.zero import apply_zero, check_ties_within_chunks
-
-        out = {}
-        for key, group in self.dp_groups.items():
-            st = self._stage(key)
-            zero = self.plan.group(st.group).zero
-            if zero:
-                offload = self.plan.group(st.group).stages[st.stage].memory.params == "cpu"
-                check_ties_within_chunks([self.layout.stages[ck].blocks for ck in self._chunks_of(key)], self.rm.local)
-                for ck in self._chunks_of(key):
-                    blocks = self.stage_map.stages[ck].blocks
-                    adopted = self._adopted(blocks)  # read outside their block: left whole, all-reduced
-                    if adopted:
-                        self.zero_replicated[key] = self.zero_replicated.get(key, []) + adopted
-                    out[ck] = apply_zero({b: self.rm.local[b] for b in blocks}, group, zero, self.ctx.device, offload,
-                                         replicated=adopted,
-                                         reshard_after_forward=self.plan.group(st.group).reshard_after_forward)
-        return out
 
     def _batches(self, step: int) -> dict[tuple, dict[str, torch.Tensor]]:
         """This rank's input slices for a step: (stage, replica, micro-batch) -> batch."""
@@ -476,29 +332,12 @@ class RankTrainer:
         for key, done in self.stage_tp.items():
             sync_sequence_parallel_grads(done.partial_params, self.tp_groups[key])
 
-    def _grad_buckets(self) -> dict[str, Any]:
-        """Bucketed all-reduce during the backward for the dp stages whose parameters and gradients stay in the
-        device tier (the host tiers move gradients after the backward: those stages reduce after it) and that
-        are not ZeRO-sharded (ZeRO reduce-scatters instead)."""
-        from runtime.grad_buckets import GradBuckets
-
-        out = {}
-        for key, group in self.dp_groups.items():
-            st = self._stage(key)
-            memory = self.plan.group(st.group).stages[st.stage].memory
-            if self.job.bucket_bytes > 0 and memory.params == memory.grads == "gpu" and not self.plan.group(st.group).zero:
-                for ck in self._chunks_of(key):  # per chunk: armed at the chunk's last backward of the step
-                    params = [p for b in self.stage_map.stages[ck].blocks for p in self.rm.local[b].parameters() if p.requires_grad]
-                    if params:
-                        out[ck] = GradBuckets(list({id(p): p for p in params}.values()), group, self.job.bucket_bytes)
-        return out
-
     def reduce_gradients(self, events: list, t0: float) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage
         order, as the simulator's tail ops, or the wait for its buckets launched during the backward); each is a
         'sync group sN' event of the timeline."""
         for key, group in self.dp_groups.items():
-            st = self._stage(key)
+            st = self.rank.stage(key)
             if st.dp == 1:
                 continue
             if self.plan.group(st.group).zero:  # FSDP2 reduce-scattered them in the backward, except those it left whole
@@ -509,7 +348,7 @@ class RankTrainer:
                     events.append(("comm", f"sync {st.group} s{st.stage}", c0 - t0, time.perf_counter() - t0))
                 continue
             c0 = time.perf_counter()
-            chunks = [ck for ck in self._chunks_of(key) if ck in self.buckets]
+            chunks = [ck for ck in chunks_of(self.stage_map, key, self.ctx.rank) if ck in self.buckets]
             if chunks:
                 for ck in chunks:
                     self.buckets[ck].finish()
@@ -549,16 +388,6 @@ def _diverged(job: Job, step: int, loss: float, start_step: int, removes: bool) 
             if bad else f"; the checkpoints in {job.checkpoint_dir} are from before it" if job.checkpoint_dir else "")
     return MmplanError(f"training diverged at step {step}: the loss is {loss} (try a lower --lr); stopped without "
                        f"logging that step or saving its weights{kept}")
-
-
-def _stage_inputs(rm: RankModel, blocks: tuple[str, ...], loss: bool) -> tuple[str, ...]:
-    keys: set[str] = set()
-    for b in blocks:
-        if b in rm.program.blocks:
-            keys |= rm.program.deps(rm.program.blocks[b])[1]
-    if loss:
-        keys |= rm.program.deps(rm.program.output)[1]
-    return tuple(sorted(keys))
 
 
 def train_rank(ctx: RankContext, job: Job) -> dict[str, Any]:

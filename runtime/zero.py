@@ -18,7 +18,7 @@ gradient divide factor 1 with `set_force_sum_reduction_for_comms` (gloo has no P
 become DTensors sharded on dim 0; the optimizer (param_tiers.TieredAdam, with its tiers) runs on their local
 shards (`local_view`), so a CPU-offloaded optimizer holds only this rank's share. A stage with parameters and
 gradients in the cpu tier uses FSDP2's CPUOffloadPolicy (ZeRO-Offload / ZeRO-Infinity's host-resident shards);
-no other parameter or gradient tier runs under ZeRO (`zero_runs_with`). Checkpoints stay
+no other parameter or gradient tier runs under ZeRO (`plans/capabilities.zero_runs_with`). Checkpoints stay
 unsharded and layout-independent: `full` gathers, `local_of` takes this rank's shard of a full tensor.
 
 Tied parameters (a token embedding shared with the LM head, `tie_word_embeddings`): the blocks sharing one are
@@ -40,13 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-ZERO_TIERS = ("under ZeRO the runtime (FSDP2) keeps parameters and gradients on the GPU (optimizer state on the GPU, "
-              "CPU or NVMe), or both on the CPU with FSDP2's CPU offload (optimizer state on the CPU or NVMe)")
-
-
-def zero_runs_with(params: str, grads: str, optimizer: str) -> bool:
-    """The memory tiers a ZeRO stage can have (ZERO_TIERS)."""
-    return (params, grads) == ("gpu", "gpu") or ((params, grads) == ("cpu", "cpu") and optimizer in ("cpu", "nvme"))
+from plans.capabilities import ZERO_TIERS, zero_runs_with  # noqa: F401  (the tiers FSDP2 holds here, as data)
 
 
 def apply_zero(modules: Mapping[str, nn.Module], group: Any, zero: int, device: torch.device,

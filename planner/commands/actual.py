@@ -3,6 +3,7 @@ warning when the plan was solved for another cluster (an H100 plan run on CPU)."
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -61,14 +62,15 @@ def _same_kind(planned: Cluster, actual: Cluster) -> bool:
         replace(probe, measured_on=planned.device.name), actual)
 
 
-def on_actual_cluster(plan: Plan, profile: Profile | None, backend: str) -> Actual:
+def on_actual_cluster(plan: Plan, profile: Profile | None, backend: str, *, evaluation: Any = None) -> Actual:
     """The cluster this run is on and, when the plan was solved for another kind, the plan's prediction on it
-    (with `profile`, else none) and a one-line warning."""
+    (with `profile`, else none) and a one-line warning. `evaluation`: the plan already evaluated on that cluster
+    (cost_models.evaluate.Evaluation), used instead of evaluating it again."""
     actual = actual_cluster(plan, backend)
     if _same_kind(plan.cluster, actual):
         return Actual(actual, True, None, None)
-    predicted = None
-    if profile is not None:
+    predicted = evaluation.predicted if evaluation is not None else None
+    if predicted is None and profile is not None:
         from cost_models.evaluate import evaluate
 
         predicted = evaluate(plan, profile, actual).predicted

@@ -178,7 +178,7 @@ def runs_with(policy: Policy, zero: int) -> bool:
     its FSDP2 holds parameters and gradients on the GPU, or both on the host with CPU offload)."""
     if zero == 0 or (policy.params, policy.grads) == ("gpu", "gpu"):
         return True  # zero_runs_with's first case, without importing torch (seconds) into a solve that needs none
-    from runtime.zero import zero_runs_with
+    from plans.capabilities import zero_runs_with
 
     return zero_runs_with(policy.params, policy.grads, policy.optimizer)
 

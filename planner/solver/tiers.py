@@ -106,7 +106,7 @@ def place_tiers(plan: Plan, profile: Profile, *, solver: Solver = "highs", time_
 
 
 def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
-    from runtime.zero import zero_runs_with  # imported here: torch.distributed only when tiers are placed
+    from plans.capabilities import zero_runs_with
 
     cluster, training = plan.cluster, plan.training
     ev = evaluate(plan, profile)

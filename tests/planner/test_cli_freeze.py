@@ -26,7 +26,8 @@ def _profile_and_solve(tmp_path, *freeze: str):
 def test_freezing_the_vision_tower_lowers_predicted_memory_and_keeps_its_weights(tmp_path):
     from plans.plan import load_plan
     from runtime.checkpoint import latest_checkpoint, load_block
-    from runtime.train import Job, build_model
+    from runtime.rank import build_model
+    from runtime.train import Job
 
     plain, plain_plan = _profile_and_solve(tmp_path)
     frozen, frozen_plan = _profile_and_solve(tmp_path, "vision.*")

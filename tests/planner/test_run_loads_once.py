@@ -56,7 +56,6 @@ def test_one_run_loads_builds_traces_and_evaluates_once(tmp_path, monkeypatch):
     launcher = Counter(what for pid, what in rows if int(pid) == os.getpid())
     ranks = {int(pid) for pid, _ in rows} - {os.getpid()}
     per_rank = [Counter(what for p, what in rows if int(p) == pid) for pid in sorted(ranks)]
-    print("launcher", dict(launcher), "ranks", [dict(c) for c in per_rank])
     assert launcher == {"load_plan": 1, "build-meta": 1, "trace_program": 1, "evaluate": 1}, launcher
     assert len(per_rank) == 2
     for counts in per_rank:

@@ -88,6 +88,8 @@ def test_a_plan_for_a_large_cluster_is_refused_naming_it_and_this_host():
 
 
 def test_a_local_run_beyond_this_hosts_memory_is_refused(monkeypatch):
-    monkeypatch.setattr(run, "_available_memory", lambda: 1e6)
+    from runtime import preflight
+
+    monkeypatch.setattr(preflight, "_available_memory", lambda: 1e6)
     line = one_line_error(runner.invoke(app, ["run", PLAN, "--steps", "1"]))
     assert "is for cluster local-cpu (2 ranks)" in line and "rank processes that each build the model" in line and "this host (" in line

@@ -53,7 +53,7 @@ def test_frozen_parameters_do_not_change_and_get_no_optimizer_state(tmp_path):
     later = Job(plan=plan, model="tiny-vlm", steps=4, checkpoint_every=4, checkpoint_dir=str(tmp_path / "b"))
     results = launch(train_rank, 2, later, timeout_s=240)
     from runtime.checkpoint import latest_checkpoint, load_block
-    from runtime.train import build_model
+    from runtime.rank import build_model
 
     initial = dict(build_model(later)[0].named_parameters())
     b = latest_checkpoint(str(tmp_path / "b"))

@@ -1,0 +1,65 @@
+"""What the runtime can run, as data the solver, the profiler and the runtime all read (tests check the runtime against it).
+
+- ZeRO (FSDP2, runtime/zero.py): the (parameters, gradients, optimizer state) tiers a ZeRO stage can hold.
+- Tensor parallelism (runtime/tensor_parallel.py): the block kinds it shards, the regions inside them (an attention or
+  an MLP) with each linear's style, the sizes tp must divide in each region kind, the modules allowed to hold
+  replicated parameters; sequence parallelism's block kinds. A block kind is its class name (`Block.kind`).
+- Tied parameters (runtime/stage.py, runtime/rank_tiers.py, runtime/tp_stage.py): where a parameter shared by blocks
+  may sit.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+# ----------------------------------------------------------------------------------------------- ZeRO
+# (params, grads, optimizer): FSDP2 keeps parameters and gradients on the device, or both on the host with its
+# CPUOffloadPolicy (then the optimizer state, updated on the host, is not on the device).
+ZERO_TIER_COMBINATIONS: frozenset[tuple[str, str, str]] = frozenset({
+    ("gpu", "gpu", "gpu"), ("gpu", "gpu", "cpu"), ("gpu", "gpu", "nvme"),
+    ("cpu", "cpu", "cpu"), ("cpu", "cpu", "nvme"),
+})
+ZERO_TIERS = ("under ZeRO the runtime (FSDP2) keeps parameters and gradients on the GPU (optimizer state on the GPU, "
+              "CPU or NVMe), or both on the CPU with FSDP2's CPU offload (optimizer state on the CPU or NVMe)")
+
+
+def zero_runs_with(params: str, grads: str, optimizer: str) -> bool:
+    """The memory tiers a ZeRO stage can have (ZERO_TIER_COMBINATIONS, in words ZERO_TIERS)."""
+    return (params, grads, optimizer) in ZERO_TIER_COMBINATIONS
+
+
+# ----------------------------------------------------------------------------------------------- tensor parallelism
+Style = Literal["colwise", "rowwise"]  # column-parallel: output features split; row-parallel: input features split
+
+# Block kinds the runtime shards (classes saying supports_tensor_parallel = True); besides them, any block that
+# carries its own plan (Hugging Face blocks, from the model's base_model_tp_plan: runtime/hf.py).
+TP_BLOCK_KINDS: tuple[str, ...] = ("TransformerLayer", "FlamingoLayer")
+
+# Region kind (the attention / MLP module's class) -> {linear attribute: style}. Everything else is replicated.
+TP_REGIONS: dict[str, dict[str, Style]] = {
+    "Attention": {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
+    "CrossAttention": {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
+    "SwiGLU": {"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
+    "GeluMLP": {"fc1": "colwise", "fc2": "rowwise"},
+}
+
+# Region kind -> the sizes tp must divide (tp shards exactly: every shard one equal contiguous chunk). A region of a
+# block's own plan (not listed) must have each sharded linear's width (in heads when it has a head_dim) divisible.
+TP_DIVIDES: dict[str, tuple[str, ...]] = {
+    "Attention": ("heads", "kv_heads"),  # kv heads are never replicated across tp ranks (kv_heads % tp == 0)
+    "CrossAttention": ("heads", "kv_heads"),
+    "SwiGLU": ("mlp width",),
+    "GeluMLP": ("mlp width",),
+}
+
+# Modules that may hold replicated parameters outside the regions of a tensor-parallel block (besides any module
+# whose class name contains "norm"): they see identical activations on every tp rank.
+TP_REPLICATED_KINDS: tuple[str, ...] = ("LayerNorm", "GatedCrossAttention")
+
+# Block kinds whose regions all read the block's own sequence: sequence parallelism applies to them.
+SEQUENCE_PARALLEL_KINDS: tuple[str, ...] = ("TransformerLayer",)
+
+# ----------------------------------------------------------------------------------------------- tied parameters
+# A parameter shared by several blocks (tied embeddings) belongs to the first block that holds it. Supported: all its
+# blocks on the same stage, whose memory tiers agree; under tensor parallelism, tied to a vocabulary-parallel weight
+# only when it shards with it. Refused: tied across stages (a local and a remote block).
+TIED_ACROSS_STAGES = False

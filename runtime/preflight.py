@@ -1,0 +1,243 @@
+"""The runtime's checks of a plan before any rank starts: its model, precision, ranks, parallelism, ZeRO tiers, this host.
+
+Each refusal is one sentence naming the plan file; none of them allocates more than the model on the meta device,
+built and traced once here (`check_model`) and handed to the others.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plans.capabilities import ZERO_TIERS, zero_runs_with
+from plans.errors import MmplanError
+from plans.plan import Plan, check_plan
+from plans.units import format_bytes
+from runtime.precision import torch_dtype
+from runtime.program import model_fingerprint, trace_program, traced_flow
+from runtime.source import call_factory, is_factory, resolve
+from runtime.tensor_parallel import check_tp, supports_sequence_parallel, supports_tp
+
+MAX_LOCAL_RANKS = 64  # beyond this a plan is for a real cluster: start it with torchrun
+RANKS_PER_CORE = 4  # local ranks beyond this many per CPU core are refused (each is a process with its own model)
+# A forked local rank's own memory besides the model it builds: 32 MB private dirty measured per rank of the
+# tiny-vlm-pp2 example on CPU (/proc/self/smaps_rollup after 2 steps), doubled for margin.
+RANK_OVERHEAD_BYTES = 64e6
+
+
+@dataclass(frozen=True)
+class CheckedModel:
+    """The plan checked against its model: the plan (with its flow), the model spec, and the model built on the
+    meta device with its example batch and traced program, for the other checks to reuse."""
+
+    plan: Plan
+    spec: str
+    model: nn.Module
+    example: dict[str, Any]
+    program: Any
+    sample_bytes: float  # bytes of one sample of the model's inputs
+    model_bytes: float  # bytes of the whole model's parameters and buffers (every local rank builds it first)
+
+
+def plan_model(plan: Plan, plan_path: Path) -> str:
+    """The plan's model when it names no code: a zoo name or an architecture TOML. A plan file must not choose
+    code to import and run, so a `package.module:factory` in it is used only when the user passes it as --model."""
+    spec = plan.profile.model
+    if is_factory(spec):
+        raise MmplanError(f"plan {plan_path} names the Python factory {spec!r} as its model; a plan does not choose "
+                          f"code to run: pass --model {spec} to run that factory")
+    return spec
+
+
+def backend(plan: Plan) -> str:
+    """nccl for a GPU plan on a host with CUDA, else gloo."""
+    if plan.cluster.backend == "nccl" and torch.cuda.is_available():
+        return "nccl"
+    return "gloo"
+
+
+def check_model(plan: Plan, plan_path: Path, model: str | None) -> CheckedModel:
+    """Build the model on the meta device and trace it with torch.fx (no profiling analysis); refuse a model whose
+    structural fingerprint differs from the plan's. A hand-written plan without a flow gets the traced one."""
+    spec = model or plan_model(plan, plan_path)
+    with torch.device("meta"):
+        module, batch = call_factory(resolve(spec), 1)
+    program = trace_program(module, batch)
+    found = model_fingerprint(module, program)
+    if found != plan.profile.fingerprint:
+        raise MmplanError(
+            f"plan {plan_path} was solved for model {plan.profile.model!r} with fingerprint {plan.profile.fingerprint}, "
+            f"but {spec!r} builds a model with fingerprint {found} (another module tree or data flow): re-profile and re-solve")
+    if plan.flow is None:  # a hand-written plan: the flow of the model it was just checked against
+        plan = check_plan(replace(plan, flow=traced_flow(program, module)), None, f"plan {plan_path}")
+    sample_bytes = sum(t[:1].numel() * t.element_size() for t in batch.values() if isinstance(t, torch.Tensor))
+    model_bytes = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    return CheckedModel(plan, spec, module, batch, program, float(sample_bytes), float(model_bytes))
+
+
+def check_runs(checked: CheckedModel, plan_path: Path) -> None:
+    """What the runtime can run (plans/capabilities.py): precision, rank numbering, tensor and sequence parallelism."""
+    check_precision(checked.plan, plan_path)
+    check_rank_numbering(checked.plan, plan_path)
+    check_tensor_parallel(checked.plan, checked.model, checked.example, plan_path)
+
+
+def check_precision(plan: Plan, plan_path: Path) -> None:
+    """The runtime trains fp32 and bf16 plans (runtime/precision.py); refuse another before any rank starts."""
+    try:
+        torch_dtype(plan.training.dtype)
+    except MmplanError as e:
+        raise MmplanError(f"plan {plan_path}: {e}") from None
+
+
+def check_rank_numbering(plan: Plan, plan_path: Path) -> None:
+    """The runtime starts one process per rank of the plan: the ranks must be 0..N-1 without gaps."""
+    used = sorted({r for g in plan.groups for r in g.ranks})
+    if used != list(range(len(used))):
+        present = set(used)
+        missing = [r for r in range(min(used[-1], len(used) + 8)) if r not in present]  # bounded: ranks may be huge
+        raise MmplanError(f"plan {plan_path} uses ranks {_ranks(used)} but not {_ranks(missing)}; the runtime starts one "
+                          f"process per rank of the plan, numbered 0..{len(used) - 1}: renumber its ranks without gaps")
+
+
+def check_tensor_parallel(plan: Plan, model: nn.Module, example: dict[str, Any], plan_path: Path) -> None:
+    """Every tensor-parallel block must shard exactly (tp divides its heads, kv heads and MLP width): checked on
+    the model built on the meta device (no memory) before any rank starts, not by the ranks mid-setup."""
+    sharded = [(g, b) for g in plan.groups if g.tp > 1 for b in g.blocks]
+    if not sharded:
+        return
+    for g, b in sharded:
+        block = model.get_submodule(b)
+        if supports_tp(block):
+            try:
+                check_tp(block, g.tp)
+            except MmplanError as e:
+                raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
+    check_sequence_parallel(plan, model, example, plan_path)
+
+
+def check_sequence_parallel(plan: Plan, model: nn.Module, example: dict, plan_path: Path) -> None:
+    """A sequence-parallel group's layers must see a sequence its tp divides: one forward on the meta device
+    records each such layer's sequence length before any rank starts."""
+    watched = {b: g for g in plan.groups if g.sequence_parallel and g.tp > 1 for b in g.blocks
+               if supports_sequence_parallel(model.get_submodule(b))}
+    if not watched:
+        return
+    lengths: dict[str, int] = {}
+
+    def record(name: str):
+        def hook(_module: Any, args: tuple) -> None:
+            lengths.setdefault(name, args[0].shape[1])  # (B, S, D)
+        return hook
+
+    handles = [model.get_submodule(b).register_forward_pre_hook(record(b)) for b in watched]
+    try:
+        model(**example)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run: the ranks check it at their first forward
+        return
+    finally:
+        for h in handles:
+            h.remove()
+    for b, g in watched.items():
+        if b in lengths and lengths[b] % g.tp:
+            raise MmplanError(f"plan {plan_path}: group {g.name!r} is sequence-parallel with tp={g.tp}, but block {b} "
+                              f"reads a sequence of {lengths[b]}; set sequence_parallel false or use a tp dividing it")
+
+
+def check_zero(plan: Plan, plan_path: Path) -> None:
+    """ZeRO runs on FSDP2 (runtime/zero.py): only the memory tiers it can hold (plans/capabilities.zero_runs_with)."""
+    for g in plan.groups:
+        if not g.zero:
+            continue
+        for i, st in enumerate(g.stages):
+            m = st.memory
+            if not zero_runs_with(m.params, m.grads, m.optimizer):
+                raise MmplanError(f"plan {plan_path}: group {g.name} stage {i} uses ZeRO stage {g.zero} with parameters in "
+                                  f"{m.params!r}, gradients in {m.grads!r} and optimizer state in {m.optimizer!r}; "
+                                  f"{ZERO_TIERS}: set zero=0 or change the tiers")
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE of a torchrun launch, None when not launched by one."""
+    value = os.environ.get("WORLD_SIZE")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise MmplanError(f"the environment variable WORLD_SIZE={value!r} is not a number of ranks") from None
+
+
+def check_launch(plan: Plan, plan_path: Path, launched: int | None) -> None:
+    """A torchrun job of the plan's size, or local ranks this host can start."""
+    if launched is not None:
+        if launched != plan.world_size:
+            raise MmplanError(f"the plan needs {plan.world_size} ranks but this job was launched with {launched}")
+    else:
+        check_host_ranks(plan, plan_path)
+
+
+def check_host_ranks(plan: Plan, plan_path: Path) -> None:
+    """A local run starts one process per rank here: refused when this host cannot hold that many (more ranks than
+    CUDA devices for an nccl plan on a GPU host; more than RANKS_PER_CORE per CPU core or MAX_LOCAL_RANKS on CPU)."""
+    world, cluster = plan.world_size, plan.cluster
+    if backend(plan) == "nccl":
+        limit, what = torch.cuda.device_count(), "one per CUDA device"
+    else:
+        limit, what = min(MAX_LOCAL_RANKS, RANKS_PER_CORE * (os.cpu_count() or 1)), f"{RANKS_PER_CORE} per CPU core"
+    if world > limit:
+        raise MmplanError(f"plan {plan_path} is for cluster {cluster.name} ({world} ranks), but {_host()} runs at most "
+                          f"{limit} local ranks ({what}); {_torchrun_hint(plan)}")
+
+
+def check_host_memory(checked: CheckedModel, plan_path: Path, state_bytes: float) -> None:
+    """A local run must fit this machine: the ranks' training state and activations (`state_bytes`: the cost model's
+    prediction, summed over ranks), each rank's own process and the whole model it builds first, plus the input
+    samples of two steps (the data loader builds the next step ahead), refused before any rank allocates them (a
+    global batch may be 16 M samples)."""
+    plan = checked.plan
+    available = _available_memory()
+    if available is None:
+        return
+    data = 2 * plan.training.global_batch * checked.sample_bytes
+    ranks = plan.world_size * (RANK_OVERHEAD_BYTES + checked.model_bytes)
+    if data + state_bytes + ranks > available:
+        raise MmplanError(f"plan {plan_path} is for cluster {plan.cluster.name} ({plan.world_size} ranks) and needs about "
+                          f"{format_bytes(data + state_bytes + ranks)} of memory to run locally ({format_bytes(state_bytes)} "
+                          f"for its ranks' state and activations, {format_bytes(ranks)} for {plan.world_size} rank processes "
+                          f"that each build the model, {format_bytes(data)} for the input samples of two steps of "
+                          f"{plan.training.global_batch:,}), but {_host()}; lower the global batch, or "
+                          f"{_torchrun_hint(plan)}")
+
+
+def _host() -> str:
+    """This machine in a few words, for refusals: name, CPU cores, CUDA devices, available memory."""
+    import socket
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = _available_memory()
+    memory = f", {format_bytes(available)} memory available" if available is not None else ""
+    return f"this host ({socket.gethostname()}: {os.cpu_count() or 1} CPU cores, {gpus} CUDA devices{memory})"
+
+
+def _torchrun_hint(plan: Plan) -> str:
+    c = plan.cluster
+    return (f"start it on its cluster with torchrun, one process per GPU: torchrun --nnodes {c.nodes} --nproc-per-node "
+            f"{c.gpus_per_node} -m planner.cli run PLAN")
+
+
+def _available_memory() -> float | None:
+    """MemAvailable + SwapFree from /proc/meminfo, in bytes (None where unknown)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return sum(float(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree") if k in fields) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
