@@ -146,17 +146,6 @@ def build(config) -> nn.Module:
     return for_training(model)
 
 
-def _initialise_unset(model: nn.Module) -> None:
-    """Tensors HF's init leaves unset (it expects a checkpoint to fill them, e.g. Qwen2-Audio's frozen
-    `embed_positions`) get N(0, 0.02) from a generator seeded by their name: the same model in every process,
-    so a parallel run and the single-process reference start from the same weights."""
-    with torch.no_grad():
-        for name, t in (*model.named_parameters(), *model.named_buffers()):
-            if t.device.type != "meta" and t.is_floating_point() and bool(torch.isnan(t).any()):
-                gen = torch.Generator().manual_seed(int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") % (2**63))
-                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
-
-
 def default_dtype(config) -> str:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return _DTYPES.get(str(dtype).removeprefix("torch."), "fp32")
