@@ -365,7 +365,7 @@ class RankTrainer:
         for buckets in self.buckets.values():
             buckets.close()
         self.tiers.close()  # removes the nvme tier's files
-        self.rm = None
+        self.rm = self.rank = None  # the model goes with them
         gc.collect()
 
 
