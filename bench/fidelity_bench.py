@@ -167,6 +167,7 @@ class Model:
     freeze: tuple[str, ...] = ()
     softmax_grad_in_memory: bool = False  # the attention dropout is a kernel of its own (Megatron-LM, math attention)
     eager: bool = False  # run op by op in eager PyTorch (no torch.compile, no fused kernels): every op's memory traffic
+    rotary: bool = False  # torchtitan's eager RoPE (fp32 complex product on queries and keys: published_models.complex_rotary)
 
     @property
     def params(self) -> float:
@@ -204,6 +205,8 @@ class Row:
     overlapped_param_gather: bool = False  # ZeRO-1's parameter all-gather ran ahead of the next forward (Megatron-LM 2024)
     tp_comm_overlap: bool = False  # the run's SP layers communicated inside their GEMMs (TransformerEngine userbuffers)
     cross_entropy_bytes: tuple[float, float] | None = None  # (fwd, bwd) bytes per logit of the run's loss (_MLM_CROSS_ENTROPY)
+    selective: str = "attention"  # what the run's selective recompute reran: the attention core, or "op" (torchtitan's SAC)
+    attention: str = "fused"  # the run's attention kernel: "fused" (TE / cuDNN class) or "sdpa" (PyTorch's, FlashAttention-2)
     indicative: bool = False  # published as a rounded wall time: printed in a table of its own, not judged
     note: str = ""
 
@@ -360,8 +363,8 @@ ROWS += (
 # [TT] torchtitan, docs/performance.md at d4c86e3758 (2025-01-30; torch 1963fc8, torchtitan 9dec370, 2024-12): Llama 3.1
 # 8B, FSDP2 (ZeRO-3, one fully_shard per transformer block), bf16, no torch.compile, no Float8 (the rows "FSDP"), Table
 # 1: 8 GPUs, local batch 2, global batch 16, 5,762 tokens/s per GPU; Table 3: 128 GPUs, local batch 2, global 256,
-# 5,605 tokens/s per GPU; "Selective activation checkpointing" (torchtitan's llama3_8b.toml: op-level SAC, priced
-# here as the attention core's selective recompute -- the nearest tier mmplan has). Sequence 8192 (torchtitan's Llama
+# 5,605 tokens/s per GPU; "Selective activation checkpointing" (torchtitan's llama3_8b.toml: op-level SAC, below).
+# Sequence 8192 (torchtitan's Llama
 # 3.1 8B training config). Per-step figures: tokens/s "calculated and logged every 10 iterations ... read at the 90th
 # iteration". Hardware as published: Grand Teton, 8 H100 per host on NVLink, 400 Gb/s RDMA per GPU, H100 with 96 GB
 # HBM2e at 2.4 TB/s and a 500 W power limit, whose "actual peak TFLOPs number is between SXM and NVL" (footnote 2):
@@ -369,11 +372,36 @@ ROWS += (
 # H100 NVL datasheet: 1,671 TFLOPS with sparsity) -- chosen before any prediction of these rows was seen. Metric:
 # tokens/s x the PaLM FLOPs per token (the error is the step-time ratio whatever the formula).
 LLAMA31_8B = Model("llama3.1-8b", 32, 4096, 32, seq=8192, vocab=128256, mlp=14336, kv_heads=8, attention="flash",
-                   gated=True, dropout=0.0, eager=True)  # the "FSDP" rows ran without torch.compile: eager PyTorch
+                   gated=True, dropout=0.0, eager=True, rotary=True)  # the "FSDP" rows ran without torch.compile: eager
 _TT_TOKENS = 8192
+# What that run executed, from torchtitan at 9dec370 (the commit the table names), fixed before these rows were predicted
+# with it (issue 33; the rows missed at +42.7 % / +29.7 % without it):
+# - op-level SAC (`selective_ac_option = "op"` in train_configs/llama3_8b.toml): the blocks' forward rerun in the
+#   backward but for every other mm and the SDPA kernel, whose outputs are kept (selective="op": compute.op_sac_time);
+# - attention by F.scaled_dot_product_attention(is_causal=True) (models/llama/model.py): PyTorch's flash backend,
+#   FlashAttention-2 (attention="sdpa": hardware._SDPA_ATTENTION_FRACTION);
+# - RoPE on an fp32 complex view of q and k (apply_rotary_emb; Model.rotary), no biases, no dropout;
+# - FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (parallelisms/parallelize_llama.py
+#   apply_fsdp; `mixed_precision_reduce = "float32"` default in config_manager.py): gradients reduce-scattered in
+#   fp32 (grad_sync_bytes=4);
+# - the loss `cross_entropy(pred.flatten(0, 1).float(), labels)` (train.py loss_fn) in eager PyTorch on the (tokens,
+#   128,256) logits: _TT_CROSS_ENTROPY below; its foreach AdamW and gradient clipping: _TT_OPTIMIZER_EXTRA.
+# PyTorch's eager cross-entropy per bf16 logit (aten/src/ATen/native/cuda/SoftMax.cu, Loss.cu): forward the fp32 copy
+# (read 2, write 4) and log_softmax's three passes over a row longer than a block (cunn_SoftMaxForward: max, sum of
+# exp, then read + write the output: 12 + 4); backward nll_loss's zero-filled gradient (write 4), log_softmax's
+# backward (cunn_SoftMaxBackward: the gradient's sum, then read gradient and output, write: 4 + 8 + 4) and the cast
+# back to bf16 (read 4, write 2)
+_TT_CROSS_ENTROPY = (2 + 4 + 12 + 4, 4 + 4 + 8 + 4 + 4 + 2)
+# The optimizer step beyond the 28 B per parameter optimizer_step_time prices: torchtitan's AdamW with `foreach=True`
+# (optimizer.py, `fused` off by default) on FSDP2's fp32 sharded parameters and gradients runs torch's
+# _multi_tensor_adamw (torch/optim/adamw.py), one pass per foreach op: weight decay mul_ (read 4, write 4), lerp_ of
+# m (8 + 4), mul_ of v (4 + 4), addcmul_ of v (8 + 4), sqrt (4 + 4), div_ (4 + 4), add_ eps (4 + 4), addcdiv_ of the
+# parameter (12 + 4) = 80 B; clip_grad_norm_ (max_norm 1.0): the norm (read 4) and the rescale (read 4, write 4)
+_TT_OPTIMIZER_EXTRA = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 - 28 + 4 + 8
 ROWS += tuple(
     Row(f"TT FSDP 8B {gpus} GPUs", LLAMA31_8B, "h100-grand-teton", 1, 1, gpus, 2 * gpus, 0.0, "palm",
-        recompute="selective", micro_batch=2, zero=3, published_step_s=2 * _TT_TOKENS / tps)
+        recompute="selective", micro_batch=2, zero=3, published_step_s=2 * _TT_TOKENS / tps, selective="op",
+        attention="sdpa", grad_sync_bytes=4, cross_entropy_bytes=_TT_CROSS_ENTROPY, optimizer_extra_bytes=_TT_OPTIMIZER_EXTRA)
     for gpus, tps in ((8, 5762), (128, 5605)))
 # the [TT] GPUs (above): bf16 peak between the SXM's and the NVL's, HBM2e 2.4 TB/s, 96 GB
 _TT_PEAK = (989.4 + 835.5) / 2 * 1e12
@@ -404,7 +432,8 @@ def profile_of(m: Model) -> Profile:
     if m not in _PROFILES:
         _PROFILES[m] = gpt_profile(m.name, layers=m.layers, dim=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab,
                                    mlp=m.mlp, kv_heads=m.kv_heads, attention=m.attention, dropout=m.dropout,
-                                   gated=m.gated, softmax_grad_in_memory=m.softmax_grad_in_memory, fused=not m.eager)
+                                   gated=m.gated, softmax_grad_in_memory=m.softmax_grad_in_memory, fused=not m.eager,
+                                   rotary=m.rotary)
     return _PROFILES[m]
 
 
@@ -426,7 +455,7 @@ def predict(row: Row) -> tuple[float, float]:
                   fused_grad_accumulation=row.fused_grad_accumulation, overlapped_tp_backward=row.overlapped_tp_backward,
                   optimizer_extra_bytes=row.optimizer_extra_bytes, grad_sync_bytes=row.grad_sync_bytes,
                   overlapped_param_gather=row.overlapped_param_gather, tp_comm_overlap=row.tp_comm_overlap,
-                  cross_entropy_bytes=row.cross_entropy_bytes)
+                  cross_entropy_bytes=row.cross_entropy_bytes, selective=row.selective, attention=row.attention)
     _EXPLAIN[row.source] = _breakdown(ev.simulation, plan.training.micro_batches)
     step = ev.predicted.step_time_s
     return published_flops(row, row.model) / step / row.gpus / 1e12, step

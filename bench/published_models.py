@@ -30,20 +30,23 @@ from runtime.source import ModelSource
 class MathAttention(nn.Module):
     """Megatron's core attention (no flash): softmax(QK^T / sqrt(d)) with dropout, then AV; or SDPA ("flash")."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, dropout: float, flash: bool) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, dropout: float, flash: bool, *, bias: bool = True,
+                 rotary: bool = False) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.dropout, self.flash = dropout, flash
-        self.wq = nn.Linear(dim, dim)
-        self.wk = nn.Linear(dim, kv_heads * self.head_dim)
-        self.wv = nn.Linear(dim, kv_heads * self.head_dim)
-        self.wo = nn.Linear(dim, dim)
+        self.dropout, self.flash, self.rotary = dropout, flash, rotary
+        self.wq = nn.Linear(dim, dim, bias=bias)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, hd)
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        if self.rotary:
+            q, k = complex_rotary(q), complex_rotary(k)
         if self.flash:
             rep = self.heads // self.kv_heads
             if rep > 1:
@@ -58,10 +61,21 @@ class MathAttention(nn.Module):
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
+def complex_rotary(x: torch.Tensor) -> torch.Tensor:
+    """RoPE as torchtitan's Llama applies it in eager PyTorch (torchtitan/models/llama/model.py apply_rotary_emb at
+    9dec370): the (B, H, S, hd) query or key upcast to fp32, viewed as complex pairs, multiplied by the complex64
+    rotation table and cast back: three memory-bound passes over it (the angles here are 0: FLOPs do not matter)."""
+    B, H, S, hd = x.shape
+    table = torch.polar(torch.ones(S, hd // 2, device=x.device), torch.zeros(S, hd // 2, device=x.device))
+    rotated = torch.view_as_complex(x.float().reshape(B, H, S, hd // 2, 2)) * table  # (B, H, S, hd/2) complex64
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """Dropout as the fused CUDA kernel stores it: one pass writing the output and a 1-byte mask (aten.native_dropout;
-    F.dropout on CPU keeps a mask in the input's dtype instead, Korthikanti et al. count 1 byte)."""
-    return torch.ops.aten.native_dropout(x, p, True)[0]
+    F.dropout on CPU keeps a mask in the input's dtype instead, Korthikanti et al. count 1 byte). p = 0: a model
+    without dropout (LLaMA), no kernel at all."""
+    return torch.ops.aten.native_dropout(x, p, True)[0] if p > 0 else x
 
 
 class MegatronMLP(nn.Module):
@@ -86,11 +100,14 @@ class MegatronLayer(nn.Module):
     supports_tensor_parallel = True
 
     def __init__(self, dim: int, heads: int, mlp: int, *, kv_heads: int | None = None, dropout: float = 0.1,
-                 attention: Literal["math", "flash"] = "math", norm: str = "layernorm", gated: bool = False) -> None:
+                 attention: Literal["math", "flash"] = "math", norm: str = "layernorm", gated: bool = False,
+                 rotary: bool = False) -> None:
         super().__init__()
         make = (lambda: nn.LayerNorm(dim)) if norm == "layernorm" else (lambda: RMSNorm(dim))
         self.ln1, self.ln2 = make(), make()
-        self.attn = MathAttention(dim, heads, kv_heads or heads, dropout, attention == "flash")
+        # LLaMA (gated) has no biases (Touvron et al. 2023, section 2.2; torchtitan's Attention: bias=False)
+        self.attn = MathAttention(dim, heads, kv_heads or heads, dropout, attention == "flash", bias=not gated,
+                                  rotary=rotary)
         self.mlp = MegatronMLP(dim, mlp, gated)
         self.p = dropout
 
@@ -131,12 +148,14 @@ class Decoder(nn.Module):
 
 def gpt_profile(name: str, *, layers: int, dim: int, heads: int, seq: int = 2048, vocab: int = 51200,
                 mlp: int | None = None, kv_heads: int | None = None, attention: str = "math", dropout: float = 0.1,
-                gated: bool = False, dtype: str = "bf16", softmax_grad_in_memory: bool = False, fused: bool = True) -> Profile:
+                gated: bool = False, dtype: str = "bf16", softmax_grad_in_memory: bool = False, fused: bool = True,
+                rotary: bool = False) -> Profile:
     """The profile of a `layers`-deep decoder: two layers profiled, the second repeated (same module, same block).
     `softmax_grad_in_memory`: the attention softmax's backward reads its incoming gradient from memory (Megatron-LM's
-    separate attention-dropout kernel; profile_model); `fused=False`: memory-bound traffic as eager PyTorch moves it."""
+    separate attention-dropout kernel; profile_model); `fused=False`: memory-bound traffic as eager PyTorch moves it;
+    `rotary`: torchtitan's eager fp32 complex RoPE on queries and keys (complex_rotary)."""
     kw = dict(vocab=vocab, seq=seq, dim=dim, heads=heads, mlp=mlp or 4 * dim, kv_heads=kv_heads, dropout=dropout,
-              attention=attention, norm="rmsnorm" if gated else "layernorm", gated=gated)
+              attention=attention, norm="rmsnorm" if gated else "layernorm", gated=gated, rotary=rotary)
 
     def factory(micro_batch: int):
         model = Decoder(layers=2, **kw)

@@ -85,11 +85,12 @@ def gemm_kernels_time(kernels: tuple[tuple[float, float, int], ...], scale: floa
     return total
 
 
-def attention_time(flops: float, cluster: Cluster, dtype: str) -> float:
-    """A fused attention kernel (flash attention) executing `flops` FLOPs (hardware.attention_efficiency)."""
+def attention_time(flops: float, cluster: Cluster, dtype: str, kernel: str = "fused") -> float:
+    """A fused attention kernel (flash attention; `kernel` "fused" or "sdpa") executing `flops` FLOPs
+    (hardware.attention_efficiency)."""
     if flops <= 0:
         return 0.0
-    return flops / (peak_flops(cluster.device, dtype) * attention_efficiency(cluster.device, flops))
+    return flops / (peak_flops(cluster.device, dtype) * attention_efficiency(cluster.device, flops, kernel))
 
 
 def memory_time(nbytes: float, cluster: Cluster) -> float:
@@ -98,7 +99,7 @@ def memory_time(nbytes: float, cluster: Cluster) -> float:
 
 
 def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str,
-             cross_entropy_bytes: tuple[float, float] | None = None) -> tuple[float, float, float]:
+             cross_entropy_bytes: tuple[float, float] | None = None, attention: str = "fused") -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one tp shard's compute, by op class: GEMMs (divided
     over the tp ranks; backward = dgrad + wgrad, two kernels per forward GEMM), fused attention (divided), and
     memory-bound bytes, of which the share outside the TP regions (norms, residual) every tp rank repeats unless
@@ -110,9 +111,9 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     else:  # by size only
         fwd = gemm_time(block.fwd_matmul_flops * samples / t, kernels, cluster, dtype)
         bwd = gemm_time(block.bwd_matmul_flops * samples / t, 2 * kernels, cluster, dtype)
-    core = attention_time(block.fwd_attention_flops * samples / t, cluster, dtype)
+    core = attention_time(block.fwd_attention_flops * samples / t, cluster, dtype, attention)
     fwd += core
-    bwd += attention_time(block.bwd_attention_flops * samples / t, cluster, dtype)
+    bwd += attention_time(block.bwd_attention_flops * samples / t, cluster, dtype, attention)
     # a math attention's core GEMMs (QK^T, AV: part of fwd_gemms), which selective recompute reruns with the softmax
     core += gemm_kernels_time(block.attention_core_gemms, samples / t, cluster, dtype)
     rep = 0.0 if sequence_parallel else block.replicated_memory_fraction
@@ -131,6 +132,20 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     # selective recompute reruns the core: its fused kernel, and rewrites what it saved (scores, softmax, mask)
     core += memory_time(2 * block.attention_core_bytes * samples / t, cluster)
     return fwd, bwd, core
+
+
+def op_sac_time(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str) -> float:
+    """Seconds torchtitan's op-level selective activation checkpointing reruns in a block's backward (torchtitan/
+    parallelisms/parallelize_llama.py `_apply_ac_to_transformer_block`, `selective_ac_option = "op"`, at 9dec370,
+    2024-12): the block's forward is run again under a policy that keeps the outputs of the ops in `_save_list`
+    (aten.mm, the SDPA flash / efficient kernels, reduce_scatter, max) "except every second mm", so the rerun is
+    every memory-bound op of the forward and every second GEMM in execution order; the attention kernel is not rerun.
+    The profile keeps GEMMs by shape, not in order: half of each shape class's kernels, rounded down, are priced
+    (exact for LLaMA's wq wk wv wo w1 w3 w2, whose even ones -- wk, wo, w3 -- are one of each class)."""
+    rerun = tuple((f, nbytes, count // 2) for f, nbytes, count in block.fwd_gemms)
+    rep = 0.0 if sequence_parallel else block.replicated_memory_fraction
+    share = (rep + (1 - rep) / t) * samples
+    return gemm_kernels_time(rerun, samples / t, cluster, dtype) + memory_time(block.fwd_memory_bytes * share, cluster)
 
 
 def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0, *,
@@ -270,6 +285,8 @@ def block_time(
     overlapped_tp_backward: bool = False,
     tp_comm_overlap: bool = False,
     cross_entropy_bytes: tuple[float, float] | None = None,
+    selective: str = "attention",
+    attention: str = "fused",
 ) -> OpTime:
     """Forward and backward of `block` for `samples` samples on one of its tp shards (tp_shard).
 
@@ -289,7 +306,11 @@ def block_time(
     TransformerEngine's userbuffers do (Megatron-LM `--tp-comm-overlap`, which requires sequence parallelism:
     userbuffers_tp_time); other blocks, and layers without sequence parallelism, are priced as without it.
     `cross_entropy_bytes`: (forward, backward) bytes per logit the runtime's cross-entropy moves on the output head
-    (default: the fused vocabulary-parallel cross-entropy, two fp32 passes each way: _compute).
+    (default: the fused vocabulary-parallel cross-entropy, two fp32 passes each way: _compute). `selective`: what
+    the "selective" tier reruns: "attention", the attention core (Korthikanti et al. 2022), or "op", torchtitan's
+    op-level policy (op_sac_time; priced for a block split by op class, else as "attention"). `attention`: the
+    fused attention kernel the runtime runs, "fused" (TransformerEngine / cuDNN class) or "sdpa" (PyTorch's SDPA
+    flash backend, FlashAttention-2: hardware.attention_efficiency).
     """
     t = tp_shard(block, tp)
     core = 0.0
@@ -303,7 +324,7 @@ def block_time(
             core_flops = block.fwd_attention_flops + sum(f * n for f, _, n in block.attention_core_gemms)
             core = fwd * core_flops / block.fwd_flops
     elif by_op_class(block):
-        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype, cross_entropy_bytes)
+        fwd, bwd, core = _compute(block, samples, t, sequence_parallel, cluster, dtype, cross_entropy_bytes, attention)
     else:
         peak = peak_flops(cluster.device, dtype)
         f, b = block.fwd_flops * samples / t, block.bwd_flops * samples / t  # FLOPs of this shard
@@ -319,6 +340,8 @@ def block_time(
     if recompute is True or recompute == "recompute":
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
     if recompute == "selective":
+        if selective == "op" and not measured and by_op_class(block):
+            core = op_sac_time(block, samples, t, sequence_parallel, cluster, dtype)
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + core, bwd_comm=bwd_comm)
     return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd, bwd_comm=bwd_comm)
 

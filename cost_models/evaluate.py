@@ -49,7 +49,8 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
              overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
              overlapped_param_gather: bool = False, tp_comm_overlap: bool = False,
-             cross_entropy_bytes: tuple[float, float] | None = None) -> Evaluation:
+             cross_entropy_bytes: tuple[float, float] | None = None, selective: str = "attention",
+             attention: str = "fused") -> Evaluation:
     """Simulate one step of `plan` and derive its throughput, MFU, memory per rank and whether it fits.
 
     TFLOP/s per GPU = model FLOPs per step (forward + backward of every block for every sample; the
@@ -63,7 +64,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
                    fused_grad_accumulation=fused_grad_accumulation, overlapped_tp_backward=overlapped_tp_backward,
                    optimizer_extra_bytes=optimizer_extra_bytes, grad_sync_bytes=grad_sync_bytes,
                    overlapped_param_gather=overlapped_param_gather, tp_comm_overlap=tp_comm_overlap,
-                   cross_entropy_bytes=cross_entropy_bytes)
+                   cross_entropy_bytes=cross_entropy_bytes, selective=selective, attention=attention)
     inputs = block_input_bytes(profile)
 
     blocks = {b.name: b for b in profile.blocks}

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cost_models.comm import all_gather_time, reduce_scatter_time
 from cost_models.hardware import sm_count, stream_bandwidth
-from plans.cluster import Cluster
+from cost_models.memory import zero_divisors
+from plans.cluster import Cluster, Link
 
 # How FSDP2 (torch.distributed.fsdp.fully_shard, one unit per block: runtime/zero.py) runs a chunk's blocks 0..n-1:
 # - Forward: block k's all-gather is issued on its own stream when the CPU reaches block k, while the GPU still
@@ -135,4 +137,24 @@ def segment_times(fwd: np.ndarray, bwd: np.ndarray, gather: np.ndarray, scatter:
     return np.where(valid, f, 0.0), np.where(valid, bw, 0.0)
 
 
-__all__ = ["copy_time", "host_floor", "overlap_share", "overlapped", "pass_times", "segment_times"]
+def chunk_passes(per_block, zero: int, dp: int, reshard_after_forward: bool, link: Link, cluster: Cluster, *,
+                 reduce_scale: float = 1.0):
+    """A chunk's compute with its ZeRO collectives per block on a GPU (pass_times), per block (forward, backward,
+    parameter bytes, trained parameter bytes): (forward, backward) seconds, the (forward, backward) gathers' and the
+    reduce-scatters' seconds, and FSDP2's (forward, backward) copies. `reduce_scale`: the reduced gradients' bytes per
+    element over the compute dtype's (2: an fp32 reduce-scatter of bf16 gradients, FSDP2's
+    MixedPrecisionPolicy(reduce_dtype=torch.float32))."""
+    share = zero_divisors(zero, dp)
+    again = zero >= 3 and reshard_after_forward  # the backward gathers the parameters again
+    gathers = [all_gather_time(p, share.params, link) if zero >= 3 else 0.0 for _, _, p, _ in per_block]
+    scatters = [reduce_scatter_time(tr * reduce_scale, share.grads, link) if zero >= 2 else 0.0
+                for _, _, _, tr in per_block]
+    zf, zb = pass_times([f for f, _, _, _ in per_block], [b for _, b, _, _ in per_block], gathers, scatters,
+                        share=overlap_share(cluster), backward_gather=again, host_s=host_floor(cluster))
+    copy_in = sum(copy_time(p, dp, cluster) for _, _, p, _ in per_block) if zero >= 3 else 0.0
+    copy_out = sum(copy_time(tr * reduce_scale, dp, cluster) for _, _, _, tr in per_block) if zero >= 2 else 0.0
+    copies = (copy_in, (copy_in if again else 0.0) + copy_out)
+    return zf, zb, (sum(gathers), sum(gathers) if again else 0.0), sum(scatters), copies
+
+
+__all__ = ["chunk_passes", "copy_time", "host_floor", "overlap_share", "overlapped", "pass_times", "segment_times"]

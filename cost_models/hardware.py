@@ -16,6 +16,11 @@ _GPU_STREAM_FRACTION = 0.90
 # 128); on H100 FlashAttention-2 reaches ~35 % and FlashAttention-3 / cuDNN 60-75 % (Shah et al. 2024, Figures
 # 1-3); we take the middle, 0.5, for Hopper. Used only for the FLOPs the profile attributes to fused attention.
 _GPU_ATTENTION_FRACTION = {"a100": 0.60, "hopper": 0.50}
+# PyTorch's own SDPA kernel (F.scaled_dot_product_attention's flash backend, what eager PyTorch runs: torchtitan without
+# TransformerEngine) is FlashAttention-2 (aten/src/ATen/native/transformers/cuda/flash_attn/, vendored from
+# Dao-AILab/flash-attention 2.x), which uses no Hopper-specific instructions: "FlashAttention-2 achiev[es] only 35%
+# utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3, abstract). On A100 it is the 0.60 above.
+_SDPA_ATTENTION_FRACTION = {"a100": 0.60, "hopper": 0.35}
 
 
 def efficiency(device: Device, flops: float) -> float:
@@ -59,11 +64,14 @@ def sm_count(device: Device) -> int | None:
     return _SM_COUNT[family] if family else None
 
 
-def attention_efficiency(device: Device, flops: float) -> float:
-    """Fraction of peak a fused attention kernel achieves (flash attention, see _GPU_ATTENTION_FRACTION); on other
-    devices the GEMM curve (a CPU runs attention as its own matmuls)."""
+def attention_efficiency(device: Device, flops: float, kernel: str = "fused") -> float:
+    """Fraction of peak a fused attention kernel achieves: "fused", the framework's own (TransformerEngine / cuDNN /
+    FlashAttention-3 class, _GPU_ATTENTION_FRACTION), or "sdpa", PyTorch's SDPA flash backend (FlashAttention-2,
+    _SDPA_ATTENTION_FRACTION); on other devices the GEMM curve (a CPU runs attention as its own matmuls)."""
     family = _family(device)
-    return _GPU_ATTENTION_FRACTION[family] if family else efficiency(device, flops)
+    if not family:
+        return efficiency(device, flops)
+    return (_SDPA_ATTENTION_FRACTION if kernel == "sdpa" else _GPU_ATTENTION_FRACTION)[family]
 
 
 def peak_flops(device: Device, dtype: str) -> float:

@@ -10,7 +10,7 @@ from typing import Literal
 from cost_models.comm import (all_gather_time, dp_link, hand_over_time, link_for, p2p_time, reduce_scatter_time,
                               ring_bytes_sent, zero_collectives)
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
-from cost_models.fsdp import copy_time, host_floor, overlap_share, pass_times
+from cost_models.fsdp import chunk_passes
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
@@ -135,10 +135,11 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
              blocking_p2p: bool = False, fused_grad_accumulation: bool = False,
              overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
              overlapped_param_gather: bool = False, tp_comm_overlap: bool = False,
-             cross_entropy_bytes: tuple[float, float] | None = None) -> Simulation:
+             cross_entropy_bytes: tuple[float, float] | None = None, selective: str = "attention",
+             attention: str = "fused") -> Simulation:
     """Simulate one training step of `plan` for `profile` on `cluster` (default: the plan's).
 
-    Nine switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
+    Eleven switches price other runtimes than mmplan's (the fidelity bench reproduces published runs with them):
     `grad_sync_overlap=False`, a runtime that all-reduces the gradients only after the last backward (Megatron-LM's
     `--DDP-impl local`, the default until 2023); `blocking_p2p=True`, a runtime whose pipeline sends and receives
     stop the compute stream (Megatron-LM 2021, p2p_communication._communicate: batch_isend_irecv, wait, then
@@ -161,7 +162,9 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     sequence-parallel layers run their tensor-parallel communication inside their GEMMs (TransformerEngine's
     userbuffers, Megatron-LM `--tp-comm-overlap`: compute.userbuffers_tp_time); `cross_entropy_bytes`, a runtime
     whose cross-entropy on the output head moves (forward, backward) bytes per logit (Megatron-LM's unfused
-    vocabulary-parallel cross-entropy on an fp32 copy of the logits: compute._compute)."""
+    vocabulary-parallel cross-entropy on an fp32 copy of the logits: compute._compute); `selective="op"`, a
+    runtime whose "selective" tier is torchtitan's op-level activation checkpointing (compute.op_sac_time);
+    `attention="sdpa"`, a runtime running PyTorch's SDPA kernel (FlashAttention-2: hardware.attention_efficiency)."""
     cluster = cluster or plan.cluster
     if plan.flow is None:
         plan = replace(plan, flow=flow_of(profile))
@@ -171,8 +174,10 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     except FormatError as e:
         raise MmplanError(str(e)) from None
     group_of = {g.name: g for g in plan.groups}
+    block_kw = dict(overlapped_tp_backward=overlapped_tp_backward, tp_comm_overlap=tp_comm_overlap,
+                    cross_entropy_bytes=cross_entropy_bytes, selective=selective, attention=attention)  # block_time's
     costs, lags, sent = _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_grad_accumulation,
-                                     overlapped_tp_backward, tp_comm_overlap, cross_entropy_bytes)
+                                     grad_sync_bytes, block_kw)
     # the DAG: task ops (joint over the classes hosting their stage), then each class's tail ops
     ops, stage_of, stage_classes, task_op = _task_ops(graph, sched, costs, lags)
     tails = _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_sync_bytes,
@@ -197,8 +202,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
                    overhead=step_overhead(cluster))
 
 
-def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_grad_accumulation, overlapped_tp_backward,
-                 tp_comm_overlap, cross_entropy_bytes) -> tuple[list, tuple, tuple]:
+def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_grad_accumulation, grad_bytes, block_kw
+                 ) -> tuple[list, tuple, tuple]:
     """simulate's per-chunk costs and its routes' (lag, bytes sent); under `blocking_p2p` the sends become part of
     the tasks (see simulate's docstring) and the lags 0."""
     blocks = {b.name: b for b in profile.blocks}
@@ -209,7 +214,7 @@ def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_gr
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     inputs = block_input_bytes(profile)
     costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
-                         overlapped_tp_backward, tp_comm_overlap, cross_entropy_bytes) for ch in graph.chunks]
+                         grad_bytes, **block_kw) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
         for i, r in enumerate(graph.routes):
@@ -292,9 +297,10 @@ def _tail_ops(ops: _Ops, graph, tails, stage_of, stage_classes) -> tuple[list[in
 
 
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
-                inputs: dict[str, float], fused_grad_accumulation: bool = False, overlapped_tp_backward: bool = False,
-                tp_comm_overlap: bool = False, cross_entropy_bytes: tuple[float, float] | None = None) -> _Cost:
-    """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank."""
+                inputs: dict[str, float], fused_grad_accumulation: bool = False, grad_bytes: int | None = None,
+                **block_kw) -> _Cost:
+    """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank; `grad_bytes`:
+    bytes per gradient element ZeRO-2/3 reduce-scatters (simulate's grad_sync_bytes); `block_kw`: block_time's switches."""
     training = plan.training
     mem = g.stages[ch.stage].memory
     cost = _Cost()
@@ -309,9 +315,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         t = tp_shard(b, g.tp)
         tier = mem.activations.get(name, "keep")
         op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
-                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0),
-                        overlapped_tp_backward=overlapped_tp_backward, tp_comm_overlap=tp_comm_overlap,
-                        cross_entropy_bytes=cross_entropy_bytes)
+                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0), **block_kw)
         time += op
         per_block.append((op.fwd, op.bwd, b.params / t * width, 0.0 if b.frozen else b.params / t * width))
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient
@@ -339,7 +343,8 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     cost.transfer_bwd = act + params_in + grads_out
     link = dp_link(cluster, ch.ranks, g.tp)
     if overlaps_compute(cluster):  # GPUs: FSDP2 per block (cost_models/fsdp.py)
-        zf, zb, gathers, scatters, copies = _zero_blocks(per_block, g, link, cluster)
+        zf, zb, gathers, scatters, copies = chunk_passes(per_block, g.zero, g.dp, g.reshard_after_forward, link, cluster,
+                                                         reduce_scale=(grad_bytes or width) / width)
         time += OpTime(fwd=sharded + copies[0], bwd=sharded + extra_bwd + copies[1])
         cost.fwd = zf + copies[0] + sharded + time.fwd_comm + exposed(cost.transfer_fwd, time.fwd)
         cost.bwd = zb + copies[1] + sharded + extra_bwd + time.bwd_comm + exposed(cost.transfer_bwd, time.bwd)
@@ -359,21 +364,6 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     cost.time = time
     cost.bytes_per_mb = tp_bytes + zero_bytes
     return cost
-
-
-def _zero_blocks(per_block, g: Group, link, cluster: Cluster):
-    """A chunk's compute with its ZeRO collectives per block on a GPU (fsdp.pass_times): (forward, backward) seconds,
-    the (forward, backward) gathers' and the reduce-scatters' seconds, and FSDP2's (forward, backward) copies."""
-    share = zero_divisors(g.zero, g.dp)
-    again = g.zero >= 3 and g.reshard_after_forward  # the backward gathers the parameters again
-    gathers = [all_gather_time(p, share.params, link) if g.zero >= 3 else 0.0 for _, _, p, _ in per_block]
-    scatters = [reduce_scatter_time(tr, share.grads, link) if g.zero >= 2 else 0.0 for _, _, _, tr in per_block]
-    zf, zb = pass_times([f for f, _, _, _ in per_block], [b for _, b, _, _ in per_block], gathers, scatters,
-                        share=overlap_share(cluster), backward_gather=again, host_s=host_floor(cluster))
-    copy_in = sum(copy_time(p, g.dp, cluster) for _, _, p, _ in per_block) if g.zero >= 3 else 0.0
-    copy_out = sum(copy_time(tr, g.dp, cluster) for _, _, _, tr in per_block) if g.zero >= 2 else 0.0
-    copies = (copy_in, (copy_in if again else 0.0) + copy_out)
-    return zf, zb, (sum(gathers), sum(gathers) if again else 0.0), sum(scatters), copies
 
 
 def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:

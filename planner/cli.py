@@ -359,9 +359,19 @@ def calibrate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the cluster TOML (give it to [cyan]--cluster[/]).")] = Path("cluster.toml"),
     ranks: Annotated[int, typer.Option(help="gloo ranks to launch for the collectives (one thread each).")] = 2,
     quick: Annotated[bool, typer.Option(help="Fewer sizes and one round of repetitions (about 25 s on 2 vCPUs).")] = False,
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="[cyan]cuda[/]: measure a GPU cluster under torchrun (GEMMs by shape, NCCL collectives and p2p within and across nodes, FSDP2's per-block cost).")] = "cpu",
 ) -> None:
     """Measure this machine (matmul throughput, memory bandwidth, gloo collectives and p2p under load, the
     optimizer step, host<->device, disk, the runtime's fixed costs) and write it as a cluster TOML."""
+    if device == "cuda":
+        from planner.calibrate.cuda import measure_cluster, require_cuda
+
+        require_cuda()
+        check_writable(output)
+        if measure_cluster(output) is not None:
+            console.out.print(f"wrote [bold]{console.safe(output)}[/] (use it as [cyan]--cluster {console.safe(output)}[/])",
+                              soft_wrap=True, markup=True)
+        return
     from cost_models.cluster_toml import cluster_to_toml
     from planner.calibrate.calibrate import measure
     from planner.calibrate.fit import to_cluster

@@ -194,3 +194,27 @@ def test_cross_entropy_bytes_price_the_head_loss_per_logit():
     assert unfused.fwd - default.fwd == pytest.approx(30 * logits / stream_bandwidth(cluster.device))
     assert unfused.bwd - default.bwd == pytest.approx(6 * logits / stream_bandwidth(cluster.device))
     assert block_time(layer(), samples, t, cluster, cross_entropy_bytes=(38, 14)) == block_time(layer(), samples, t, cluster)
+
+
+def test_torchtitan_op_sac_reruns_every_other_gemm_and_the_memory_bound_forward():
+    """selective="op": the forward's memory-bound work and half of each GEMM shape class (LLaMA: wk, wo, w3), not the
+    attention kernel; "attention" (Korthikanti) reruns the attention kernel only."""
+    cl = catalog_cluster("h100-sxm", 8)
+    gemms = ((2 * S * H * H, 6 * SBH, 2), (2 * S * H * H // 4, 3 * SBH, 2), (7 * S * H * H, 10 * SBH, 3))
+    b = layer(fwd_gemms=gemms, bwd_gemms=tuple((f, n, 2 * c) for f, n, c in gemms), fwd_attention_flops=2 * S * S * H,
+              bwd_attention_flops=5 * S * S * H, attention_core_bytes=0)
+    keep = block_time(b, 1, 1, cl)
+    op = block_time(b, 1, 1, cl, recompute="selective", selective="op")
+    core = block_time(b, 1, 1, cl, recompute="selective")
+    rerun = gemm_kernels_time(tuple((f, n, c // 2) for f, n, c in gemms), 1, cl, "bf16") + memory_time(200 * SBH * 1, cl)
+    assert op.bwd - keep.bwd == pytest.approx(rerun)
+    assert core.bwd - keep.bwd == pytest.approx(keep.fwd - gemm_kernels_time(gemms, 1, cl, "bf16") - memory_time(200 * SBH, cl))
+
+
+def test_pytorch_sdpa_runs_at_flashattention2_share_on_hopper():
+    from cost_models.hardware import attention_efficiency
+
+    h100, a100 = catalog_cluster("h100-sxm", 8).device, catalog_cluster("a100-80g", 8).device
+    assert attention_efficiency(h100, 1e12, "sdpa") == 0.35  # Shah et al. 2024, abstract
+    assert attention_efficiency(h100, 1e12) == 0.50
+    assert attention_efficiency(a100, 1e12, "sdpa") == attention_efficiency(a100, 1e12) == 0.60
