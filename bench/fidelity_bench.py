@@ -119,6 +119,12 @@ Sources:
   indicative, and not judged (issue 33).
 - [TT] torchtitan's docs/performance.md (pytorch/torchtitan at d4c86e3758, 2025-01-30): Llama 3.1 8B with FSDP2 on 8
   and 128 H100 (Tables 1 and 3, the bf16 "FSDP" rows), tokens/s per GPU as logged per step; details above the rows.
+  Priced first as a fused Megatron-style layer with Korthikanti's selective recompute, they missed at +42.7 % / +29.7 %;
+  priced as torchtitan 9dec370 ran them (op-level SAC, PyTorch's FlashAttention-2 SDPA, fp32 complex RoPE, fp32
+  reduce-scatters, eager fp32 cross-entropy, foreach AdamW; none fitted) they are at +17.4 % / +6.5 %. What is left
+  of the 8-GPU row's gap is not explained here; candidates not priced: the 500 W cap's GEMM clocks (the peak is
+  the SXM / NVL midpoint, not measured), torchtitan's root FSDP unit (embedding, final norm and output gathered
+  together, first and exposed), strided copies (repeat_kv, transposes) below stream bandwidth.
 
 Not fitted: no constant is derived from these rows (each is a datasheet figure or a published microbenchmark, cited
 in cost_models/catalog.py and hardware.py). What each row's software did (micro-batch,

@@ -13,7 +13,9 @@ Rows (each through the CLI a user runs, in its own process, so no CUDA state lea
      does not train ZeRO yet);
   8. checkpoint at step 4, resume to step 6: losses equal the uninterrupted run's;
   9. predicted vs measured step time and peak GPU memory of row 3 (the plan predicted from row 2's measured
-     block times).
+     block times);
+ 10. `mmplan calibrate --device cuda` under torchrun on every local GPU: the cluster TOML it writes (GEMM efficiency
+     of the largest shape, the NCCL link within the node, FSDP2's per-block cost); on CPU, its one-line refusal.
 Bands for ok in row 9: step time within 0.5-2x, peak memory within 0.7-1.3x of the prediction (wide on
 purpose: this checks the paths are wired, not the model's accuracy; compare --trace does that). In the CPU dry
 run the step-time band and the prefetch overlap are reported as "skip" when outside (no side stream on CPU;
@@ -251,6 +253,35 @@ class Check:
         self.row("checkpoint + resume", lambda: self.resume(paths))
         self.row("predicted vs measured step time", lambda: self.predicted_time(paths))
         self.row("predicted vs measured peak memory", lambda: self.predicted_memory(paths))
+        self.row("calibrate --device cuda", self.calibrate_cuda)
+
+    def calibrate_cuda(self) -> tuple[str, str]:
+        """Row 10: the GPU calibration under torchrun (every local GPU), read back as the solver reads it."""
+        out = self.work / "calibrated.toml"
+        if self.device == "cpu":
+            try:
+                self.cli("calibrate", "--device", "cuda", "-o", str(out))
+            except Failed as e:
+                return ("ok", f"refused: {e}") if "needs CUDA" in str(e) else ("FAIL", str(e))
+            return "FAIL", "calibrate --device cuda ran without CUDA"
+        import torch
+
+        from cost_models.cluster_toml import load_cluster_toml
+        from cost_models.hardware import efficiency
+
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={torch.cuda.device_count()}", "-m", "planner.cli", "calibrate",
+                               "--device", "cuda", "-o", str(out)], cwd=self.work, env=env, capture_output=True,
+                              text=True, timeout=max(5.0, self.deadline - time.monotonic()))
+        if done.returncode:
+            lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+            return "FAIL", lines[-1] if lines else f"exit code {done.returncode}"
+        cl = load_cluster_toml(out)
+        top = max(f for f, _ in cl.device.efficiency)
+        return "ok", (f"{cl.gpus_per_node} GPU(s): GEMM {efficiency(cl.device, top):.0%} of {cl.device.peak_flops['bf16'] / 1e12:.0f} "
+                      f"TFLOP/s at {top:.2g} FLOPs; NVLink {cl.intra_node.bandwidth / 1e9:.0f} GB/s "
+                      f"{cl.intra_node.latency_s * 1e6:.1f} us; FSDP2 {cl.zero_block_s * 1e3:.2f} ms per block")
 
 
 def model_toml(s: dict) -> str:

@@ -84,16 +84,21 @@ def gemm_points(gemm: tuple[tuple[int, int, int, float], ...]) -> tuple[tuple[fl
     return tuple((f, statistics.fmean(r)) for f, r in sorted(by_flops.items()))
 
 
-def cuda_cluster(m: CudaMeasurements, *, peak_bf16: float | None = None, name: str = "calibrated-gpu") -> Cluster:
+def cuda_cluster(m: CudaMeasurements, *, peak_bf16: float | None = None, name: str = "calibrated-gpu",
+                 unmeasured: Link | None = None) -> Cluster:
     """The Cluster the measurements describe: the bf16 peak (`peak_bf16`, the datasheet's when the caller knows the
     device, else the fastest GEMM measured), the GEMM efficiency curve by kernel FLOPs relative to it, the NCCL links
-    within and across nodes (scope_link; one node: the intra-node link for both), FSDP2's per-block cost."""
+    within and across nodes (scope_link; one node: the intra-node link for both; one GPU per node: `unmeasured`, the
+    catalog's link of the device, as nothing could be measured), FSDP2's per-block cost."""
     points = gemm_points(m.gemm)
     peak = peak_bf16 or max(rate for _, rate in points)
     curve = tuple((f, float(f"{min(1.0, rate / peak):.4g}")) for f, rate in points)  # as fit.efficiency_curve
     device = Device(name=m.device_name, peak_flops={"bf16": peak, "fp16": peak}, memory_bytes=m.memory_bytes,
                     memory_bandwidth=m.memory_bandwidth, efficiency=curve)
-    intra = scope_link(m.collectives["intra_node"], m.ranks["intra_node"])
+    if not m.collectives["intra_node"] and unmeasured is None:
+        raise MmplanError("calibrate --device cuda measured no collective within a node (one GPU per node) and knows no "
+                          f"catalog link for {m.device_name}")
+    intra = scope_link(m.collectives["intra_node"], m.ranks["intra_node"]) if m.collectives["intra_node"] else unmeasured
     inter = scope_link(m.collectives["inter_node"], m.ranks["inter_node"]) if m.nodes > 1 else intra
     return Cluster(name=name, nodes=m.nodes, gpus_per_node=m.gpus_per_node, device=device, intra_node=intra,
                    inter_node=inter, host_to_device=rounded(m.host_to_device), nvme=rounded(m.nvme),
@@ -101,12 +106,13 @@ def cuda_cluster(m: CudaMeasurements, *, peak_bf16: float | None = None, name: s
                    zero_block_s=float(f"{m.fsdp_block_s:.4g}"))
 
 
-def write_cluster(m: CudaMeasurements, output: str | os.PathLike, *, peak_bf16: float | None = None) -> Cluster:
+def write_cluster(m: CudaMeasurements, output: str | os.PathLike, *, peak_bf16: float | None = None,
+                  unmeasured: Link | None = None) -> Cluster:
     """Write the measured cluster as a TOML (cost_models.cluster_toml) at `output`; return it."""
     from cost_models.cluster_toml import cluster_to_toml
     from plans.serial import write_atomic
 
-    cluster = cuda_cluster(m, peak_bf16=peak_bf16)
+    cluster = cuda_cluster(m, peak_bf16=peak_bf16, unmeasured=unmeasured)
     write_atomic(Path(output), cluster_to_toml(cluster))
     return cluster
 
@@ -238,16 +244,19 @@ def measure_cluster(output: str | os.PathLike) -> Cluster | None:
         nvme=Link(2e9, 100e-6), nvme_bytes=max(1, shutil.disk_usage(Path(output).resolve().parent).free))
     print(f"calibrate --device cuda: {world} GPUs measured in {time.perf_counter() - started:.0f} s", flush=True)
     dist.destroy_process_group()
-    return write_cluster(m, output, peak_bf16=_datasheet_peak(m.device_name))
+    ref = _catalog_entry(m.device_name)
+    return write_cluster(m, output, peak_bf16=ref.device.peak_flops["bf16"] if ref else None,
+                         unmeasured=ref.intra_node if ref else None)
 
 
-def _datasheet_peak(device_name: str) -> float | None:
-    """The catalog's bf16 peak of a device of the same family (cost_models/catalog.py), None for others."""
+def _catalog_entry(device_name: str) -> Cluster | None:
+    """The catalog cluster of a device of the same family (cost_models/catalog.py: its datasheet peak, its NVLink),
+    None for others."""
     from cost_models.catalog import CATALOG
 
     name = device_name.lower()
     key = next((k for k, hint in (("h200", "h200"), ("h100-sxm", "h100"), ("a100-80g", "a100")) if hint in name), None)
-    return CATALOG[key].device.peak_flops["bf16"] if key and key in CATALOG else None
+    return CATALOG[key] if key and key in CATALOG else None
 
 
 __all__ = ["COLLECTIVES", "CudaMeasurements", "cuda_cluster", "gemm_points", "link_from_collective", "measure_cluster",
