@@ -225,27 +225,35 @@ def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_gr
     return costs, lags, sent
 
 
-def _task_ops(graph, sched, costs, lags) -> tuple[_Ops, dict, list, dict[Task, int]]:
-    """The DAG's task ops, joint over the classes hosting their stage, in each class's order, with the routes'
-    dependencies; also each chunk's stage and each stage's classes."""
+def _task_ops(graph, sched, costs, lags) -> tuple[_Ops, dict, list, dict[tuple[Task, int], int]]:
+    """The DAG's task ops, each joint over the classes that run it together (Schedule.units: all the stage's, or one
+    under fill_bubbles), in each class's order, with the routes' dependencies between the classes their transfers
+    connect (StageGraph.class_pairs); also each chunk's stage, each stage's classes and the op of (task, class)."""
     ops = _Ops()
     m = graph.micro_batches
     stage_of = {c: s for s, cs in enumerate(graph.stages) for c in cs}
     stage_classes = [sorted({graph.class_of[r] for r in graph.chunks[cs[0]].ranks}) for cs in graph.stages]
-    task_op: dict[Task, int] = {}
+    task_op: dict[tuple[Task, int], int] = {}
+    made: dict[tuple[Task, tuple[int, ...]], int] = {}
     for k, order in enumerate(sched.orders):
         for t in order:
-            op = task_op.get(t)
+            unit = sched.unit_of(stage_of[t.chunk], k)
+            op = made.get((t, unit))
             if op is None:
                 cost = costs[t.chunk]
-                op = task_op[t] = ops.op(cost.bwd if t.backward else cost.fwd, ("task", t), stage_classes[stage_of[t.chunk]])
+                op = made[t, unit] = ops.op(cost.bwd if t.backward else cost.fwd, ("task", t), list(unit))
+            task_op[t, k] = op
             ops.then(2 * k, op)
     for i, r in enumerate(graph.routes):
-        consumer_backward = graph.has_backward(r.dst)
+        backward = graph.has_backward(r.dst) and graph.has_backward(r.src)
         for j in range(m):
-            ops.depend(task_op[Task(r.src, j, False)], task_op[Task(r.dst, j, False)], lags[i])
-            if consumer_backward and graph.has_backward(r.src):
-                ops.depend(task_op[Task(r.dst, j, True)], task_op[Task(r.src, j, True)], lags[i])
+            links = set()
+            for ks, kd in graph.class_pairs[i]:
+                links.add((task_op[Task(r.src, j, False), ks], task_op[Task(r.dst, j, False), kd]))
+                if backward:
+                    links.add((task_op[Task(r.dst, j, True), kd], task_op[Task(r.src, j, True), ks]))
+            for a, b in sorted(links):
+                ops.depend(a, b, lags[i])
     return ops, stage_of, stage_classes, task_op
 
 
@@ -488,7 +496,7 @@ def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, 
     pipeline_end = 0.0
     for k, order in enumerate(sched.orders):
         for t in order:
-            op, cost = task_op[t], costs[t.chunk]
+            op, cost = task_op[t, k], costs[t.chunk]
             if t.backward:
                 compute[k] += cost.time.bwd
                 comm[k] += cost.time.bwd_comm + cost.overlap_comm_bwd
@@ -540,7 +548,7 @@ def _timeline(graph, sched, costs, lags, task_op, optimizer, sync, gather, start
     for k, order in enumerate(sched.orders):
         r = rep[k]
         for t in order:
-            op, cost = task_op[t], costs[t.chunk]
+            op, cost = task_op[t, k], costs[t.chunk]
             s, e = start[op], end[op]
             label = task_name(graph, t)
             work = cost.time.bwd if t.backward else cost.time.fwd
@@ -565,9 +573,9 @@ def _timeline(graph, sched, costs, lags, task_op, optimizer, sync, gather, start
         src, dst = graph.chunks[route.src], graph.chunks[route.dst]
         k_src, k_dst = graph.class_of[src.ranks[0]], graph.class_of[dst.ranks[0]]
         for j in range(graph.micro_batches):
-            op = task_op[Task(route.src, j, False)]
+            op = task_op[Task(route.src, j, False), k_src]
             events.append(Event(rep[k_src], "comm", f"send act {route.block} -> {dst.label} mb{j}", end[op], end[op] + lags[i]))
-            back = task_op.get(Task(route.dst, j, True))
+            back = task_op.get((Task(route.dst, j, True), k_dst))
             if back is not None and graph.has_backward(route.src):
                 events.append(Event(rep[k_dst], "comm", f"send grad {route.block} <- {dst.label} mb{j}", end[back], end[back] + lags[i]))
     return tuple(sorted(events, key=lambda e: (e.rank, e.start, LANES.index(e.lane))))

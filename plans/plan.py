@@ -95,6 +95,11 @@ def _check_group(g: Group, plan: Plan, what: str) -> None:
     if not g.reshard_after_forward and g.zero != 3:
         raise FormatError(f"{what}: group {g.name!r}: reshard_after_forward=false needs zero=3 (ZeRO 1-2 never reshard "
                           f"after a forward), got zero={g.zero}; drop the field or set zero to 3")
+    if g.lookahead < 0:
+        raise FormatError(f"{what}: group {g.name!r}: lookahead {g.lookahead} is negative; give 0 or more micro-batches")
+    if g.fill_bubbles and g.zero:
+        raise FormatError(f"{what}: group {g.name!r}: fill_bubbles needs ZeRO 0, not {g.zero} (FSDP's collectives inside "
+                          "the backward would make the replicas wait for each other); set zero to 0, or fill_bubbles to false")
     if plan.training.micro_batch % g.dp:
         raise FormatError(
             f"{what}: group {g.name!r}: a micro-batch of {plan.training.micro_batch} samples is not divisible by dp={g.dp}; "

@@ -75,6 +75,12 @@ class Group:
     # ZeRO-3: FSDP2's reshard_after_forward -- False keeps each block's gathered parameters from its forward to its
     # backward (one all-gather per micro-batch instead of two; the unsharded parameters held meanwhile)
     reshard_after_forward: bool = field(default=True, metadata={OMIT_DEFAULT: True})
+    # 1F1B: micro-batches each stage may run ahead of its in-flight limit (d + 1, d = routes to the loss): an encoder
+    # on its own ranks runs k forwards ahead of the LLM it feeds, holding k more micro-batches of activations
+    lookahead: int = field(default=0, metadata={OMIT_DEFAULT: True})
+    # colocated groups: each rank class runs its own replicas' share of a stage's tasks on its own, in its idle
+    # slots (the LLM pipeline's bubbles), instead of all of the stage's ranks at once (ZeRO 0; tp inside a class)
+    fill_bubbles: bool = field(default=False, metadata={OMIT_DEFAULT: True})
 
     @property
     def ranks(self) -> tuple[int, ...]:

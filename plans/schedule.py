@@ -47,6 +47,13 @@ class Schedule:
     orders: tuple[tuple[Task, ...], ...]  # per rank class of the stage graph, in execution order
     warmup: tuple[int, ...]  # per stage (StageGraph.stages): chunk forwards run before its first backward
     in_flight: tuple[float, ...]  # per stage: most chunk forwards not yet backwarded at once, / its chunks
+    # per stage: the class sets that run its tasks together (one: all its classes at once; under fill_bubbles one
+    # per class, each running its replicas' share of every task on its own)
+    units: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+    def unit_of(self, stage: int, cls: int) -> tuple[int, ...]:
+        """The classes that run stage `stage`'s task together with class `cls`."""
+        return next(u for u in self.units[stage] if cls in u)
 
     def rank_order(self, graph: StageGraph, rank: int) -> tuple[Task, ...]:
         c = graph.class_of.get(rank)
@@ -82,6 +89,11 @@ def _static_order(fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], warmup
 
 
 class _ListScheduler:
+    """The list scheduling of the module docstring over *units*: a stage's tasks run on all its rank classes at once
+    (one unit), or, under Chunk.fill_bubbles, on each of its classes apart (one unit per class, each with its own
+    task sequence and in-flight count): a consumer's task on a class waits for the producer's tasks on the classes
+    sending to it (StageGraph.class_pairs), gradients go back along the same pairs."""
+
     def __init__(self, graph: StageGraph, policy: str):
         self.g, self.policy = graph, policy
         m = graph.micro_batches
@@ -89,7 +101,7 @@ class _ListScheduler:
         self.stages = graph.stages
         self.stage_of = {c: s for s, cs in enumerate(self.stages) for c in cs}
         self.stage_classes = [tuple(sorted({graph.class_of[r] for r in chunks[cs[0]].ranks})) for cs in self.stages]
-        self.fwd_seq, self.bwd_seq, self.limit, self.static = [], [], [], []
+        self.fwd_seq, self.bwd_seq, limit, self.static = [], [], [], []
         pp = {}
         for c in chunks:
             pp[c.group] = max(pp.get(c.group, 0), c.stage + 1)
@@ -104,95 +116,101 @@ class _ListScheduler:
             self.fwd_seq.append(fwd)
             self.bwd_seq.append(bwd)
             d = max(graph.distance[cs[-1]], 0)
+            ahead = chunks[cs[0]].lookahead  # Group.lookahead: the in-flight limit grows by k
             if policy == "gpipe":
-                self.limit.append(len(fwd))
+                limit.append(len(fwd))
             elif v == 1:
-                self.limit.append(d + 1)
+                limit.append(d + 1 + ahead)
             else:
-                self.limit.append(2 * d + (v - 1) * pp[chunks[cs[0]].group] + 1)
-            self.static.append(_static_order(fwd, bwd, self.limit[-1] - 1) if v > 1 and policy != "gpipe" else None)
+                limit.append(2 * d + (v - 1) * pp[chunks[cs[0]].group] + 1 + ahead)
+            self.static.append(_static_order(fwd, bwd, limit[-1] - 1) if v > 1 and policy != "gpipe" else None)
+        self.units = _units(graph, self.stages, self.stage_classes)
+        self.limit = [limit[s] for s, _ in self.units]
+        self.stage_units = [[u for u, (s, _) in enumerate(self.units) if s == st] for st in range(len(self.stages))]
+        self.class_units = [[u for u, (_, cls) in enumerate(self.units) if k in cls] for k in range(len(graph.classes))]
         self.consumers = [sorted({graph.routes[i].dst for i in graph.routes_out_of[c]}) for c in range(len(chunks))]
         self.producers = [sorted({graph.routes[i].src for i in graph.routes_into[c]}) for c in range(len(chunks))]
-        self.fwd_end: list[list[float | None]] = [[None] * m for _ in chunks]
-        self.bwd_end: list[list[float | None]] = [[None] * m for _ in chunks]
-        self.class_stages = [[] for _ in graph.classes]
-        for s, cls in enumerate(self.stage_classes):
-            for k in cls:
-                self.class_stages[k].append(s)
+        self.fneeds, self.bneeds = _needs(graph, self.units, self.stages)
+        self.fwd_end: list[list[dict[int, float]]] = [[{} for _ in range(m)] for _ in chunks]  # per class hosting it
+        self.bwd_end: list[list[dict[int, float]]] = [[{} for _ in range(m)] for _ in chunks]
 
-    def _ready(self, s: int, t: float) -> tuple[Task | None, bool]:
-        """The stage's best task that can start at t, and whether a forward waits only on the in-flight limit."""
+    def _inputs_ready(self, u: int, c: int, j: int, backward: bool, t: float) -> bool:
+        ends, needs = (self.bwd_end, self.bneeds) if backward else (self.fwd_end, self.fneeds)
+        if backward:
+            own = self.fwd_end[c][j].get(self.units[u][1][0])
+            if own is None or own > t:
+                return False
+        return all((x := ends[p][j].get(k)) is not None and x <= t for p, k in needs[u][c])
+
+    def _ready(self, u: int, t: float) -> tuple[Task | None, bool]:
+        """The unit's best task that can start at t, and whether a forward waits only on the in-flight limit."""
         g = self.g
-        fi, bi = self.fi[s], self.bi[s]
+        s = self.units[u][0]
+        fi, bi = self.fi[u], self.bi[u]
         if self.static[s] is not None:
             if fi + bi == len(self.static[s]):
                 return None, False
             c, j, backward = self.static[s][fi + bi]
-            if backward:
-                ok = self.fwd_end[c][j] is not None and self.fwd_end[c][j] <= t and all(
-                    (x := self.bwd_end[d][j]) is not None and x <= t for d in self.consumers[c] if g.has_backward(d))
-            else:
-                ok = all((x := self.fwd_end[p][j]) is not None and x <= t for p in self.producers[c])
-            return (Task(c, j, backward) if ok else None), False
+            return (Task(c, j, backward) if self._inputs_ready(u, c, j, backward, t) else None), False
         if bi < len(self.bwd_seq[s]) and (self.policy != "gpipe" or fi == len(self.fwd_seq[s])):
             c, j = self.bwd_seq[s][bi]
-            e = self.fwd_end[c][j]
-            if e is not None and e <= t and all(
-                    (x := self.bwd_end[d][j]) is not None and x <= t for d in self.consumers[c] if g.has_backward(d)):
+            if self._inputs_ready(u, c, j, True, t):
                 return Task(c, j, True), False
         if fi < len(self.fwd_seq[s]):
             c, j = self.fwd_seq[s][fi]
-            if all((x := self.fwd_end[p][j]) is not None and x <= t for p in self.producers[c]):
-                if not g.has_backward(c) or self.held[s] < self.limit[s]:
+            if self._inputs_ready(u, c, j, False, t):
+                if not g.has_backward(c) or self.held[u] < self.limit[u]:
                     return Task(c, j, False), False
                 return None, True
         return None, False
 
+    def _start(self, u: int, task: Task, t: float, free: list[float], orders: list[list[Task]]) -> float:
+        """Run `task` on unit u from t: its classes busy, its counts and end times recorded; returns its end."""
+        s, cls = self.units[u]
+        end = t + (2.0 if task.backward else 1.0)
+        for k in cls:
+            free[k] = end
+            orders[k].append(task)
+        c = task.chunk
+        if task.backward:
+            if self.warmup[u] is None:
+                self.warmup[u] = self.fi[u]
+            self.bi[u] += 1
+            self.held[u] -= 1
+            self.bwd_end[c][task.mb].update(dict.fromkeys(cls, end))
+        else:
+            self.fi[u] += 1
+            self.fwd_end[c][task.mb].update(dict.fromkeys(cls, end))
+            if self.g.has_backward(c):
+                self.held[u] += 1
+                self.peak[u] = max(self.peak[u], self.held[u])
+        return end
+
     def run(self) -> Schedule:
         g = self.g
-        n_stages = len(self.stages)
-        self.fi, self.bi, self.held = [0] * n_stages, [0] * n_stages, [0] * n_stages
-        total = sum(len(f) + len(b) for f, b in zip(self.fwd_seq, self.bwd_seq))
+        n = len(self.units)
+        self.fi, self.bi, self.held, self.peak, self.warmup = [0] * n, [0] * n, [0] * n, [0] * n, [None] * n
+        total = sum(len(self.fwd_seq[s]) + len(self.bwd_seq[s]) for s, _ in self.units)
         orders: list[list[Task]] = [[] for _ in g.classes]
         free = [0.0] * len(g.classes)
-        peak = [0] * n_stages
-        warmup = [None] * n_stages
-        events: list[tuple[float, int, int]] = []  # (end, stage, chunk) of running tasks
+        events: list[tuple[float, int, int]] = []  # (end, unit, chunk) of running tasks
         t, done = 0.0, 0
-        touched = set(range(n_stages))
+        touched = set(range(n))
         while done < total:
-            cands = []
-            limited = []
-            for s in touched:
-                task, waits = self._ready(s, t)
+            cands, limited = [], []
+            for u in touched:
+                task, waits = self._ready(u, t)
+                s = self.units[u][0]
                 if task is not None:
                     rank = (0, task.mb, -s) if task.backward else (1, task.mb, s)
-                    cands.append((rank, s, task))
+                    cands.append((rank, u, task))
                 elif waits:
-                    limited.append(s)
+                    limited.append(u)
             cands.sort()
-            for _, s, task in cands:
-                cls = self.stage_classes[s]
-                if any(free[k] > t for k in cls):
+            for _, u, task in cands:
+                if any(free[k] > t for k in self.units[u][1]):
                     continue
-                end = t + (2.0 if task.backward else 1.0)
-                for k in cls:
-                    free[k] = end
-                    orders[k].append(task)
-                c = task.chunk
-                if task.backward:
-                    if warmup[s] is None:
-                        warmup[s] = self.fi[s]
-                    self.bi[s] += 1
-                    self.held[s] -= 1
-                    self.bwd_end[c][task.mb] = end
-                else:
-                    self.fi[s] += 1
-                    self.fwd_end[c][task.mb] = end
-                    if g.has_backward(c):
-                        self.held[s] += 1
-                        peak[s] = max(peak[s], self.held[s])
-                heapq.heappush(events, (end, s, c))
+                heapq.heappush(events, (self._start(u, task, t, free, orders), u, task.chunk))
                 done += 1
             if done == total:
                 break
@@ -200,21 +218,62 @@ class _ListScheduler:
                 if not limited:
                     raise FormatError(f"the {self.policy} schedule cannot make progress on this stage graph "
                                       "(its stages wait on each other); check the plan's cut points")
-                s = min(limited, key=lambda s: (self.fwd_seq[s][self.fi[s]][1], s))
-                self.limit[s] += 1  # the stall breaker of the module docstring
-                touched = {s}
+                u = min(limited, key=lambda u: (self.fwd_seq[self.units[u][0]][self.fi[u]][1], u))
+                self.limit[u] += 1  # the stall breaker of the module docstring
+                touched = {u}
                 continue
             t = events[0][0]
             touched = set()
             while events and events[0][0] == t:
-                _, s, c = heapq.heappop(events)
-                for k in self.stage_classes[s]:
-                    touched.update(self.class_stages[k])
-                touched.update(self.stage_of[d] for d in self.consumers[c])
-                touched.update(self.stage_of[p] for p in self.producers[c])
+                _, u, c = heapq.heappop(events)
+                for k in self.units[u][1]:
+                    touched.update(self.class_units[k])
+                for d in (*self.consumers[c], *self.producers[c]):
+                    touched.update(self.stage_units[self.stage_of[d]])
             touched.update(limited)
+        return self._result(orders)
+
+    def _result(self, orders: list[list[Task]]) -> Schedule:
+        warmup, peak = [], []
+        for s, units in enumerate(self.stage_units):
+            w = [self.warmup[u] for u in units if self.warmup[u] is not None]
+            warmup.append(max(w) if w else len(self.fwd_seq[s]))
+            peak.append(max(self.peak[u] for u in units))
         return Schedule(
-            orders=tuple(map(tuple, orders)),
-            warmup=tuple(len(self.fwd_seq[s]) if w is None else w for s, w in enumerate(warmup)),
+            orders=tuple(map(tuple, orders)), warmup=tuple(warmup),
             in_flight=tuple(p / len(cs) for p, cs in zip(peak, self.stages)),
+            units=tuple(tuple(cls for _, cls in (self.units[u] for u in units)) for units in self.stage_units),
         )
+
+
+def _units(graph: StageGraph, stages, stage_classes) -> list[tuple[int, tuple[int, ...]]]:
+    """(stage, classes) of every unit: a stage's classes together, or one per class under Chunk.fill_bubbles (which
+    needs each replica's tp ranks inside one class: its tp collectives must not wait on another class's order)."""
+    out = []
+    for s, cs in enumerate(stages):
+        ch = graph.chunks[cs[0]]
+        if not (ch.fill_bubbles and len(stage_classes[s]) > 1):
+            out.append((s, stage_classes[s]))
+            continue
+        for rep in range(ch.dp):
+            if len({graph.class_of[r] for r in ch.tp_ranks(rep)}) > 1:
+                raise FormatError(f"{ch.label}: fill_bubbles needs each replica's tp ranks on ranks hosting the same "
+                                  f"stages, but replica {rep}'s {list(ch.tp_ranks(rep))} do not; set fill_bubbles to false")
+        out += [(s, (k,)) for k in stage_classes[s]]
+    return out
+
+
+def _needs(graph: StageGraph, units, stages) -> tuple[list[dict], list[dict]]:
+    """Per unit and chunk of its stage: the (chunk, class) forwards its forward waits for, and the (chunk, class)
+    backwards its backward waits for (StageGraph.class_pairs restricted to the unit's classes)."""
+    fneeds, bneeds = [], []
+    for s, cls in units:
+        f, b = {}, {}
+        for c in stages[s]:
+            f[c] = tuple(sorted({(graph.routes[i].src, ks) for i in graph.routes_into[c]
+                                 for ks, kd in graph.class_pairs[i] if kd in cls}))
+            b[c] = tuple(sorted({(graph.routes[i].dst, kd) for i in graph.routes_out_of[c] if graph.has_backward(graph.routes[i].dst)
+                                 for ks, kd in graph.class_pairs[i] if ks in cls}))
+        fneeds.append(f)
+        bneeds.append(b)
+    return fneeds, bneeds

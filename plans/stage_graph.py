@@ -45,6 +45,8 @@ class Chunk:
     tp: int
     ranks: tuple[int, ...]  # the stage's dp * tp ranks, tp fastest
     label: str  # "group s1", or "group s1.0" when the stage has several chunks
+    lookahead: int = 0  # Group.lookahead: micro-batches the stage may run ahead of its 1F1B in-flight limit
+    fill_bubbles: bool = False  # Group.fill_bubbles: each rank class runs its replicas' share of a task on its own
 
     @property
     def key(self) -> str:
@@ -144,6 +146,14 @@ class StageGraph:
         c = self.class_of.get(rank)
         return () if c is None else self.class_chunks[c]
 
+    @cached_property
+    def class_pairs(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per route, the (producer class, consumer class) pairs its rank-level transfers connect: a consumer task on
+        a class waits for the producer's task on each producer class paired with it (and gradients go back along the
+        same pairs) -- what matters when a stage's classes run their shares of a task apart (Chunk.fill_bubbles)."""
+        return tuple(tuple(sorted({(self.class_of[t.src_rank], self.class_of[t.dst_rank]) for t in self.transfers(r)}))
+                     for r in self.routes)
+
     def transfers(self, route: Route) -> tuple[Transfer, ...]:
         """The route's rank-level messages: from each producer replica's leader to every tp rank of the
         consumer replica; a rank handing samples to itself is a local hand-over."""
@@ -209,7 +219,8 @@ def _build(plan: Plan) -> StageGraph:
             label = f"{g.name} s{si}" + (f".{k}" if per_stage[si] > 1 else "")
             for b in blocks:
                 chunk_of[b] = len(chunks)
-            chunks.append(Chunk(g.name, si, k, pos, tuple(blocks), g.dp, g.tp, tuple(g.stages[si].ranks), label))
+            chunks.append(Chunk(g.name, si, k, pos, tuple(blocks), g.dp, g.tp, tuple(g.stages[si].ranks), label,
+                                g.lookahead, g.fill_bubbles))
     loss_blocks = sorted(flow.loss, key=order.__getitem__)
     loss = chunk_of[loss_blocks[-1]]
     wanted: dict[tuple[int, str], None] = {}

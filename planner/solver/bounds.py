@@ -98,6 +98,9 @@ class Layout:
     chunk_fwd: tuple[float, ...] = ()
     chunk_bwd: tuple[float, ...] = ()
     reshard_after_forward: bool = True  # ZeRO-3: FSDP2 gathers again for the backward (plans.plan.Group)
+    # 1F1B sources on their own ranks: micro-batches the unit's stages run ahead of the sink (Group.lookahead); memory and
+    # the bound's in-flight count r already include it, through assumed_downstream (= the sink's depth + lookahead)
+    lookahead: int = 0
     bound: Bound = field(init=False, compare=False, repr=False)  # layout_bound, below
 
     def __post_init__(self) -> None:
@@ -114,7 +117,7 @@ class Layout:
     @property
     def key(self) -> tuple:
         return (self.unit, self.micro_batches, self.tp, self.dp, self.pp, self.zero, self.downstream, self.cuts, self.policies,
-                self.sequence_parallel, self.chunks, self.reshard_after_forward)
+                self.sequence_parallel, self.chunks, self.reshard_after_forward, self.lookahead)
 
     def stage_blocks(self, blocks: Sequence[str]) -> list[tuple[str, ...]]:
         """Per stage, its blocks in execution order (with chunks > 1: chunks k, k + pp, ... of stage k)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -202,6 +203,25 @@ def unit_runs(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int
 def unit_reduces_batch(unit: Unit) -> bool:
     """A block whose output has no batch dimension (a contrastive loss) needs whole micro-batches: dp = 1."""
     return any(getattr(b, "reduces_batch", False) for b in unit.blocks)
+
+
+LOOKAHEADS = (0, 1, 2, 4)  # micro-batches a source on its own ranks may run ahead of the sink (Group.lookahead)
+
+
+def ahead_layouts(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, depths: Sequence[int],
+                  limit: float = math.inf, times: BlockTimes | None = None, deadline: float = math.inf) -> list[Layout]:
+    """A non-colocated source's layouts (unit_layouts) for each look-ahead k of LOOKAHEADS (1F1B, k < m): sized, for
+    memory and the bound's in-flight count, as if the sink had k more stages -- an encoder running k forwards ahead
+    holds k more micro-batches (plans/schedule.py: its limit d + 1 + k) -- and recorded for the sink's own depth."""
+    out: list[Layout] = []
+    for k in LOOKAHEADS:
+        if k and (setting.schedule != "1f1b" or k >= micro_batches):
+            break
+        lays = unit_layouts(unit, setting, micro_batches, max_gpus=max_gpus, downstream=[d + k for d in depths],
+                            limit=limit, times=times, deadline=deadline)
+        out += [lay if not k else replace(lay, lookahead=k, downstream=None if lay.downstream is None else lay.downstream - k)
+                for lay in lays]
+    return out
 
 
 def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: bool, limit: float = math.inf,

@@ -28,6 +28,8 @@ class GroupLayout:
     colocated_with: str | None = None
     memory: tuple[Memory, ...] = ()  # one per stage; empty = everything on the GPU
     sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence (Group's field)
+    lookahead: int = 0  # Group.lookahead
+    fill_bubbles: bool = False  # Group.fill_bubbles
     chunks: int = 1  # interleaved schedule: model chunks per stage; cuts then split pp * chunks chunks, stage k holding k, k + pp, ...
     reshard_after_forward: bool = True  # ZeRO-3: FSDP2's reshard_after_forward (Group's field)
 
@@ -52,7 +54,8 @@ def to_group(layout: GroupLayout) -> Group:
     )
     return Group(name=layout.name, dp=layout.dp, tp=layout.tp, pp=layout.pp, stages=stages, zero=layout.zero,
                  colocated_with=layout.colocated_with, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
-                 reshard_after_forward=layout.reshard_after_forward or layout.zero != 3)
+                 reshard_after_forward=layout.reshard_after_forward or layout.zero != 3,
+                 lookahead=layout.lookahead, fill_bubbles=layout.fill_bubbles)
 
 
 def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],

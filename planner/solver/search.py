@@ -10,7 +10,7 @@ from typing import Literal
 
 from planner.solver.allocate import Allocator, Choice, Solver, assign_ranks
 from planner.solver.bounds import Layout
-from planner.solver.candidates import _layouts_of, sp_values, unit_layouts, unit_runs, zero_stages
+from planner.solver.candidates import _layouts_of, ahead_layouts, sp_values, unit_layouts, unit_runs, zero_stages
 from planner.solver.construct import GroupLayout, build_plan
 from planner.solver.segments import BlockTimes, Segments
 from planner.solver.space import Setting, Unit
@@ -187,8 +187,8 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
             if u == sink:
                 per_unit.append(sink_layouts)
             elif structure == "non-colocated":
-                per_unit.append(unit_layouts(unit, setting, m, max_gpus=n - min(lay.gpus for lay in sink_layouts),
-                                             downstream=depths, limit=limit, times=times, deadline=search.deadline))
+                per_unit.append(ahead_layouts(unit, setting, m, max_gpus=n - min(lay.gpus for lay in sink_layouts),
+                                              depths=depths, limit=limit, times=times, deadline=search.deadline))
             else:
                 sizes = {lay.gpus for lay in sink_layouts}
                 per_unit.append([lay for lay in unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False,
@@ -239,7 +239,7 @@ def _pareto(layouts: list[Layout], structure: Structure) -> list[Layout]:
     (a heuristic on large searches: bounds, not simulated steps, are compared)."""
     groups: dict[tuple, list[Layout]] = {}
     for lay in layouts:
-        groups.setdefault((lay.micro_batches, lay.downstream, lay.pp if structure != "chain" else 0, lay.dp, lay.tp), []).append(lay)
+        groups.setdefault((lay.micro_batches, lay.downstream, lay.lookahead, lay.pp if structure != "chain" else 0, lay.dp, lay.tp), []).append(lay)
     out = []
     for lays in groups.values():
         vecs = [(lay, _vector(lay, structure)) for lay in lays]
@@ -276,7 +276,7 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
         host = units[sink].name if structure == "colocated" and sink is not None and i != sink else None
         groups.append(GroupLayout(unit.name, names, lay.cuts, lay.dp, lay.tp, r, zero=lay.zero, colocated_with=host,
                                   memory=lay.memories(names, cores), sequence_parallel=lay.sequence_parallel, chunks=lay.chunks,
-                                  reshard_after_forward=lay.reshard_after_forward))
+                                  reshard_after_forward=lay.reshard_after_forward, lookahead=lay.lookahead))
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     chunks = max(lay.chunks for lay in layouts)  # an interleaved layout (the chain unit's) makes the schedule interleaved
     training = Training(global_batch, layouts[0].micro_batches, "interleaved" if chunks > 1 else schedule, chunks, dtype=dtype)
