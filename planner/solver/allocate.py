@@ -39,7 +39,9 @@ Solver = Literal["highs", "cbc"]
 #            lower bound for source c and the sub-problem's sink tp, dp -- bounds.boundary_bound; non-colocated only)
 #            T >= sum_c k2[e]_c x[s,c] + Y_e;   T >= sum_c k3[e]_c x[s,c] + X_e;
 #            T >= sum_c k4[e][e']_c x[s,c] + X_e + Y_e'               for every e, e'
-# (busy)     colocated: T >= sum_e sum_c busy_c x[e,c] + sum_c busy_c x[s,c]   (groups time-share the ranks)
+# (busy)     colocated: T >= sum_e sum_c busy_c x[e,c] + sum_c busy_c x[s,c]   (groups time-share the ranks: the work
+#            on one rank's compute lane, a lower bound whether a source's tasks stop every sink stage at once or fill
+#            each stage's idle slots apart, Group.fill_bubbles; the schedule's overlap is in the simulated step only)
 # (exclude)  sum_{(u,c) in S} x[u,c] <= |U| - 1                       for every combination S already simulated
 # minimise T: the min-max of the non-colocated pipeline of units (the slowest unit bounds the step, plus
 # the boundaries' latencies), or the sum of colocated units' times. An encoder gets GPUs in proportion to

@@ -72,7 +72,9 @@ class Search:
             return False
         self.seen.add(key)
         self.simulated += 1
-        self.offer(build_layouts(self.profile, self.cluster, self.global_batch, self.schedule, structure, units, layouts), structure)
+        for fill in (False, True) if structure == "colocated" else (False,):  # sources in the sink's bubbles or not
+            self.offer(build_layouts(self.profile, self.cluster, self.global_batch, self.schedule, structure, units, layouts,
+                                     fill_bubbles=fill), structure)
         return True
 
     def offer(self, plan: Plan | None, structure: str) -> None:
@@ -263,8 +265,10 @@ def _vector(lay: Layout, structure: Structure) -> tuple:
 
 
 def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedule: Schedule, structure: Structure,
-                  units: Sequence[Unit], layouts: Sequence[Layout]) -> Plan | None:
-    """The checked plan (with predictions) of one layout per unit, or None when its ranks do not pack."""
+                  units: Sequence[Unit], layouts: Sequence[Layout], *, fill_bubbles: bool = False) -> Plan | None:
+    """The checked plan (with predictions) of one layout per unit, or None when its ranks do not pack. fill_bubbles:
+    colocated sources of ZeRO 0 run their replicas' tasks in each rank class's idle slots (Group.fill_bubbles); None
+    when a replica's tp ranks straddle two of the sink's stages."""
     ranks = assign_ranks(layouts, structure, cluster)
     if ranks is None:
         return None
@@ -276,7 +280,8 @@ def build_layouts(profile: Profile, cluster: Cluster, global_batch: int, schedul
         host = units[sink].name if structure == "colocated" and sink is not None and i != sink else None
         groups.append(GroupLayout(unit.name, names, lay.cuts, lay.dp, lay.tp, r, zero=lay.zero, colocated_with=host,
                                   memory=lay.memories(names, cores), sequence_parallel=lay.sequence_parallel, chunks=lay.chunks,
-                                  reshard_after_forward=lay.reshard_after_forward, lookahead=lay.lookahead))
+                                  reshard_after_forward=lay.reshard_after_forward, lookahead=lay.lookahead,
+                                  fill_bubbles=fill_bubbles and host is not None and lay.zero == 0))
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     chunks = max(lay.chunks for lay in layouts)  # an interleaved layout (the chain unit's) makes the schedule interleaved
     training = Training(global_batch, layouts[0].micro_batches, "interleaved" if chunks > 1 else schedule, chunks, dtype=dtype)

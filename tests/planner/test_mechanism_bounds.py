@@ -43,3 +43,29 @@ def test_look_ahead_layouts_bound_their_simulated_step():
                 checked += 1
                 ahead += any(lay.lookahead for lay in combo)
     assert checked >= 30 and ahead >= 10, (checked, ahead)
+
+
+def test_colocated_bounds_hold_when_sources_fill_the_bubbles():
+    checked = filled = 0
+    for seed in range(12):
+        profile, cluster, batch = random_instance(seed, max_gpus=8)
+        units = profile_units(profile, "colocated")
+        if units is None:
+            continue
+        setting = Setting(cluster, batch, "1f1b", "bf16", zeros=(0,))
+        rng = random.Random(seed)
+        for m in divisors(batch):
+            per_unit = [unit_layouts(u, setting, m, max_gpus=cluster.world_size, max_pp=1 if u.out_bytes else None) for u in units]
+            if not all(per_unit):
+                continue
+            for _ in range(12):
+                combo = tuple(rng.choice(c) for c in per_unit)
+                if len({lay.gpus for lay in combo}) > 1:
+                    continue
+                plan = build_layouts(profile, cluster, batch, "1f1b", "colocated", units, combo, fill_bubbles=True)
+                if plan is None:
+                    continue
+                assert combined_bound(units, combo, "colocated", cluster) <= plan.predicted.step_time_s * (1 + 1e-9), seed
+                checked += 1
+                filled += any(g.fill_bubbles and len({r for s in g.stages for r in s.ranks}) > 1 for g in plan.groups)
+    assert checked >= 20 and filled >= 10, (checked, filled)

@@ -16,6 +16,17 @@ PLANS = {
         {"name": "vision", "lookahead": 2, "stages": [(["vision", "vision_proj"], [0])]},
         {"name": "llm", "stages": [(["llm.embed", "llm.layers.0"], [1]), (["llm"], [2])]},
     ], {"micro_batches": 8}),
+    # vision dp 2 on ranks 0, 1, each rank running its replica's tasks in the idle slots of its 2-stage LLM pipeline
+    "colocated-fills-bubbles": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "fill_bubbles": True, "stages": [(["vision", "vision_proj"], [0, 1])]},
+        {"name": "llm", "colocated_with": "vision", "stages": [(["llm.embed", "llm.layers.0"], [0]), (["llm"], [1])]},
+    ], {"micro_batches": 4}),
+    # the same with the LLM's stages on tp 2 and an encoder of tp 2 (each replica's tp ranks in one rank class)
+    "colocated-fills-bubbles-tp2": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "tp": 2, "fill_bubbles": True, "stages": [(["vision", "vision_proj"], [0, 1, 2, 3])]},
+        {"name": "llm", "tp": 2, "colocated_with": "vision",
+         "stages": [(["llm.embed", "llm.layers.0"], [0, 1]), (["llm"], [2, 3])]},
+    ], {"micro_batches": 4}),
 }
 
 
@@ -30,4 +41,7 @@ def test_mechanism_matches_the_reference_in_the_predicted_order(case):
     if case == "encoder-ahead":  # d + 1 + k = 2 + 1 + 2 forwards before vision's first backward
         ran = [name for _, name, *_ in results[0]["trace"][0] if name[:4] in ("fwd ", "bwd ")]
         assert [n[:3] for n in ran[:6]] == ["fwd"] * 5 + ["bwd"]
+    if case.startswith("colocated-fills"):  # rank 1 (the LLM's last stage) runs vision's forwards before its own first
+        ran = [name for _, name, *_ in results[0]["trace"][plan.world_size - 1] if name[:4] in ("fwd ", "bwd ")]
+        assert ran[:2] == ["fwd vision s0 mb0", "fwd vision s0 mb1"], ran
     check_parity(case, results, ref, loss_rtol=1e-5)
