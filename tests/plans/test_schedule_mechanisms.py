@@ -68,3 +68,39 @@ def test_running_ahead_hides_a_slow_encoders_latency():
     steps = [simulate(replace(plan, groups=(replace(plan.groups[0], lookahead=k), plan.groups[1]), cluster=slow), prof, slow).step_time_s
              for k in (0, 3)]
     assert steps[1] < steps[0] * 0.95, steps
+
+
+def colocated_plan(fill: bool, p: int = 4, m: int = 8, zero: int = 0, enc_tp: int = 1) -> tuple[Plan, Profile]:
+    """vision dp = p (tp enc_tp) on the ranks of a p-stage LLM (each stage on enc_tp ranks), colocated."""
+    llm = [f"l.{i}" for i in range(p)]
+    prof = profile(["v.0", *llm])
+    n = p * enc_tp
+    groups = (Group("v", p, enc_tp, 1, (Stage(("v.0",), tuple(range(n))),), zero=zero, fill_bubbles=fill),
+              Group("l", 1, enc_tp, p, tuple(Stage((x,), tuple(range(i * enc_tp, (i + 1) * enc_tp))) for i, x in enumerate(llm)),
+                    colocated_with="v"))
+    plan = Plan(ProfileRef("mm", prof.fingerprint), CLUSTER, Training(m * p, m), groups, flow=flow_of(prof))
+    return check_plan(plan, prof), prof
+
+
+def test_a_colocated_encoder_fills_the_llm_pipelines_bubbles():
+    (serial, prof), (filled, _) = colocated_plan(False), colocated_plan(True)
+    g = stage_graph(filled)
+    s = schedule(g, "1f1b")
+    assert s.units[0] == ((0,), (1,), (2,), (3,)) and s.units[1:] == (((0,),), ((1,),), ((2,),), ((3,),))
+    last = s.orders[3]  # the LLM's last stage forwards vision's micro-batches while it waits for its first input
+    assert last[:4] == tuple(Task(0, j, False) for j in range(4))
+    for k, order in enumerate(s.orders):  # every class runs each of vision's tasks once, on its own replica
+        assert sorted(t for t in order if t.chunk == 0) == [Task(0, j, b) for j in range(8) for b in (False, True)]
+    assert schedule(stage_graph(serial), "1f1b").units[0] == ((0, 1, 2, 3),)
+    steps = [simulate(p, prof).step_time_s for p in (serial, filled)]
+    assert steps[1] < steps[0] / 1.5, steps  # 16.7 s in series with the pipeline, 7.4 s in its bubbles
+
+
+def test_bubble_filling_needs_zero_0_and_each_replicas_tp_ranks_in_one_class():
+    with pytest.raises(FormatError, match="ZeRO 0"):
+        colocated_plan(True, zero=1)
+    plan, prof = colocated_plan(True, enc_tp=2)
+    assert simulate(plan, prof).step_time_s > 0  # tp 2 inside each LLM stage's two ranks
+    bad = replace(plan, groups=(replace(plan.groups[0], dp=2, tp=4), plan.groups[1]))  # a replica over 2 stages
+    with pytest.raises(FormatError, match="fill_bubbles"):
+        schedule(stage_graph(check_plan(bad, prof)), "1f1b")
