@@ -109,6 +109,31 @@ class InputEdge:
     bytes: float
 
 
+def _omit(default):
+    return field(default=default, metadata={OMIT_DEFAULT: True})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The architecture of one group's transformer, read from the real model by the profiler (what `mmplan export`
+    writes as the target's model flags). Every field is optional: 0 / "" means not known (then an export writes a
+    placeholder its target refuses); profiles made before these fields existed have none."""
+
+    group: str
+    layers: int = _omit(0)  # transformer layers (blocks of a numbered container holding an attention)
+    hidden: int = _omit(0)  # model width (the attention's input)
+    heads: int = _omit(0)  # query heads
+    kv_heads: int = _omit(0)  # key / value heads (= heads without grouped-query attention)
+    ffn: int = _omit(0)  # the MLP's inner width (of each of the two input projections of a gated MLP)
+    vocab: int = _omit(0)  # rows of the token embedding; 0: the group embeds no tokens
+    sequence: int = _omit(0)  # tokens per sample through the layers
+    tied: bool = _omit(False)  # the output head shares the token embedding's weight (only with vocab > 0)
+    norm: str = _omit("")  # "rmsnorm" | "layernorm"
+    mlp: str = _omit("")  # "swiglu" (gated, SiLU) | "gelu" (two linears, GELU)
+    position: str = _omit("")  # "rope" | "learned"
+    bias: str = _omit("")  # "yes" | "no": whether the layers' linears have biases
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileOptions:
     """How a profile was made: what `mmplan profile` was given beyond the model, dtype and micro-batch."""
@@ -138,6 +163,11 @@ class Profile:
     schema: str = PROFILE_SCHEMA
     # relative spread (interquartile range / median) of the measured whole-model step at the micro-batch (0: not measured)
     measure_spread: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
+    # per group, its transformer's shape as the model defines it (ModelShape); empty in older profiles
+    shapes: tuple[ModelShape, ...] = field(default=(), metadata={OMIT_DEFAULT: True})
+
+    def shape(self, group: str) -> ModelShape | None:
+        return next((s for s in self.shapes if s.group == group), None)
 
     @classmethod
     def build(cls, model: str, dtype: str, micro_batch: int, blocks: tuple[Block, ...], edges: tuple[Edge, ...],

@@ -31,9 +31,10 @@ from runtime.source import ModelSource, call_factory
 from plans.errors import MmplanError
 from plans.graph import Profile, ProfileOptions
 from planner.profiler.analyse import analyse, cast_model
-from planner.profiler.assemble import adopted_parameters, assemble
+from planner.profiler.assemble import adopted_parameters, assemble, token_vocab
 from planner.profiler.blocks import auto_groups, check_overrides, freeze_blocks
 from planner.profiler.measure import device_name, measure_blocks, rank_threads
+from planner.profiler.shape import model_shapes
 
 Device = Literal["meta", "cpu", "cuda"]
 Progress = Callable[[str, float], None]
@@ -94,5 +95,6 @@ def profile_model(
     profile = assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
                        device_name(torch.device(device)) if measure else None, options, auto,
                        adopted=adopted_parameters(model, batch, records))
+    profile = replace(profile, shapes=model_shapes(model, records, {b.name: b.group for b in profile.blocks}, token_vocab(records)))
     return replace(profile, measure_spread=round(spread, 4)) if measure else profile
 
