@@ -224,14 +224,15 @@ def export(
     to: Annotated[str, typer.Option("--to", help="[cyan]megatron[/] (argument list; Megatron-LM core_v0.16.1, an encoder on its own ranks: Megatron-LM main d98e8a64dd), [cyan]megatron-bridge[/] (Python config; Megatron-Bridge main 0.7.0, commit 067f987df0) or [cyan]torchtitan[/] (Python config; torchtitan 0.3.0), [cyan]deepspeed[/] (ds_config.json; DeepSpeed 0.19.8).")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write it (default: print it).")] = None,
     lossy: Annotated[bool, typer.Option(help="Export the nearest plan the target can express and list what was dropped, instead of exit 2.")] = False,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="The plan's profile.json: its model shape (layers, hidden size, heads, ...) goes into the file; without it those values are placeholders the target refuses until filled.")] = None,
 ) -> None:
     """Write a plan in the configuration of the framework you train with; what the target cannot express is an error (exit 2) unless [cyan]--lossy[/]."""
     from planner.export import run_export
 
     if output is not None:
         check_writable(output)
-        check_not_input(output, "--output", [plan_path])
-    result = run_export(plan_path=plan_path, target=to, output=output, lossy=lossy)
+        check_not_input(output, "--output", [plan_path, *([profile] if profile else [])])
+    result = run_export(plan_path=plan_path, target=to, output=output, lossy=lossy, profile_path=profile)
     if output is None:
         sys.stdout.write(result.text)
     else:

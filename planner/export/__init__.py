@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from plans.errors import MmplanError
+from plans.graph import Profile
 from plans.plan import Plan
 
 Target = Literal["megatron", "megatron-bridge", "torchtitan", "deepspeed"]
@@ -23,9 +24,11 @@ class Export:
     dropped: tuple[str, ...]
 
 
-def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str = "plan.json") -> Export:
+def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str = "plan.json",
+                profile: Profile | None = None) -> Export:
     """The plan as `target`'s configuration. A feature the target cannot express raises Unsupported (an
-    MmplanError naming it) unless `lossy`, when the nearest plan is exported and the export lists what it dropped."""
+    MmplanError naming it) unless `lossy`, when the nearest plan is exported and the export lists what it dropped.
+    With the plan's `profile`, the model's shape it records is written too (else placeholders the target refuses)."""
     from planner.export import deepspeed, megatron, megatron_bridge, torchtitan
     from planner.export.common import Drops
 
@@ -33,18 +36,22 @@ def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str 
     if target not in modules:
         raise MmplanError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
     drops = Drops(target, lossy)
-    text = modules[target].export(plan, drops, source)
+    text = modules[target].export(plan, drops, source, profile)
     drops.check()
     return Export(target, text, tuple(drops.dropped))
 
 
-def run_export(*, plan_path: str | os.PathLike, target: Target, output: str | os.PathLike | None, lossy: bool = False) -> Export:
-    """Load and check the plan, export it, write it atomically to `output` (None: return the text only)."""
+def run_export(*, plan_path: str | os.PathLike, target: Target, output: str | os.PathLike | None, lossy: bool = False,
+               profile_path: str | os.PathLike | None = None) -> Export:
+    """Load and check the plan (against its profile when given), export it, write it atomically to `output` (None:
+    return the text only)."""
+    from plans.graph import load_profile
     from plans.plan import load_plan
     from plans.serial import write_atomic
 
+    profile = load_profile(profile_path) if profile_path is not None else None
     plan = load_plan(plan_path)
-    result = export_plan(plan, target, lossy=lossy, source=os.path.basename(str(plan_path)))
+    result = export_plan(plan, target, lossy=lossy, source=os.path.basename(str(plan_path)), profile=profile)
     if output is not None:
         write_atomic(output, result.text)
     return result

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 from planner.export.common import Drops, Roles, header, nearest_chain, recompute_of, uniform_tier
+from planner.export.model import describe, model_of, torchrun
+from plans.graph import Profile
 from plans.plan import Plan
 
 NVME_PATH = "/local_nvme"  # DeepSpeed needs a path for the nvme device; the comment asks the user to set theirs
 
 
-def export(plan: Plan, drops: Drops, source: str) -> str:
+def export(plan: Plan, drops: Drops, source: str, profile: Profile | None = None) -> str:
     roles = Roles.of(plan)
     notes: list[str] = []
     chain = nearest_chain(plan, drops, why="groups with their own layouts (one DeepSpeed engine trains the whole model with one layout)")
@@ -74,9 +76,15 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
         notes.append(f'set "nvme_path" to a directory on your NVMe drive (written as {NVME_PATH})')
     if t.optimizer != "adam":
         notes.append(f"optimizer: {t.optimizer} (give it in your code or an \"optimizer\" section)")
+    model = model_of(plan, profile)
+    notes += [f"model (build it in your script): {describe(s)}" for s in (*model.encoders, model.llm) if s is not None]
+    if model.llm is None:
+        notes.append(f"model shape not known ({model.why})")
     comment = header(plan, source, "deepspeed", drops.dropped, notes)
     comment.append("use: deepspeed.initialize(model=..., config=THIS_FILE)" + (" with model a PipelineModule" if chain.pp > 1 else "")
                    + "; DeepSpeed ignores the \"comment\" key")
+    comment.append(f"launch on every node: {torchrun(plan, chain.world, 'YOUR_TRAINING_SCRIPT.py')} (data, tokenizer and "
+                   "training length are your script's)")
     return json.dumps({"comment": comment, **config}, indent=2) + "\n"
 
 

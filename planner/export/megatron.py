@@ -23,6 +23,8 @@ from planner.export.common import (
     span,
     uniform_tier,
 )
+from planner.export.model import megatron_data_flags, megatron_model_flags, model_of, torchrun
+from plans.graph import Profile
 from plans.plan import Group, Plan, Stage
 
 # Megatron's names: "E" the LLM's embedding, "t" a decoder (transformer) layer, "L" the loss (final norm + head),
@@ -43,25 +45,30 @@ MEGATRON_LM_MIMO = (f"Megatron-LM main at commit {MIMO_COMMIT} (2026-08-22): the
                     "ModuleGridSpec are not in core_v0.16.1 / megatron-core 0.16.1")
 
 
-def export(plan: Plan, drops: Drops, source: str) -> str:
-    """The argument list as a file: comment lines, then one flag (with its value) per line."""
+def export(plan: Plan, drops: Drops, source: str, profile: Profile | None = None) -> str:
+    """The argument list as a file: comment lines, then one flag (with its value) per line: the layout, the model's
+    shape from the profile, and placeholders Megatron-LM refuses for what mmplan cannot know (data, tokenizer)."""
     roles = Roles.of(plan)
     notes: list[str] = []
     hetero = _hetero_groups(plan, drops)
     if hetero is None:
-        args = _stock(plan, roles, drops, notes)
+        args, world = _stock(plan, roles, drops, notes)
     else:
-        args = _mimo(plan, roles, drops, notes, *hetero)
+        args, world = _mimo(plan, roles, drops, notes, *hetero)
+    text_only = all(roles.is_llm(b) for g in plan.groups for b in g.blocks)
+    tp = max(int(flag[1]) for flag in args if flag[0] in ("--tensor-model-parallel-size", "--llm-tp"))
+    args += megatron_model_flags(model_of(plan, profile), tp, not text_only, notes) + megatron_data_flags()
     version = MEGATRON_LM if hetero is None else MEGATRON_LM_MIMO
     lines = [f"# {line}" for line in header(plan, source, "megatron", drops.dropped, notes, version)]
-    lines += [f"# use: {line}" for line in usage(plan, roles, args, hetero is not None)]
-    lines += [" ".join(shlex.quote(a) for a in flag) for flag in args]
+    lines += [f"# use: {line}" for line in usage(plan, args, hetero is not None, text_only, world)]
+    lines += [flag[0] if flag[0].startswith("#") else " ".join(shlex.quote(a) for a in flag) for flag in args]
     return "\n".join(lines) + "\n"
 
 
-def usage(plan: Plan, roles: Roles, args: list[list[str]], mimo: bool) -> list[str]:
-    """How to launch the file with bash: the environment validate_args asks for, the arguments read into an array
-    (eval keeps the quoting of values such as 'Et*16|t*16L'; word-splitting $(...) would keep the quotes), the script."""
+def usage(plan: Plan, args: list[list[str]], mimo: bool, text_only: bool, world: int) -> list[str]:
+    """How to launch the file with bash on each node: the environment validate_args asks for, the arguments read into an
+    array (eval keeps the quoting of values such as 'Et*16|t*16L'; word-splitting $(...) would keep the quotes), the
+    torchrun line for the plan's nodes and GPUs per node."""
     flags = {flag[0]: flag[1:] for flag in args}
     tp = max(int(flag[1]) for flag in args if flag[0] in ("--tensor-model-parallel-size", "--llm-tp", "--encoder-tp"))
     lines = []
@@ -70,12 +77,8 @@ def usage(plan: Plan, roles: Roles, args: list[list[str]], mimo: bool) -> list[s
     elif tp > 1:  # validate_args refuses tensor parallelism on Hopper and older without it
         lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # tensor parallelism on Hopper and older")
     lines.append("eval \"MEGATRON_ARGS=($(grep -v '^#' THIS_FILE))\"")
-    if mimo:
-        script = "-m examples.mimo.pretrain_mimo"
-    else:
-        text_only = all(roles.is_llm(b) for g in plan.groups for b in g.blocks)
-        script = "pretrain_gpt.py" if text_only else "pretrain_vlm.py"
-    lines.append(f"torchrun ... {script} \"${{MEGATRON_ARGS[@]}}\" <your model and data flags>")
+    script = "-m examples.mimo.pretrain_mimo" if mimo else "pretrain_gpt.py" if text_only else "pretrain_vlm.py"
+    lines.append(torchrun(plan, world, script) + " \"${MEGATRON_ARGS[@]}\"  # in Megatron-LM's directory, on every node")
     return lines
 
 
@@ -108,7 +111,7 @@ def _pipeline_flags(plan: Plan, pp: int, dp: int, blocks, chunks, roles: Roles, 
 # --- one layout: stock Megatron-LM flags ----------------------------------------------------------------------------
 
 
-def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> list[list[str]]:
+def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> tuple[list[list[str]], int]:
     already = bool(drops.dropped)  # _hetero_groups said why the plan becomes one layout: do not say it twice
     chain = nearest_chain(plan, drops, headline=not already)
     notes += [chain.note] if chain.note else []
@@ -123,7 +126,7 @@ def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> list[lis
     args += _recompute_flags(recompute_of([(blocks, mem) for blocks, mem in chunks], roles, drops))
     args += _tier_flags(stages, drops)
     args += _dtype_flags(plan)
-    return args
+    return args, chain.world
 
 
 def encoders_first(chain: Chain, roles: Roles, drops: Drops) -> Chain:
@@ -259,7 +262,7 @@ def _dtype_flags(plan: Plan) -> list[list[str]]:
 # --- per-group layouts: Megatron-LM's heterogeneous MIMO flags ---------------------------------------------------------
 
 
-def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str], enc: Group, llm: Group) -> list[list[str]]:
+def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str], enc: Group, llm: Group) -> tuple[list[list[str]], int]:
     """examples/mimo/training/args.py: the encoder grid (tp, dp; cp = pp = 1) on ranks 0.., the language grid at
     --llm-offset; module grids must cover the world; hetero MIMO needs the distributed optimizer."""
     enc_dp = enc.dp
@@ -308,4 +311,4 @@ def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str], enc: Group, 
     args += _recompute_flags(recompute_of(list(chunks), roles, drops))
     args += _tier_flags(stages, drops)
     args += _dtype_flags(plan)
-    return args
+    return args, used

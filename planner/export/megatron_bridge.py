@@ -23,6 +23,7 @@ from planner.export.megatron import (
     optimizer_offload,
     recompute_fields,
 )
+from plans.graph import Profile
 from plans.plan import Plan
 
 LANGUAGE = "language"  # MIMO_LANGUAGE_MODULE_KEY: Bridge's name of the language module
@@ -64,7 +65,7 @@ def apply(cfg):
 '''
 
 
-def export(plan: Plan, drops: Drops, source: str) -> str:
+def export(plan: Plan, drops: Drops, source: str, profile: Profile | None = None) -> str:
     roles = Roles.of(plan)
     notes: list[str] = []
     groups = collapsed(plan)

@@ -16,6 +16,8 @@ from planner.export.common import (
     uniform_tier,
 )
 from planner.export.megatron import model_chunks
+from planner.export.model import model_of, titan_model, torchrun
+from plans.graph import Profile
 from plans.plan import Plan
 
 # torchtitan's mesh is ["pp", "dp_replicate", "dp_shard", "cp", "tp"] (torchtitan/distributed/parallel_dims.py):
@@ -33,7 +35,7 @@ DECODER = {"embed": "tok_embeddings", "norm": "norm", "head": "lm_head"}
 RESHARD = {0: "default", 2: "never", 3: "always"}  # 0: no FSDP (data_parallel_shard_degree 1)
 
 
-def export(plan: Plan, drops: Drops, source: str) -> str:
+def export(plan: Plan, drops: Drops, source: str, profile: Profile | None = None) -> str:
     roles = Roles.of(plan)
     if len(plan.groups) > 1 and any(g.colocated_with for g in plan.groups):
         what = "colocated groups with their own layouts (torchtitan applies one ParallelismConfig to the whole model)"
@@ -51,10 +53,14 @@ def export(plan: Plan, drops: Drops, source: str) -> str:
     fields, cpu_offload = _parallelism(plan, chain, stages, chunks, roles, drops, notes)
     training = _training(plan, chain, cpu_offload, drops)
     ac = _activation_checkpoint(chunks, stages, roles, drops)
+    section, apply_model = titan_model(model_of(plan, profile), notes)
+    notes.append(f"launch on every node: {torchrun(plan, chain.world, '-m torchtitan.train --module YOUR_MODULE --config YOUR_CONFIG')} "
+                 "with your config function calling apply() from this file")
     lines = [f"# {line}" for line in header(plan, source, "torchtitan", drops.dropped, notes)]
     body = "".join(f"    {k}={v!r},\n" for k, v in fields.items())
     train = "".join(f"    {k}={v!r},\n" for k, v in training.items())
-    return "\n".join(lines) + TEMPLATE.format(world=chain.world, body=body, train=train, ac=ac)
+    text = TEMPLATE.format(world=chain.world, body=body, train=train, ac=ac, model=section)
+    return "\n".join(lines) + text.replace("    return config\n", apply_model + "    return config\n")
 
 
 TEMPLATE = '''
@@ -74,7 +80,7 @@ training = dict(
 # Trainer.Config.activation_checkpoint: None is torchtitan's "none" policy (--activation_checkpoint:none), no
 # checkpointing; Trainer.Config's default is SelectiveAC, so apply() always sets it
 activation_checkpoint = {ac}
-
+{model}
 
 def apply(config):
     """Set these on a torchtitan Trainer.Config (e.g. one your model's config_registry returns); returns it."""
