@@ -141,7 +141,7 @@ def megatron_data_flags() -> list[list[str]]:
     return [[f"# {FILL}: your tokenizer (e.g. Llama2Tokenizer, HuggingFaceTokenizer) and its model file"],
             ["--tokenizer-type", FILL], ["--tokenizer-model", FILL],
             [f"# {FILL}: your data's path prefix (the .bin / .idx pair), or --mock-data instead of this line"],
-            ["--data-path", FILL],
+            ["--data-path", FILL], ["--split", "99,1,0"],
             [f"# {FILL}: how long to train, and the learning rate"], ["--train-iters", FILL], ["--lr", FILL]]
 
 

@@ -22,6 +22,7 @@ from tests.planner.test_export_targets import (  # noqa: F401 (fixtures)
     bridge,
     deepspeed_config,
     fake_world,
+    filled,
     megatron_lm,
     parse_megatron,
     torchtitan,
@@ -104,7 +105,7 @@ def megatron_args(path: Path, hidden: int = 4096, heads: int = 32) -> list[str]:
     use = [line[len("# use: "):] for line in path.read_text().splitlines() if line.startswith("# use: eval")]
     script = use[0].replace("THIS_FILE", shlex.quote(str(path))) + '; printf "%s\\0" "${MEGATRON_ARGS[@]}"'
     argv = subprocess.run(["bash", "-c", script], capture_output=True, check=True).stdout.decode().split("\0")[:-1]
-    return argv + ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--seq-length", "2048",
+    return filled(argv) + ["--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--seq-length", "2048",
                    "--max-position-embeddings", "2048"]
 
 
@@ -148,15 +149,19 @@ def test_megatron_lm_validates_every_kind_and_runs_its_zero_sp_and_recompute(kin
 
 
 def test_megatron_text_only_plan_launches_pretrain_gpt():
-    from planner.export.common import Roles
-    from planner.export.megatron import usage
+    def launch(plan) -> str:
+        return next(line for line in export_plan(plan, "megatron", lossy=True).text.splitlines() if line.startswith("# use: torchrun"))
 
     plan = load_plan(EXAMPLES / "tiny-vlm-pp2.json")
-    args = [["--tensor-model-parallel-size", "1"]]
-    assert "pretrain_vlm.py" in usage(plan, Roles.of(plan), args, False)[-1]
-    llm = plan.groups[-1]
-    text_only = replace(plan, groups=(llm,))  # only the LLM's blocks (usage reads the blocks, nothing else)
-    assert "pretrain_gpt.py" in usage(text_only, Roles.of(text_only), args, False)[-1]
+    assert "pretrain_mimo" in launch(plan)  # its encoder on ranks of its own: Megatron-LM's MIMO example
+    plan = replace(plan, groups=(replace(plan.groups[-1], stages=tuple(replace(s, blocks=tuple(b for g in plan.groups for b in g.blocks)
+                                                                                  if i == 0 else s.blocks)
+                                                                      for i, s in enumerate(plan.groups[-1].stages))),))
+    assert "pretrain_vlm.py" in launch(plan)
+    llm = replace(plan.groups[-1], stages=tuple(replace(s, blocks=tuple(b for b in s.blocks if b.startswith("llm."))) for s in plan.groups[-1].stages))
+    text_only = replace(plan, groups=(llm,))  # only the LLM's blocks (the launch line reads the blocks, nothing else)
+    assert "pretrain_gpt.py" in launch(text_only)
+    assert f"--nnodes 1 --nproc-per-node {len(llm.ranks)} " in launch(text_only)  # the ranks the plan uses
 
 
 # --- Megatron-Bridge ----------------------------------------------------------------------------------------------------

@@ -147,7 +147,20 @@ def megatron_argv(path: Path, model: str) -> list[str]:
     return shlex.split(text) + shlex.split(MODEL_FLAGS[model]) + ["--seq-length", "2048", "--max-position-embeddings", "2048"]
 
 
+# What a user writes over the export's FILL_ME placeholders (tokenizer, data, training length; a shape the profile lacks)
+STAND_INS = {"--tokenizer-type": "NullTokenizer", "--vocab-size": "32000", "--train-iters": "10", "--lr": "1e-4",
+             "--normalization": "RMSNorm", "--position-embedding-type": "learned_absolute", "--hidden-size": "4096",
+             "--ffn-hidden-size": "11008", "--num-attention-heads": "32", "--seq-length": "2048",
+             "--decoder-seq-length": "2048", "--max-position-embeddings": "2048"}
+
+
+def filled(argv: list[str]) -> list[str]:
+    """The arguments with every FILL_ME placeholder filled as a user would (a value of the flag's type)."""
+    return [STAND_INS.get(argv[i - 1], "/data/prefix") if a == "FILL_ME" else a for i, a in enumerate(argv)]
+
+
 def parse_megatron(m, argv: list[str], world: int, monkeypatch, extra=None):
+    argv = filled(argv)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as the export's comment asks, with tensor parallelism
