@@ -21,10 +21,10 @@ from torch import nn
 from plans.errors import MmplanError
 from runtime.blocks import block_modules, is_hf_model  # noqa: F401  (is_hf_model: where callers look for it)
 from runtime.model_source import ModelSource
+from runtime.hf_inputs import example_inputs  # noqa: F401  (the example batch of a config; re-exported)
 from runtime.tensor_parallel import PLAN_ATTR
 
 PREFIX = "hf:"
-TEXT_TOKENS = 32  # text tokens per sample after the modality tokens
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -160,87 +160,3 @@ def hf_source(spec: str):
         return build(config), example_inputs(config, micro_batch)
 
     return ModelSource(spec, factory, default_dtype(config))
-
-
-# --- example inputs ----------------------------------------------------------------------------------
-
-
-def _sizes(config) -> dict[str, int]:
-    sizes = dict(getattr(config, "mmplan_inputs", None) or {})
-    sizes.setdefault("text_tokens", TEXT_TOKENS)
-    return sizes
-
-
-def _text(config, micro_batch: int, length: int, avoid: set[int], gen: torch.Generator) -> torch.Tensor:
-    vocab = (getattr(config, "text_config", None) or config).vocab_size
-    ids = torch.randint(vocab, (micro_batch, length), generator=gen)
-    for a in avoid:
-        ids[ids == a] = (a + 1) % vocab if (a + 1) % vocab not in avoid else (a + 2) % vocab
-    return ids
-
-
-def _lm_batch(prefix: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor]:
-    """input_ids = modality placeholders then text; labels = the text (HF shifts them), -100 on placeholders."""
-    ids = torch.cat([prefix, text], dim=1)
-    labels = torch.cat([torch.full_like(prefix, -100), text], dim=1)
-    return {"input_ids": ids, "labels": labels}
-
-
-def example_inputs(config, micro_batch: int) -> dict[str, Any]:
-    """A batch of `micro_batch` samples for the model of `config` (see the module docstring). Always real CPU
-    tensors, even under torch.device("meta"): token ids and grids decide shapes (runtime/fake_exec.py)."""
-    with torch.device("cpu"):
-        return _example_inputs(config, micro_batch)
-
-
-def _example_inputs(config, micro_batch: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(0)
-    sizes = _sizes(config)
-    t = sizes["text_tokens"]
-    kind = config.model_type
-    if kind in ("llava", "llava_next", "vipllava"):
-        v = config.vision_config
-        side = sizes.get("image_size", v.image_size)
-        patches = (side // v.patch_size) ** 2 + (1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0)
-        token = config.image_token_index
-        prefix = torch.full((micro_batch, patches), token)
-        batch = _lm_batch(prefix, _text(config, micro_batch, t, {token}, gen))
-        batch["pixel_values"] = torch.randn(micro_batch, v.num_channels, side, side, generator=gen)
-        return batch
-    if kind in ("qwen2_vl", "qwen2_5_vl"):
-        v = config.vision_config
-        side = sizes.get("image_size", 448)
-        merge, patch, temporal = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
-        grid = side // patch // merge * merge
-        tokens = grid * grid // (merge * merge)
-        prefix = torch.cat([torch.full((micro_batch, 1), config.vision_start_token_id),
-                            torch.full((micro_batch, tokens), config.image_token_id),
-                            torch.full((micro_batch, 1), config.vision_end_token_id)], dim=1)
-        avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id}
-        batch = _lm_batch(prefix, _text(config, micro_batch, t, avoid, gen))
-        in_chans = getattr(v, "in_channels", getattr(v, "in_chans", 3))
-        batch["pixel_values"] = torch.randn(micro_batch * grid * grid, in_chans * temporal * patch * patch, generator=gen)
-        batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * micro_batch)
-        batch["mm_token_type_ids"] = (batch["input_ids"] == config.image_token_id).int()  # 1: image (for M-RoPE)
-        return batch
-    if kind == "qwen2_audio":
-        a = config.audio_config
-        frames = 2 * a.max_source_positions  # the Whisper encoder takes exactly this many mel frames
-        tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1  # conv stride 2, then the encoder's 2x average pool
-        prefix = torch.full((micro_batch, tokens), config.audio_token_index)
-        batch = _lm_batch(prefix, _text(config, micro_batch, t, {config.audio_token_index}, gen))
-        batch["input_features"] = torch.randn(micro_batch, a.num_mel_bins, frames, generator=gen)
-        batch["feature_attention_mask"] = torch.ones(micro_batch, frames, dtype=torch.long)
-        return batch
-    if kind in ("clip", "siglip"):  # two towers and a contrastive loss over the batch
-        v, text = config.vision_config, config.text_config
-        side = sizes.get("image_size", v.image_size)
-        ids = torch.randint(text.vocab_size, (micro_batch, min(t, text.max_position_embeddings)), generator=gen)
-        pixels = torch.randn(micro_batch, v.num_channels, side, side, generator=gen)
-        return {"input_ids": ids, "pixel_values": pixels, "return_loss": True}
-    if hasattr(config, "vocab_size") and not hasattr(config, "vision_config"):  # a text-only causal LM
-        text = _text(config, micro_batch, t + 1, set(), gen)
-        return {"input_ids": text, "labels": text.clone()}
-    raise MmplanError(f"mmplan builds example inputs for HF LLaVA, Qwen2-VL, Qwen2-Audio, CLIP/SigLIP and text-only LMs, not model_type "
-                      f"{kind!r}: write a factory `package.module:factory` returning (model, batch)")
-

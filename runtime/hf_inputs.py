@@ -1,0 +1,211 @@
+"""Example batches for stock transformers models, derived from the config alone (runtime/hf.py's `hf:` specs and
+factories returning a bare transformers model).
+
+Per family, the inputs its forward takes in training, with the modality placeholders its processor would write:
+token ids (placeholders, then `text_tokens` text tokens), labels (the text; -100 on placeholders), and the
+modality tensors of the configured sizes. An optional `"mmplan_inputs"` object in the config sets the sizes:
+`{"text_tokens": 32, "image_size": 448}`. A family not listed here is refused in one line naming what to write.
+Always real CPU tensors, even under torch.device("meta"): token ids and grids decide shapes (runtime/fake_exec.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from plans.errors import MmplanError
+
+TEXT_TOKENS = 32  # text tokens per sample after the modality tokens
+Builder = Callable[[Any, int, dict, torch.Generator], dict]
+
+
+def _sizes(config) -> dict[str, int]:
+    sizes = dict(getattr(config, "mmplan_inputs", None) or {})
+    sizes.setdefault("text_tokens", TEXT_TOKENS)
+    return sizes
+
+
+def _text(config, micro_batch: int, length: int, avoid: set[int], gen: torch.Generator) -> torch.Tensor:
+    vocab = (getattr(config, "text_config", None) or config).vocab_size
+    ids = torch.randint(vocab, (micro_batch, length), generator=gen)
+    for a in avoid:
+        ids[ids == a] = (a + 1) % vocab if (a + 1) % vocab not in avoid else (a + 2) % vocab
+    return ids
+
+
+def _lm_batch(prefix: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor]:
+    """input_ids = modality placeholders then text; labels = the text (HF shifts them), -100 on placeholders."""
+    ids = torch.cat([prefix, text], dim=1)
+    labels = torch.cat([torch.full_like(prefix, -100), text], dim=1)
+    return {"input_ids": ids, "labels": labels}
+
+
+def _image_lm(config, mb: int, sizes: dict, gen: torch.Generator, token: int, count: int,
+              extra: set[int] = frozenset()) -> dict:
+    """`count` image placeholders (id `token`) then the text."""
+    prefix = torch.full((mb, count), token)
+    return _lm_batch(prefix, _text(config, mb, sizes["text_tokens"], {token, *extra}, gen))
+
+
+def _side(config, sizes: dict) -> int:
+    side = sizes.get("image_size", config.vision_config.image_size)
+    return side[0] if isinstance(side, (list, tuple)) else side
+
+
+def _pixels(config, mb: int, side: int, gen: torch.Generator, *lead: int) -> torch.Tensor:
+    channels = getattr(config.vision_config, "num_channels", 3)
+    return torch.randn(mb, *lead, channels, side, side, generator=gen)
+
+
+def _llava(config, mb, sizes, gen):
+    v, side = config.vision_config, _side(config, sizes)
+    patches = (side // v.patch_size) ** 2 + (1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0)
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_index, patches)
+    batch["pixel_values"] = _pixels(config, mb, side, gen)
+    return batch
+
+
+def _llava_next(config, mb, sizes, gen):
+    """LLaVA-NeXT's anyres: an image of the smallest grid pinpoint's size is its base tile plus that grid's tiles;
+    each tile's patches, and a newline token per row of the unpadded grid (transformers' pack_image_features)."""
+    v, side = config.vision_config, config.vision_config.image_size
+    height, width = min(config.image_grid_pinpoints, key=lambda hw: (hw[0] * hw[1], hw))
+    per_side = side // v.patch_size
+    base = per_side ** 2 + (1 if config.vision_feature_select_strategy == "full" else 0)
+    rows, cols = per_side * (height // side), per_side * (width // side)
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_index, base + rows * (cols + 1))
+    batch["pixel_values"] = _pixels(config, mb, side, gen, 1 + (height // side) * (width // side))
+    batch["image_sizes"] = torch.tensor([[height, width]] * mb)
+    return batch
+
+
+def _paligemma(config, mb, sizes, gen):
+    side = _side(config, sizes)
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_index, (side // config.vision_config.patch_size) ** 2)
+    batch["pixel_values"] = _pixels(config, mb, side, gen)
+    return batch
+
+
+def _gemma3(config, mb, sizes, gen):
+    """Gemma 3: begin-of-image, `mm_tokens_per_image` image tokens, end-of-image; token_type_ids 1 on the image."""
+    image, boi, eoi = config.image_token_index, config.boi_token_index, config.eoi_token_index
+    prefix = torch.cat([torch.full((mb, 1), boi), torch.full((mb, config.mm_tokens_per_image), image),
+                        torch.full((mb, 1), eoi)], dim=1)
+    batch = _lm_batch(prefix, _text(config, mb, sizes["text_tokens"], {image, boi, eoi}, gen))
+    batch["pixel_values"] = _pixels(config, mb, config.vision_config.image_size, gen)
+    batch["token_type_ids"] = (batch["input_ids"] == image).long()
+    return batch
+
+
+def _idefics3(config, mb, sizes, gen):
+    """Idefics3 / SmolVLM: one image per sample; (side / patch)^2 / scale_factor^2 tokens after the pixel shuffle."""
+    side = _side(config, sizes)
+    count = (side // config.vision_config.patch_size) ** 2 // config.scale_factor ** 2
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_id, count)
+    batch["pixel_values"] = _pixels(config, mb, side, gen, 1)
+    return batch
+
+
+def _internvl(config, mb, sizes, gen):
+    v = config.vision_config
+    side = _side(config, sizes)
+    patch = v.patch_size[0] if isinstance(v.patch_size, (list, tuple)) else v.patch_size
+    count = int((side // patch) ** 2 * config.downsample_ratio ** 2)
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_id, count)
+    batch["pixel_values"] = _pixels(config, mb, side, gen)
+    return batch
+
+
+def _blip2(config, mb, sizes, gen):
+    if config.image_token_index is None:
+        raise MmplanError("this BLIP-2 config has no \"image_token_index\" (the placeholder its Q-Former outputs replace): "
+                          "set it, or write a factory `package.module:factory` returning (model, batch)")
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_index, config.num_query_tokens)
+    batch["pixel_values"] = _pixels(config, mb, _side(config, sizes), gen)
+    return batch
+
+
+def _mllama(config, mb, sizes, gen):
+    """Mllama: one image of every tile (the aspect ratio using all `max_num_tiles`), one <|image|> token; the text
+    cross-attends to all tiles."""
+    v = config.vision_config
+    tiles = v.max_num_tiles
+    ratio = next(i for i, (h, w) in enumerate(v.supported_aspect_ratios, start=1) if h * w == tiles)
+    batch = _image_lm(config, mb, sizes, gen, config.image_token_index, 1)
+    batch["pixel_values"] = _pixels(config, mb, v.image_size, gen, 1, tiles)
+    batch["aspect_ratio_ids"] = torch.full((mb, 1), ratio)
+    batch["aspect_ratio_mask"] = torch.ones(mb, 1, tiles, dtype=torch.long)
+    batch["cross_attention_mask"] = torch.ones(mb, batch["input_ids"].shape[1], 1, tiles, dtype=torch.long)
+    return batch
+
+
+def _qwen2_vl(config, mb, sizes, gen):
+    v = config.vision_config
+    side = sizes.get("image_size", 448)
+    merge, patch, temporal = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
+    grid = side // patch // merge * merge
+    tokens = grid * grid // (merge * merge)
+    prefix = torch.cat([torch.full((mb, 1), config.vision_start_token_id),
+                        torch.full((mb, tokens), config.image_token_id),
+                        torch.full((mb, 1), config.vision_end_token_id)], dim=1)
+    avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id}
+    batch = _lm_batch(prefix, _text(config, mb, sizes["text_tokens"], avoid, gen))
+    in_chans = getattr(v, "in_channels", getattr(v, "in_chans", 3))
+    batch["pixel_values"] = torch.randn(mb * grid * grid, in_chans * temporal * patch * patch, generator=gen)
+    batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * mb)
+    batch["mm_token_type_ids"] = (batch["input_ids"] == config.image_token_id).int()  # 1: image (for M-RoPE)
+    return batch
+
+
+def _qwen2_audio(config, mb, sizes, gen):
+    a = config.audio_config
+    frames = 2 * a.max_source_positions  # the Whisper encoder takes exactly this many mel frames
+    tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1  # conv stride 2, then the encoder's 2x average pool
+    batch = _image_lm(config, mb, sizes, gen, config.audio_token_index, tokens)
+    batch["input_features"] = torch.randn(mb, a.num_mel_bins, frames, generator=gen)
+    batch["feature_attention_mask"] = torch.ones(mb, frames, dtype=torch.long)
+    return batch
+
+
+def _whisper(config, mb, sizes, gen):
+    """Whisper (encoder-decoder): mel features of the encoder's 2 x max_source_positions frames; the transcript as
+    labels (the model shifts them into the decoder's input ids)."""
+    frames = 2 * config.max_source_positions
+    length = min(sizes["text_tokens"], config.max_target_positions)
+    labels = _text(config, mb, length, {config.decoder_start_token_id}, gen)
+    return {"input_features": torch.randn(mb, config.num_mel_bins, frames, generator=gen), "labels": labels}
+
+
+def _two_towers(config, mb, sizes, gen):  # CLIP / SigLIP: two towers and a contrastive loss over the batch
+    v, text = config.vision_config, config.text_config
+    ids = torch.randint(text.vocab_size, (mb, min(sizes["text_tokens"], text.max_position_embeddings)), generator=gen)
+    return {"input_ids": ids, "pixel_values": _pixels(config, mb, _side(config, sizes), gen), "return_loss": True}
+
+
+FAMILIES: dict[str, Builder] = {
+    "llava": _llava, "vipllava": _llava, "llava_next": _llava_next, "paligemma": _paligemma, "gemma3": _gemma3,
+    "idefics3": _idefics3, "smolvlm": _idefics3, "internvl": _internvl, "blip-2": _blip2, "mllama": _mllama,
+    "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl, "qwen2_audio": _qwen2_audio, "whisper": _whisper,
+    "clip": _two_towers, "siglip": _two_towers,
+}
+
+
+def example_inputs(config, micro_batch: int) -> dict[str, Any]:
+    """A batch of `micro_batch` samples for the model of `config` (see the module docstring)."""
+    with torch.device("cpu"):
+        gen = torch.Generator().manual_seed(0)
+        builder = FAMILIES.get(config.model_type)
+        if builder is not None:
+            return builder(config, micro_batch, _sizes(config), gen)
+        if _text_only(config):
+            text = _text(config, micro_batch, _sizes(config)["text_tokens"] + 1, set(), gen)
+            return {"input_ids": text, "labels": text.clone()}
+    raise MmplanError(f"mmplan builds no example inputs for HF model_type {config.model_type!r} (it does for "
+                      f"{', '.join(sorted(FAMILIES))} and decoder-only LMs): write a factory `package.module:factory` "
+                      "returning (model, batch) with the inputs its forward takes (examples/my_model.py)")
+
+
+def _text_only(config) -> bool:
+    """A decoder-only LM: a vocabulary, no sub-config of another modality, not an encoder-decoder."""
+    subs = [k for k, v in vars(config).items() if k.endswith("_config") and k != "text_config" and v is not None]
+    return hasattr(config, "vocab_size") and not subs and not getattr(config, "is_encoder_decoder", False)
