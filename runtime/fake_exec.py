@@ -8,6 +8,13 @@ stay real: an op whose tensor arguments are all real, and that makes no floating
 nothing, runs on the CPU for real; everything floating point (parameters, activations) stays fake. A real
 boolean mask indexing a fake tensor is turned into real integer indices first, so the result's shape is
 known. The shapes, FLOPs and saved tensors are then exactly those of a real run on the same example batch.
+
+Floating-point values decide shapes too, in glue that tests inputs for padding: Idefics3 drops the images whose
+pixels are all exactly 0.0 (`(pixel_values == 0.0).sum(...) != n`, then a boolean index). A fake float tensor's
+equality with a constant is answered as it is for any real data (random values, activations): never equal, so
+`x == c` is a real all-False tensor (`x != c` all-True) and the shapes that follow are static; a padding image
+the example batch does not hold is not modelled. Only for results of at most EQUALITY_NUMEL elements (larger
+ones -- attention masks compared in a model's own code -- stay fake, as before).
 """
 from __future__ import annotations
 
@@ -39,6 +46,9 @@ class RealIntegers(TorchDispatchMode):
         if not flat and not _floating_factory(func, kwargs):
             with _disable_current_modes():
                 return func(*args, **kwargs)
+        if func in _EQUALITY and _generic_float(args) and _numel(args[0]) <= EQUALITY_NUMEL:
+            with _disable_current_modes():
+                return torch.full(tuple(args[0].shape), func in _NOT_EQUAL, dtype=torch.bool)
         if func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default) and len(args) >= 2:
             args = (args[0], _int_indices(args[1]), *args[2:])
         elif func is _aten.masked_select.default and _is_real(args[1]):
@@ -46,6 +56,24 @@ class RealIntegers(TorchDispatchMode):
                 idx = list(torch.broadcast_to(args[1], args[0].shape).nonzero().unbind(1))
             return _aten.index.Tensor(args[0], idx)
         return func(*args, **kwargs)
+
+
+EQUALITY_NUMEL = 1 << 24
+_NOT_EQUAL = {_aten.ne.Scalar}
+_EQUALITY = {_aten.eq.Scalar, *_NOT_EQUAL}
+
+
+def _generic_float(args: tuple) -> bool:
+    """A fake floating-point tensor compared with a Python number."""
+    return (len(args) == 2 and isinstance(args[0], FakeTensor) and args[0].is_floating_point()
+            and isinstance(args[1], (int, float)) and not isinstance(args[1], bool))
+
+
+def _numel(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape:
+        n *= int(d)
+    return n
 
 
 def _int_indices(indices: list) -> list:

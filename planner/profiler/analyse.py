@@ -152,7 +152,11 @@ def _install_hooks(trace: Trace) -> list:
                 if isinstance(first, torch.Tensor) and first.dim() == 3:
                     rec.sequence = int(first.shape[1])
             for src, leaf, nbytes in trace.prov_of((args, kwargs)):
-                trace.edges[(src, rec.name)][(src, leaf)] = nbytes
+                if src != rec.name:  # a block called again on its own output (BLIP-2's post_layernorm): one block
+                    trace.edges[(src, rec.name)][(src, leaf)] = nbytes
+            trace.block_inputs = {id(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+            if isinstance(module, nn.Embedding) and trace.block_inputs:
+                rec.embeds_input = True
             trace.current = rec.name
             trace.seq_ranges.append([trace.max_seq + 1, None, rec.name])
 
@@ -183,6 +187,8 @@ def _install_hooks(trace: Trace) -> list:
 def _enter(trace: Trace, module: nn.Module, args) -> None:
     """A submodule of a block starts: push it; a Linear becomes its region's last Linear so far."""
     trace.calls += 1
+    if isinstance(module, nn.Embedding) and args and id(args[0]) in trace.block_inputs and trace.current:
+        trace.records[trace.current].embeds_input = True
     if isinstance(module, nn.Linear):
         region = next((c for m, c in reversed(trace.stack) if holds_linear(m)), None)
         if region is not None:

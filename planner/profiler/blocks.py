@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
 
-import torch
 from torch import nn
 
 from runtime.program import block_modules
@@ -53,14 +52,14 @@ def parse_group_overrides(specs: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def auto_groups(records, trace, batch) -> dict[str, str]:
+def auto_groups(records, trace) -> dict[str, str]:
     """Block -> group by modality (planner/profiler/groups.py), or {} where the top-level children are the groups."""
     from planner.profiler.groups import modality_groups
 
-    integer = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
     edges = [(s, d) for s, d in trace.edges if not s.startswith("input:")]
     inputs = [(s.removeprefix("input:"), d) for s, d in trace.edges if s.startswith("input:")]
-    return modality_groups([r.name for r in records], {r.name: r.module for r in records}, edges, inputs, integer) or {}
+    embedders = {r.name for r in records if r.embeds_input}
+    return modality_groups([r.name for r in records], edges, inputs, embedders) or {}
 
 
 def check_overrides(overrides, names: list[str], auto: dict[str, str]) -> None:

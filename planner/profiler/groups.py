@@ -3,13 +3,19 @@
 The default groups are the model's top-level children. That is right for models whose towers are top-level
 (the zoo), wrong for Hugging Face models, whose towers sit a level down (`model.vision_tower`,
 `model.multi_modal_projector`, `model.language_model`) next to a top-level `lm_head`. So:
-- the **text side** is every block downstream of a token embedding (a block holding an nn.Embedding that
-  reads an integer batch input), itself included: the LLM (or a text tower);
+- the **text side** is every block downstream of a token embedding, itself included: the LLM (or a text tower,
+  or an encoder-decoder's decoder). A token embedding is found from the data flow alone: a block that no other
+  block feeds (batch inputs do) and whose nn.Embedding looks up one of its own inputs (not a position
+  buffer, as a vision tower's patch embedding does). Mllama's aspect-ratio embeddings look up a batch input
+  too, but the patch convolution feeds them, so they are part of the vision tower; so is every block a
+  modality input reaches before the text does (cross-attention layers read the towers, the towers never read
+  the text);
 - every other block that runs belongs to a **modality**; its groups are the maximal module subtrees whose
   blocks are all modality blocks (e.g. `model.vision_tower`), and inside them a descendant whose attribute
   name says projector (`multi_modal_projector`, Qwen2-VL's `merger`) is a group of its own;
 - a pure subtree of one block not named like a projector joins the modality group that feeds it.
-Names come from the attribute names as hints ("vision", "audio", "projector"; else the attribute itself);
+Names come from the attribute names as hints ("vision", "audio", "projector"), else from the batch input feeding
+the group (`pixel_values`: vision, Whisper's `input_features`: audio), else the attribute itself;
 the text side is "llm" when a modality feeds it, else "text".
 Only when some top-level child mixes text and modality blocks is this used; otherwise the top-level
 children stand (so models laid out as towers keep their groups).
@@ -19,12 +25,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from torch import nn
-
 _HINTS = (
     ("projector", r"project|merger|connector|adapter|resampler|aligner"),
     ("vision", r"vision|visual|image|vit|pixel"),
-    ("audio", r"audio|speech|whisper|sound"),
+    ("audio", r"audio|speech|whisper|sound|input_features|mel"),
     ("video", r"video"),
 )
 
@@ -42,58 +46,72 @@ def top_level(block: str) -> str:
     return block.split(".", 1)[0]
 
 
-def modality_groups(blocks: list[str], modules: Mapping[str, nn.Module], edges: Iterable[tuple[str, str]],
-                    input_edges: Iterable[tuple[str, str]], integer_inputs: set[str]) -> dict[str, str] | None:
-    """Block -> group (see the module docstring); None when the top-level children already separate modalities."""
+def modality_groups(blocks: list[str], edges: Iterable[tuple[str, str]], input_edges: Iterable[tuple[str, str]],
+                    embedders: set[str]) -> dict[str, str] | None:
+    """Block -> group (see the module docstring); None when the top-level children already separate modalities.
+    `embedders`: the blocks whose nn.Embedding looked up one of their own inputs."""
     edges, input_edges = list(edges), list(input_edges)
     consumers: dict[str, list[str]] = {b: [] for b in blocks}
     producers: dict[str, list[str]] = {b: [] for b in blocks}
     for src, dst in edges:
-        if src in consumers and dst in producers:
+        if src in consumers and dst in producers and src != dst:
             consumers[src].append(dst)
             producers[dst].append(src)
-    roots = {dst for key, dst in input_edges if key in integer_inputs and dst in modules
-             and any(isinstance(m, nn.Embedding) for m in modules[dst].modules())}
-    text: set[str] = set()
+    fed = {dst: key for key, dst in input_edges}
+    text = _downstream({b for b in embedders if b in fed and b in producers and not producers[b]}, consumers)
+    modal = [b for b in blocks if b not in text]
+    if not text or not modal or not {top_level(b) for b in text} & {top_level(b) for b in modal}:
+        return None
+    group = _name_modalities(blocks, modal, text, producers, fed)
+    llm = "llm" if any(p in group for b in text for p in producers[b]) else "text"
+    for b in text:
+        group[b] = llm
+    return group
+
+
+def _downstream(roots: set[str], consumers: Mapping[str, list[str]]) -> set[str]:
+    out: set[str] = set()
     stack = list(roots)
     while stack:
         b = stack.pop()
-        if b not in text:
-            text.add(b)
+        if b not in out:
+            out.add(b)
             stack.extend(consumers[b])
-    modal = [b for b in blocks if b not in text]
-    if not text or not modal:
-        return None
-    mixed = {top_level(b) for b in text} & {top_level(b) for b in modal}
-    if not mixed:
-        return None
+    return out
+
+
+def _name_modalities(blocks, modal, text, producers, fed) -> dict[str, str]:
+    """Modality block -> group: its maximal pure subtree (or a projector inside it), named by hint."""
     group: dict[str, str] = {}
     taken: dict[str, str] = {}  # group name -> subtree root, so two roots never share a name by accident
+    under: dict[str, list[str]] = {}
 
     def claim(root: str) -> str:
         name = hint_name(root.rsplit(".", 1)[-1])
         if name[-1].isdigit():  # an element of a container: name it by the container
             name = hint_name(root.rsplit(".", 2)[-2]) if root.count(".") else name
+        if hint_name(name) == name and not any(re.search(p, name.lower()) for _, p in _HINTS):
+            keys = [fed[b] for b in under[root] if b in fed]  # no hint in the attribute: the input feeding it
+            name = next((h for h in map(hint_name, keys) if h != "projector" and h in dict(_HINTS)), name)
         base, k = name, 2
         while taken.get(name, root) != root:
             name, k = f"{base}{k}", k + 1
         taken[name] = root
         return name
 
-    text_set = set(text)
+    roots = {}
     for b in modal:
-        root = _maximal_pure(b, blocks, text_set)
-        projector = _projector_under(b, root)
-        group[b] = claim(projector or root)
+        root = _maximal_pure(b, blocks, text)
+        roots[b] = _projector_under(b, root) or root
+        under.setdefault(roots[b], []).append(b)
+    for b in modal:
+        group[b] = claim(roots[b])
     single = {g for g in set(group.values()) if list(group.values()).count(g) == 1 and hint_name(taken[g].rsplit(".", 1)[-1]) != "projector"}
     for b in modal:  # a lone unnamed block joins the modality that feeds it
         if group[b] in single:
             fed_by = [group[p] for p in producers[b] if p in group and group[p] != group[b]]
             if fed_by:
                 group[b] = fed_by[0]
-    llm = "llm" if any(p in group for b in text for p in producers[b]) else "text"
-    for b in text:
-        group[b] = llm
     return group
 
 

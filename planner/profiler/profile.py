@@ -90,11 +90,26 @@ def profile_model(
     note("done", 1.0)
     options = ProfileOptions(groups=tuple(tuple(g) for g in groups), device=device, measure=measure, freeze=tuple(freeze),
                              threads=threads)
-    auto = auto_groups(records, trace, batch)
+    auto = auto_groups(records, trace)
     check_overrides(groups, [r.name for r in records], auto)
     profile = assemble(source.name, dtype, micro_batch, records, trace, groups, timings,
                        device_name(torch.device(device)) if measure else None, options, auto,
                        adopted=adopted_parameters(model, batch, records))
     profile = replace(profile, shapes=model_shapes(model, records, {b.name: b.group for b in profile.blocks}, token_vocab(records)))
-    return replace(profile, measure_spread=round(spread, 4)) if measure else profile
+    profile = replace(profile, measure_spread=round(spread, 4)) if measure else profile
+    return written_as_read(profile, source.name)
+
+
+def written_as_read(profile: Profile, name: str) -> Profile:
+    """The profile as `show` and `solve` will read it back (schema, names, edges, no cycle, fingerprint): a profile
+    they would refuse is an error here, naming what is wrong, rather than a file written with exit code 0."""
+    from plans.errors import FormatError
+    from plans.graph import profile_from_data
+    from plans.serial import to_data
+
+    try:
+        profile_from_data(to_data(profile), f"the profile of {name}")
+    except FormatError as e:
+        raise MmplanError(f"{e} (a profiler defect: please report it with the model)") from None
+    return profile
 

@@ -42,6 +42,8 @@ class BlockRecord:
     param_shapes: frozenset = frozenset()  # shapes of the block's parameters (their gradients are not activations)
     # saved storages by tensor-parallel class (see _classify_saved): (bytes, kind, module call) in saving order
     saved: list = field(default_factory=list)
+    # an nn.Embedding in the block looked up one of the block's own inputs (token ids; not a position buffer)
+    embeds_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Trace:
     ops: set = field(default_factory=set)  # names of the FLOP-counted ops that ran
     stack: list = field(default_factory=list)  # [(module, call id)] of the submodules running inside a block
     calls: int = 0  # submodule calls so far (call ids)
+    block_inputs: set = field(default_factory=set)  # ids of the tensors the running block was called with
     last_linear: dict = field(default_factory=dict)  # call id of a Linear-holding module -> its last Linear call id
     attends: set = field(default_factory=set)  # call ids of Linear-holding modules that ran an attention op
     linear_outputs: set = field(default_factory=set)  # storages nn.Linear calls produced (q, k, v, MLP hidden)
