@@ -196,13 +196,16 @@ class MapDataset:
         return collate(samples, self.packed)
 
 
-def open_dataset(spec: str | None, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int) -> BatchSource:
-    """SyntheticDataset for None or "synthetic", else load_user_dataset(spec, ...)."""
+def open_dataset(spec: str | None, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int,
+                 model=None) -> BatchSource:
+    """SyntheticDataset for None or "synthetic", else load_user_dataset(spec, ...). Given the model, a dataset
+    derived from its example batch keeps each input's ids below the embedding it feeds (synthetic.input_limits)."""
     if spec in (None, "", "synthetic"):
         if not set(example_batch) <= set(KNOWN_KEYS):  # any other model: derived from its example batch
-            from runtime.synthetic import DerivedDataset
+            from runtime.synthetic import DerivedDataset, input_limits
 
-            return DerivedDataset(example_batch, vocab=vocab, seed=seed)
+            limits = input_limits(model, example_batch) if model is not None else None
+            return DerivedDataset(example_batch, vocab=vocab, seed=seed, limits=limits)
         return SyntheticDataset(example_batch, vocab=vocab, seed=seed)
     return load_user_dataset(spec, example_batch, vocab, seed)
 

@@ -72,7 +72,7 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
     """
     plan = job.plan
     model, example = build_model(job)  # 1
-    dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
+    dataset = open_dataset(job.data, example, vocab_of(model), job.seed, model=model)
     program = trace_program(model, example)  # 2
     stage_map = build_stage_map(plan, program)
     local = {b for st in stage_map.stages_on(ctx.rank) for b in st.blocks}  # 3
@@ -107,6 +107,11 @@ def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, An
 
 
 def vocab_of(model: nn.Module) -> int:
+    """The classes of the model's output head (a transformers model's output embeddings), else its largest
+    nn.Embedding: Mllama's token table has 8 rows more than its LM head has classes."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(head, nn.Linear):
+        return head.out_features
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return max(sizes) if sizes else 2
 

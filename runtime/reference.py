@@ -18,7 +18,7 @@ def reference_run(job: Job) -> dict[str, Any]:
     """Losses per step and the first step's gradients, training the whole model in this process."""
     training = job.plan.training
     model, example = build_model(job)
-    dataset = open_dataset(job.data, example, vocab_of(model), job.seed)
+    dataset = open_dataset(job.data, example, vocab_of(model), job.seed, model=model)
     dtype = torch_dtype(training.dtype)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     # mixed precision (bf16): Adam on fp32 master copies, as every rank runs it (param_tiers.TieredAdam)

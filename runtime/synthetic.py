@@ -9,14 +9,19 @@ without dim 0):
   class c's fixed value: a regression the model can only learn by seeing the inputs;
 - integer *token ids* (an integer key whose text positions a labels key repeats — the Hugging Face
   convention, `labels` = `input_ids` with -100 on image / audio placeholders): the placeholders stay as in
-  the example, the text positions are class c's fixed sequence (ids in [0, vocab), never a placeholder id);
-  the labels repeat them (-100 where the example has -100), so the next token depends on the inputs;
-- integer token ids without labels (CLIP's captions: a key named *ids*, not *type_ids* / *position_ids*) are
-  class c's fixed sequence;
+  the example, the text positions are class c's fixed sequence (ids below both the head's classes `vocab` and
+  the rows of the embedding the key feeds; never a placeholder id); the labels repeat them (-100 where the
+  example has -100), so the next token depends on the inputs;
+- integer ids without labels (CLIP's captions, Mllama's aspect-ratio ids: a key named *ids*, not *type_ids* /
+  *position_ids*) are class c's fixed sequence, below the rows of the embedding the key feeds (`limits`, found by
+  one fake forward: input_limits) or `vocab` where none is known;
+- labels without token ids (an encoder-decoder's transcript: Whisper shifts its labels into the decoder's
+  input) are class c's fixed sequence below `vocab`;
 - any other integer tensor (attention masks, grids, lengths) is the example's, unchanged; non-tensor entries
   (`return_loss=True`) are passed along as they are.
 Packed inputs (Qwen2-VL's patches, runtime/samples.py) are per sample their first k rows, concatenated in a batch.
-Deterministic in the global sample index, like runtime/data.py's SyntheticDataset.
+Deterministic in the global sample index, like runtime/data.py's SyntheticDataset. A sample whose ids fall
+outside the embedding an input feeds is a one-line error naming the input (never an IndexError in the model).
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ class DerivedDataset:
     """See the module docstring."""
 
     def __init__(self, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int, classes: int = 8,
-                 noise: float = 0.5) -> None:
+                 noise: float = 0.5, limits: Mapping[str, int] | None = None) -> None:
         tensors = {k: v for k, v in example_batch.items() if isinstance(v, torch.Tensor)}
         self.constants = {k: v for k, v in example_batch.items() if not isinstance(v, torch.Tensor)}  # return_loss=True
         if not tensors or any(v.dim() == 0 for v in tensors.values()):
@@ -54,25 +59,34 @@ class DerivedDataset:
         self.packed = {k for k, r in rows.items() if r > 1}
         self.example = {k: v[:rows[k]].clone()[None] if k in self.packed else v[:1].clone() for k, v in tensors.items()}
         self.vocab, self.seed, self.classes, self.noise = vocab, seed, classes, noise
+        self.limits = dict(limits or {})  # input key -> rows of the embedding it feeds
         self.labels_of = self._pair_labels()  # token key -> its labels key
         labelled = set(self.labels_of) | set(self.labels_of.values())
-        self.free_tokens = [k for k, v in self.example.items()  # token ids with no labels (CLIP's captions)
-                            if not v.is_floating_point() and "ids" in k.lower() and not re.search(r"type_ids|position_ids", k.lower())
-                            and k not in labelled and v.dim() == 2]
+        self.free_tokens = [k for k, v in self.example.items()  # ids with no labels (CLIP's captions), or labels alone
+                            if not v.is_floating_point() and v.dim() == 2 and k not in labelled
+                            and (("ids" in k.lower() and not re.search(r"type_ids|position_ids", k.lower()))
+                                 or re.search(r"label", k.lower()))]
         gen = _generator("prototypes", seed)
         self.prototypes: dict[str, torch.Tensor] = {}
         for k, v in self.example.items():
             if v.is_floating_point():
                 self.prototypes[k] = torch.randn(classes, *v.shape[1:], generator=gen)
         placeholders = {int(x) for k in self.labels_of for x in self.example[k][0][self._fixed(k)].unique()}
-        allowed = torch.tensor([i for i in range(vocab) if i not in placeholders])
-        if not len(allowed):
-            raise MmplanError(f"a synthetic dataset needs token ids besides the placeholders {sorted(placeholders)}")
         for k in self.labels_of:
             n = int((~self._fixed(k)).sum())
+            allowed = self._allowed(k, min(vocab, self.limits.get(k, vocab)), placeholders)
             self.prototypes[k] = allowed[torch.randint(len(allowed), (classes, n), generator=gen)]
         for k in self.free_tokens:
+            bound = min(vocab, self.limits.get(k, vocab)) if re.search(r"label", k.lower()) else self.limits.get(k, vocab)
+            allowed = self._allowed(k, bound, placeholders)
             self.prototypes[k] = allowed[torch.randint(len(allowed), (classes, self.example[k].shape[1]), generator=gen)]
+
+    @staticmethod
+    def _allowed(key: str, bound: int, placeholders: set[int]) -> torch.Tensor:
+        allowed = torch.tensor([i for i in range(bound) if i not in placeholders])
+        if not len(allowed):
+            raise MmplanError(f"synthetic input {key!r}: no ids below {bound} besides the placeholders {sorted(placeholders)}")
+        return allowed
 
     def _pair_labels(self) -> dict[str, str]:
         out = {}
@@ -114,10 +128,57 @@ class DerivedDataset:
                 out[k] = v[0].clone()
         for tok, lab in self.labels_of.items():
             out[lab] = torch.where(self.example[lab][0] == IGNORE, self.example[lab][0], out[tok])
+        self._check(out, index)
         return out
+
+    def _check(self, sample: Mapping[str, torch.Tensor], index: int) -> None:
+        """Every id of an input below the rows of the embedding it feeds: one line naming the input, not an
+        IndexError deep in the model."""
+        for k, rows in self.limits.items():
+            v = sample.get(k)
+            if v is None or v.is_floating_point() or not v.numel():
+                continue
+            low, high = int(v.min()), int(v.max())
+            if low < 0 or high >= rows:
+                raise MmplanError(f"synthetic sample {index}: input {k!r} holds id {high if high >= rows else low}, outside "
+                                  f"[0, {rows}) of the embedding it feeds")
 
     def sample_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         samples = [self.sample(i) for i in indices]
         if not samples:
             raise MmplanError("sample_batch needs at least one index")
         return {**collate(samples, self.packed), **self.constants}
+
+
+def input_limits(model, example: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Input key -> rows of the smallest nn.Embedding that looks up that input (or a view of it), from one forward
+    on fake tensors (integer inputs stay real: runtime/fake_exec.py). {} where the model does not run so."""
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from runtime.fake_exec import fake_batch, fakify_module, static_fake
+
+    keys = {v.untyped_storage().data_ptr(): k for k, v in example.items()
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.device.type != "meta" and v.numel()}
+    found: dict[str, int] = {}
+
+    def hook(module, args):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) and not x.is_floating_point() and x.device.type != "meta":
+            key = keys.get(x.untyped_storage().data_ptr())
+            if key is not None:
+                found[key] = min(found.get(key, module.num_embeddings), module.num_embeddings)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, nn.Embedding)]
+    restore = fakify_module(model, mode)
+    try:
+        with static_fake(mode), torch.no_grad():
+            model(**fake_batch(dict(example), mode))
+    except Exception:  # the limits are a check; a model that does not run on fakes is checked by the run itself
+        return {}
+    finally:
+        restore()
+        for h in handles:
+            h.remove()
+    return found
