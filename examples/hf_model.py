@@ -47,3 +47,32 @@ class Captions(torch.utils.data.Dataset):
 
 def dataset(seed: int = 0) -> Captions:
     return Captions(seed)
+
+
+def llava_with_batch(micro_batch: int = 1):
+    """The same LLaVA returned with its own example batch, `(model, batch)`, as for any model: 16 image
+    placeholders (id 63) then 8 caption tokens, the labels (-100 on the placeholders) and the pixels."""
+    model = factory()
+    ids = torch.cat([torch.full((micro_batch, 16), 63), torch.randint(0, 63, (micro_batch, 8))], dim=1)
+    labels = torch.cat([torch.full((micro_batch, 16), -100), ids[:, 16:]], dim=1)
+    return model, {"input_ids": ids, "labels": labels, "pixel_values": torch.randn(micro_batch, 3, 16, 16)}
+
+
+def qwen2_vl_with_batch(micro_batch: int = 1):
+    """A tiny Qwen2-VL with its own batch: per sample one 16x16 image (a 4x4 grid of 4x4 patches, merged 2x2 into
+    4 image tokens between vision start/end), 8 caption tokens; the patches of all images packed in dim 0."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2},
+        image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+    model = Qwen2VLForConditionalGeneration(config)
+    image = torch.tensor([122, 120, 120, 120, 120, 123])
+    ids = torch.cat([image.expand(micro_batch, -1), torch.randint(0, 120, (micro_batch, 8))], dim=1)
+    labels = torch.cat([torch.full((micro_batch, 6), -100), ids[:, 6:]], dim=1)
+    return model, {"input_ids": ids, "labels": labels, "pixel_values": torch.randn(micro_batch * 16, 3 * 2 * 4 * 4),
+                   "image_grid_thw": torch.tensor([[1, 4, 4]] * micro_batch), "mm_token_type_ids": (ids == 120).int()}

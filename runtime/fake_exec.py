@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -142,3 +143,32 @@ def fakify_module(model: nn.Module, mode: FakeTensorMode):
             store[name] = t
 
     return restore
+
+
+# factories whose result is small and whose dtype may follow their data: built on the CPU, moved to meta if floating
+_BY_DATA = {"tensor", "as_tensor", "asarray", "full", "arange", "range", "randint", "randperm", "scalar_tensor",
+            "tril_indices", "triu_indices"}
+
+
+class MetaFloats(TorchFunctionMode):
+    """torch.device("meta") for floating-point tensors only: a factory building a model and its example batch
+    under it puts parameters, activations and pixels on meta (nothing allocated) and integer and boolean tensors
+    (token ids, grids, masks) on the CPU, real -- their values decide shapes (the module docstring), as an `hf:`
+    config's inputs are. Factories with an explicit device are left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils._device import _device_constructors
+
+        self.constructors = _device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.constructors or kwargs.get("device") is not None:
+            return func(*args, **kwargs)
+        dtype = kwargs.get("dtype")
+        if getattr(func, "__name__", "") in _BY_DATA and dtype is None:
+            out = func(*args, **{**kwargs, "device": "cpu"})
+            return out.to("meta") if out.is_floating_point() or out.is_complex() else out
+        floating = dtype is None or dtype.is_floating_point or dtype.is_complex
+        return func(*args, **{**kwargs, "device": "meta" if floating else "cpu"})

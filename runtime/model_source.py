@@ -11,8 +11,9 @@ Factory = Callable[[int], tuple[nn.Module, dict[str, Any]]]
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model comes from: its display name, a factory(micro_batch) -> (model, batch), default dtype."""
+    """Where a model comes from: its display name, a factory(micro_batch) -> (model, batch), default dtype (None:
+    the built model's own, runtime.source.model_dtype)."""
 
     name: str
     factory: Factory
-    default_dtype: str = "fp32"
+    default_dtype: str | None = "fp32"

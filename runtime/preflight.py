@@ -61,10 +61,12 @@ def backend(plan: Plan) -> str:
 
 
 def check_model(plan: Plan, plan_path: Path, model: str | None) -> CheckedModel:
-    """Build the model on the meta device and trace it with torch.fx (no profiling analysis); refuse a model whose
+    """Build the model on the meta device (its floating-point tensors: MetaFloats) and trace it with torch.fx (no profiling analysis); refuse a model whose
     structural fingerprint differs from the plan's. A hand-written plan without a flow gets the traced one."""
     spec = model or plan_model(plan, plan_path)
-    with torch.device("meta"):
+    from runtime.fake_exec import MetaFloats
+
+    with MetaFloats():  # parameters on meta, the batch's token ids real (a factory's own batch decides shapes)
         module, batch = call_factory(resolve(spec), 1)
     program = trace_program(module, batch)
     found = model_fingerprint(module, program)

@@ -30,7 +30,7 @@ def resolve(spec: str) -> ModelSource:
     if spec.startswith("hf:"):
         return hf_source(spec)
     if is_factory(spec):
-        return ModelSource(spec, _import_factory(spec), "fp32")
+        return ModelSource(spec, _import_factory(spec), None)
     from runtime.models import zoo
 
     if spec.endswith(".toml"):
@@ -100,6 +100,24 @@ def call_factory(source: ModelSource, micro_batch: int) -> tuple[nn.Module, dict
     if not any(isinstance(v, torch.Tensor) for v in batch.values()):
         raise MmplanError(f"model {source.name}: the example batch holds no tensors")
     return model, batch
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def model_dtype(model: nn.Module) -> tuple[str, str]:
+    """(dtype, where it was read) of a factory's model: a transformers config's `dtype`, else its floating-point
+    parameters' dtype when they share one, else fp32."""
+    config = getattr(model, "config", None)
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named.removeprefix("torch."), None)
+    if named in _DTYPE_NAMES:
+        return _DTYPE_NAMES[named], "its config's dtype"
+    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(found) == 1 and next(iter(found)) in _DTYPE_NAMES:
+        return _DTYPE_NAMES[found.pop()], "its parameters' dtype"
+    return "fp32", "the default"
 
 
 def model_loss(out: Any) -> torch.Tensor | None:

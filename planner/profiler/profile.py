@@ -27,7 +27,8 @@ from typing import Callable, Literal
 
 import torch
 
-from runtime.source import ModelSource, call_factory
+from runtime.fake_exec import MetaFloats
+from runtime.source import ModelSource, call_factory, model_dtype
 from plans.errors import MmplanError
 from plans.graph import Profile, ProfileOptions
 from planner.profiler.analyse import analyse, cast_model
@@ -63,7 +64,7 @@ def profile_model(
     if micro_batch < 1:
         raise MmplanError(f"--micro-batch must be >= 1, got {micro_batch}")
     dtype = dtype or source.default_dtype
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise MmplanError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise MmplanError("--device cuda: no CUDA device is available here (use --device meta or cpu)")
@@ -71,8 +72,11 @@ def profile_model(
         raise MmplanError("--measure needs a real device: add --device cpu or --device cuda")
     fake = device != "cpu"  # cuda: analyse on fake tensors (the model may not fit), measure blocks on the GPU
     note("building model", 0.0)
-    with torch.device("meta") if fake else nullcontext():
+    with MetaFloats() if fake else nullcontext():  # parameters on meta; token ids real (runtime/fake_exec.py)
         model, batch = call_factory(source, micro_batch)
+    if dtype is None:  # a factory: profiled in its model's dtype (a transformers config's, as hf: does)
+        dtype, where = model_dtype(model)
+        note(f"profiling in {dtype} ({where}; --dtype to change)", 0.05)
     batch = cast_model(model, batch, DTYPES[dtype])
     freeze_blocks(model, freeze, source.name)
     note("tracing forward and backward", 0.1)

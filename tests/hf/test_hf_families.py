@@ -112,3 +112,32 @@ def test_whisper_labels_alone_are_a_learnable_transcript(families):
     a, b = data.sample(0), data.sample(1)
     assert a["labels"].shape == example["labels"].shape[1:] and int(a["labels"].max()) < 64
     assert not torch.equal(a["labels"], example["labels"][0]) or not torch.equal(b["labels"], example["labels"][1])
+
+
+def bf16_llava():
+    """A factory's transformers model whose config says bf16 (as published PaliGemma / Gemma 3 configs do)."""
+    from examples.hf_model import factory
+
+    model = factory()
+    model.config.dtype = torch.bfloat16
+    return model
+
+
+def test_a_factory_model_is_profiled_in_its_configs_dtype():
+    assert profile_model(resolve(f"{__name__}:bf16_llava")).dtype == "bf16"
+    assert profile_model(resolve("examples.hf_model:factory")).dtype == "fp32"
+    assert profile_model(resolve(f"{__name__}:bf16_llava"), dtype="fp32").dtype == "fp32"  # --dtype wins
+
+
+@pytest.mark.parametrize("factory", ["llava_with_batch", "qwen2_vl_with_batch"])
+def test_a_factory_returning_a_stock_hf_model_and_its_own_batch_profiles_on_meta_and_runs(factory, tmp_path):
+    spec = f"examples.hf_model:{factory}"
+    meta = profile_model(resolve(spec))
+    assert list(_groups(meta)) == ["vision", "projector", "llm"]
+    runner, prof, plan = CliRunner(), tmp_path / "p.json", tmp_path / "plan.json"
+    assert runner.invoke(app, ["profile", spec, "-o", str(prof), "--quiet"]).exit_code == 0
+    res = runner.invoke(app, ["solve", str(prof), "--cluster", "2xlocal-cpu", "--global-batch", "4",
+                              "--placement", "non-colocated", "-o", str(plan), "--quiet"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["run", str(plan), "--model", spec, "--steps", "2"])
+    assert res.exit_code == 0, res.output
