@@ -67,10 +67,12 @@ def mllama(directory: Path) -> Path:
 def blip2(directory: Path) -> Path:
     from transformers import Blip2Config
 
+    # dropout off (BLIP-2's Q-Former and OPT default to 0.1): parity with the reference needs the same masks
     qformer = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-               "encoder_hidden_size": 32}
+               "encoder_hidden_size": 32, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     text = {"model_type": "opt", "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "vocab_size": 64, "word_embed_proj_dim": 32, "max_position_embeddings": 256}
+            "vocab_size": 64, "word_embed_proj_dim": 32, "max_position_embeddings": 256, "dropout": 0.0,
+            "attention_dropout": 0.0}
     config = Blip2Config(vision_config={**_VISION}, qformer_config=qformer, text_config=text, num_query_tokens=4,
                          image_token_index=63)
     return _save(config, directory, "Blip2ForConditionalGeneration")
