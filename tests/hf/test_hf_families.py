@@ -15,7 +15,7 @@ from plans.graph import Edge
 from runtime.data import open_dataset
 from runtime.source import call_factory, resolve
 from runtime.synthetic import DerivedDataset
-from runtime.train import vocab_of
+from runtime.rank import vocab_of
 from tests.hf import tiny_families
 
 
