@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from cost_models.cluster_spec import parse_cluster
-from planner.solver.candidates import unit_layouts
+from dataclasses import replace as _replace
+
+from planner.solver.candidates import LOOKAHEADS, unit_layouts
 from planner.solver.space import GPU_ONLY, Setting, divisors
 from planner.solver.structure import profile_units
 from planner.solver.search import build_layouts
@@ -71,7 +73,8 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
                 placement: str = "auto") -> float | None:
     """The fastest fitting plan of the solver's space, by simulating every combination: every structure, number of
     micro-batches and candidate layout of every unit (cut points by the partition DP; tier policies keep / selective /
-    recompute; sequence parallelism on and off at tp > 1, none pruned as dominated), every GPU split."""
+    recompute; sequence parallelism on and off at tp > 1; a source on its own ranks at every look-ahead; none pruned
+    as dominated), every GPU split."""
     setting = Setting(cluster, global_batch, "1f1b" if schedule == "interleaved" else schedule, "bf16", "adam", None, GPU_ONLY,
                       virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else ())
     n = cluster.world_size
@@ -92,8 +95,11 @@ def brute_force(profile: Profile, cluster: Cluster, global_batch: int, schedule:
                 for u, unit in enumerate(units):
                     if u == sink:
                         options.append(sink_layouts)
-                    elif structure == "non-colocated":
-                        options.append(unit_layouts(unit, setting, m, max_gpus=n - 1, downstream=depths, prune_dominated=False))
+                    elif structure == "non-colocated":  # and every look-ahead k (Group.lookahead), as ahead_layouts sizes it
+                        options.append([lay if not k else _replace(lay, lookahead=k, downstream=None if lay.downstream is None else lay.downstream - k)
+                                        for k in LOOKAHEADS if not k or (setting.schedule == "1f1b" and k < m)
+                                        for lay in unit_layouts(unit, setting, m, max_gpus=n - 1, downstream=[d + k for d in depths],
+                                                                prune_dominated=False)])
                     else:
                         options.append(unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False, max_pp=1,
                                                     prune_dominated=False))
