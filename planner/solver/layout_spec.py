@@ -11,14 +11,19 @@ from plans.graph import Profile
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "layers", "full"]
-Split = Literal["layers", "megatron"]
+# How a layout's blocks are cut into pipeline stages (planner/solver/megatron_split.split_blocks): layers -- every
+# transformer layer counts one (a ViT-22B layer as much as a GPT-175B one); flops -- contiguous stages of balanced
+# forward + backward FLOPs; encoders-first -- Megatron-LM's multimodal recipe: encoders and projectors on the first
+# stage with the LLM's embedding, the LLM's layers split evenly by count.
+Split = Literal["layers", "flops", "encoders-first"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 RECOMPUTES: tuple[str, ...] = get_args(Recompute)
+SPLITS: tuple[str, ...] = get_args(Split)
 
-_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero", "sequence-parallel")
+_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero", "sequence-parallel", "split")
 _ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch", "sp": "sequence-parallel", "sequence_parallel": "sequence-parallel"}
 _EXAMPLE = ("tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full]"
-            "[,zero=1][,sequence-parallel=true]")
+            "[,zero=1][,sequence-parallel=true][,split=layers|flops|encoders-first]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +38,7 @@ class LayoutSpec:
     virtual_stages: int = 1  # model chunks per rank; > 1 only with the interleaved schedule
     recompute: Recompute = "none"
     zero: int = 0
-    split: Split = "layers"  # layers: every transformer layer counts; megatron: encoders on stage 0, LLM layers even
+    split: Split = "layers"  # how the stages are cut (Split above)
     sequence_parallel: bool = False  # tp > 1: norm / residual regions sharded along the sequence
 
     def __post_init__(self) -> None:
@@ -50,6 +55,8 @@ class LayoutSpec:
             raise MmplanError(f"layout: recompute must be one of {', '.join(RECOMPUTES)}, got {self.recompute!r}")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise MmplanError(f"layout: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.split not in SPLITS:
+            raise MmplanError(f"layout: split must be one of {', '.join(SPLITS)}, got {self.split!r}")
 
     @property
     def world_size(self) -> int:
@@ -59,13 +66,40 @@ class LayoutSpec:
         """Canonical text that parse_layout reads back to an equal spec."""
         schedule = f"interleaved:{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         return (f"tp={self.tp},pp={self.pp},dp={self.dp},micro-batch={self.micro_batch},schedule={schedule},"
-                f"recompute={self.recompute},zero={self.zero}" + (",sequence-parallel=true" if self.sequence_parallel else ""))
+                f"recompute={self.recompute},zero={self.zero}" + (",sequence-parallel=true" if self.sequence_parallel else "")
+                + f",split={self.split}")
 
 
-def parse_layout(text: str) -> LayoutSpec:
-    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full][,zero=1][,sequence-parallel=true]`.
+def parse_layout(text: str, default_split: Split = "layers") -> LayoutSpec:
+    """`tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full][,zero=1]
+    [,sequence-parallel=true][,split=layers|flops|encoders-first]`; `default_split` where no split is written.
 
     Bare `interleaved` means 2 model chunks per rank. Every problem is one MmplanError naming the item."""
+    values = layout_items(text)
+    missing = [k for k in ("tp", "pp", "dp") if k not in values]
+    if missing:
+        raise MmplanError(f"layout {text.strip()!r} lacks {', '.join(missing)}; tp, pp and dp are required ({_EXAMPLE})")
+    schedule, chunks = parse_schedule(values.get("schedule", "1f1b"))
+    recompute = values.get("recompute", "none").lower()
+    if recompute not in RECOMPUTES:
+        raise MmplanError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {values['recompute']!r}")
+    zero = _positive_int(values.get("zero", "0"), "zero", allow_zero=True)
+    if zero > 3:
+        raise MmplanError(f"zero must be 0, 1, 2 or 3, got {values['zero']!r}")
+    sp = values.get("sequence-parallel", "false").lower()
+    if sp not in ("true", "false", "on", "off", "1", "0"):
+        raise MmplanError(f"sequence-parallel must be true or false, got {values['sequence-parallel']!r}")
+    split = values.get("split", default_split).lower()
+    if split not in SPLITS:
+        raise MmplanError(f"split must be one of {', '.join(SPLITS)}, got {values['split']!r}")
+    return LayoutSpec(tp=_positive_int(values["tp"], "tp"), pp=_positive_int(values["pp"], "pp"),
+                      dp=_positive_int(values["dp"], "dp"), micro_batch=_positive_int(values.get("micro-batch", "1"), "micro-batch"),
+                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero,  # type: ignore[arg-type]
+                      split=split, sequence_parallel=sp in ("true", "on", "1"))  # type: ignore[arg-type]
+
+
+def layout_items(text: str) -> dict[str, str]:
+    """The `key=value` items of a layout by canonical key (aliases resolved), each checked to be known and given once."""
     if not isinstance(text, str) or not text.strip():
         raise MmplanError(f"empty layout; write it as {_EXAMPLE}")
     values: dict[str, str] = {}
@@ -81,23 +115,7 @@ def parse_layout(text: str) -> LayoutSpec:
         if key in values:
             raise MmplanError(f"layout key {key!r} is given twice ({key}={values[key]} and {item})")
         values[key] = value
-    missing = [k for k in ("tp", "pp", "dp") if k not in values]
-    if missing:
-        raise MmplanError(f"layout {text.strip()!r} lacks {', '.join(missing)}; tp, pp and dp are required ({_EXAMPLE})")
-    schedule, chunks = parse_schedule(values.get("schedule", "1f1b"))
-    recompute = values.get("recompute", "none").lower()
-    if recompute not in RECOMPUTES:
-        raise MmplanError(f"recompute must be one of {', '.join(RECOMPUTES)}, got {values['recompute']!r}")
-    zero = _positive_int(values.get("zero", "0"), "zero", allow_zero=True)
-    if zero > 3:
-        raise MmplanError(f"zero must be 0, 1, 2 or 3, got {values['zero']!r}")
-    sp = values.get("sequence-parallel", "false").lower()
-    if sp not in ("true", "false", "on", "off", "1", "0"):
-        raise MmplanError(f"sequence-parallel must be true or false, got {values['sequence-parallel']!r}")
-    return LayoutSpec(tp=_positive_int(values["tp"], "tp"), pp=_positive_int(values["pp"], "pp"),
-                      dp=_positive_int(values["dp"], "dp"), micro_batch=_positive_int(values.get("micro-batch", "1"), "micro-batch"),
-                      schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero,  # type: ignore[arg-type]
-                      sequence_parallel=sp in ("true", "on", "1"))
+    return values
 
 
 def _positive_int(value: str, key: str, *, allow_zero: bool = False) -> int:
@@ -137,11 +155,17 @@ def check_layout(profile: Profile, cluster: Cluster, global_batch: int, spec: La
     if spec.sequence_parallel and spec.tp > 1 and not sp_divides(profile.blocks, spec.tp):
         b = next(b for b in profile.blocks if b.supports_tp and b.sequence and b.sequence % spec.tp)
         raise MmplanError(f"sequence parallelism shards each layer's sequence over tp={spec.tp}, but block {b.name} reads "
-                          f"a sequence of {b.sequence}; drop sequence-parallel=true or use a tp that divides it")
+                          f"a sequence of {b.sequence} and the runtime does not pad it; drop sequence-parallel=true, use a tp "
+                          f"that divides it, or solve without --baseline (sequence parallelism per group, where tp divides)")
     parts = spec.pp * spec.virtual_stages
     if parts > len(profile.blocks):
         raise MmplanError(f"pp*virtual stages = {parts} exceeds the {len(profile.blocks)} blocks of {profile.model!r}; "
                           f"every pipeline chunk needs a block")
+    sink = profile.blocks[-1].group
+    llm = len(profile.blocks) - next(i for i, b in enumerate(profile.blocks) if b.group == sink)
+    if spec.split == "encoders-first" and parts > llm:
+        raise MmplanError(f"split=encoders-first puts every encoder on the first stage and cuts only the {llm} blocks of "
+                          f"group {sink!r} into pp*virtual stages = {parts} chunks; use at most {llm}, or split=flops")
 
 
 def check_batch(global_batch: int) -> None:

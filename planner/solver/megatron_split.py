@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from cost_models.memory import DTYPE_BYTES
 from planner.solver.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from planner.solver.layout_spec import LayoutSpec, Recompute, Split
@@ -37,17 +39,25 @@ def llm_layer_count(profile: Profile) -> int:
 
 
 def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[tuple[str, ...]]:
-    """The model's blocks in `parts` contiguous chunks of (nearly) equal layer count, Megatron-style.
+    """The model's blocks in `parts` contiguous chunks, cut as `split` says (layout_spec.Split).
 
-    Each non-layer block goes with the layer before it (the blocks before the first layer with the first
-    layer), so embeddings land in the first chunk and the final norm and head in the last. When the layer
-    count does not divide evenly, the last chunks get one layer more (the first pipeline stage holds the
-    most micro-batches in flight under 1F1B). Fewer layers than parts: every block counts as a layer.
-    split "megatron" (Megatron's MIMO recipe): only the LLM's layers count, so the encoders and projectors all
-    land on the first chunk with the LLM's embedding and first layers.
+    layers: (nearly) equal layer count, Megatron-style. Each non-layer block goes with the layer before it (the
+    blocks before the first layer with the first layer), so embeddings land in the first chunk and the final norm
+    and head in the last. When the layer count does not divide evenly, the last chunks get one layer more (the
+    first pipeline stage holds the most micro-batches in flight under 1F1B). Fewer layers than parts: every
+    block counts as a layer.
+    encoders-first (Megatron's MIMO recipe): as layers, but only the LLM's layers count, so the encoders and
+    projectors all land on the first chunk with the LLM's embedding and first layers.
+    flops: the cuts nearest to equal shares of the forward + backward FLOPs (flops_cuts).
     """
     blocks = profile.blocks
-    first = llm_start(profile) if split == "megatron" else 0
+    if split == "flops":
+        if parts < 1 or parts > len(blocks):
+            raise MmplanError(f"cannot split the {len(blocks)} blocks of {profile.model!r} into {parts} pipeline chunks; "
+                              f"use at most {len(blocks)} (pp x virtual stages)")
+        bounds = (0, *flops_cuts([b.fwd_flops + b.bwd_flops for b in blocks], parts), len(blocks))
+        return [tuple(b.name for b in blocks[a:z]) for a, z in zip(bounds, bounds[1:])]
+    first = llm_start(profile) if split == "encoders-first" else 0
     if parts < 1 or parts > len(blocks) - first:
         raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
                           f"use at most {len(blocks) - first} (pp x virtual stages)")
@@ -63,6 +73,25 @@ def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[
         out.append(tuple(b.name for u in spans[i:i + n] for b in u))
         i += n
     return out
+
+
+def flops_cuts(flops: list[float], parts: int) -> tuple[int, ...]:
+    """Cut points (block indices where chunks 1..parts-1 start) of `parts` non-empty contiguous chunks whose FLOPs are
+    as even as the blocks allow: cut k at the block boundary whose prefix sum is nearest k/parts of the total (the
+    earlier on ties), kept after cut k-1 and early enough to leave a block for every later chunk."""
+    n = len(flops)
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(flops, dtype=float))))
+    if prefix[-1] <= 0:
+        prefix = np.arange(n + 1, dtype=float)  # no FLOPs recorded: block count
+    cuts: list[int] = []
+    for k in range(1, parts):
+        lo, hi = (cuts[-1] + 1 if cuts else 1), n - (parts - k)
+        target = prefix[-1] * k / parts
+        j = int(np.searchsorted(prefix, target))  # prefix[j - 1] < target <= prefix[j]
+        if j > 0 and target - prefix[j - 1] <= prefix[min(j, n)] - target:
+            j -= 1
+        cuts.append(min(max(j, lo), hi))
+    return tuple(cuts)
 
 
 def spec_stages(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:

@@ -76,7 +76,7 @@ def test_parse_layout_names_the_bad_item(text, needle):
 # --- homogeneous_plan ------------------------------------------------------------------------------------------
 
 def test_homogeneous_plan_is_one_pipeline_split_evenly(tiny, four):
-    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2")
+    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2,split=layers")
     (group,) = plan.groups
     assert (group.name, group.tp, group.pp, group.dp, group.zero) == ("model", 1, 2, 2, 0)
     assert [s.ranks for s in group.stages] == [(0, 1), (2, 3)]
@@ -108,7 +108,7 @@ def test_recompute_and_zero_options_reach_the_plan(tiny, four):
 
 
 def test_interleaved_stages_hold_every_pp_th_chunk(tiny, four):
-    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2,schedule=interleaved:2")
+    plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2,schedule=interleaved:2,split=layers")
     layers = [[b for b in s.blocks if tiny.block(b).supports_tp] for s in plan.groups[0].stages]
     assert layers == [["vision.layers.0", "llm.layers.0"], ["vision.layers.1", "llm.layers.1"]]
     assert plan.training.virtual_stages == 2 and plan.predicted.step_time_s > 0
@@ -214,9 +214,60 @@ def test_gpipe_even_plan_uses_the_gpipe_schedule_over_all_ranks(tiny, four):
 def test_baseline_plan_dispatches_and_rejects_layout_for_other_kinds(tiny, four):
     assert baseline_plan("homogeneous", tiny, four, 8, layout="tp=1,pp=2,dp=2").groups[0].pp == 2
     assert baseline_plan("zero3", tiny, four, 8).groups[0].zero == 3
-    with pytest.raises(MmplanError, match="--layout applies to --baseline homogeneous only"):
+    with pytest.raises(MmplanError, match="--layout applies to --baseline homogeneous or megatron, not 'zero3'"):
         baseline_plan("zero3", tiny, four, 8, layout="tp=1,pp=1,dp=4")
     assert baseline_plan("megatron", tiny, four, 8).solver.method == "baseline:megatron"
+
+
+# --- the splits, every divisor micro-batch, --layout with the megatron baseline ----------------------------------
+
+def test_parse_layout_reads_the_split_and_writes_it_back(tiny):
+    assert parse_layout("tp=1,pp=2,dp=2").split == "layers"
+    assert parse_layout("tp=1,pp=2,dp=2", default_split="flops").split == "flops"
+    spec = parse_layout("tp=1,pp=2,dp=2,split=encoders-first")
+    assert spec.split == "encoders-first" and parse_layout(str(spec)) == spec
+    with pytest.raises(MmplanError, match="split must be one of layers, flops, encoders-first, got 'even'"):
+        parse_layout("tp=1,pp=2,dp=2,split=even")
+
+
+def test_flops_split_balances_flops_where_the_layer_split_counts_layers():
+    # a heavy encoder (tiny-vlm-heavy: its vision layers ~28x the LLM's forward FLOPs): the layer split gives each
+    # stage as many layers, the FLOPs split moves the cut into the encoder
+    from planner.profiler.profile import profile_model
+    from runtime.source import resolve
+
+    heavy = profile_model(resolve("tiny-vlm-heavy"))
+    work = {b.name: b.fwd_flops + b.bwd_flops for b in heavy.blocks}
+
+    def spread(parts):
+        loads = [sum(work[b] for b in p) for p in parts]
+        return max(loads) / min(loads)
+
+    by_flops, by_layers = split_blocks(heavy, 2, "flops"), split_blocks(heavy, 2, "layers")
+    assert [b for p in by_flops for b in p] == [b.name for b in heavy.blocks]  # contiguous, every block once
+    assert spread(by_flops) < spread(by_layers) and spread(by_flops) < 1.5
+    first = split_blocks(heavy, 2, "encoders-first")
+    assert all(not b.startswith("llm.") or b.startswith("llm.") for b in first[0])
+    assert {heavy.block(b).group for b in first[1]} == {heavy.blocks[-1].group}  # the LLM alone after the first stage
+
+
+def test_the_megatron_grid_tries_every_divisor_micro_batch(tiny, four):
+    sizes = {s.micro_batch for s in grid_layouts(tiny, four, 24, split="encoders-first") if s.dp == 4}
+    assert sizes == {1, 2, 3, 6}  # 24 / dp 4 = 6 per replica: 3 and 6 are not powers of two
+
+
+def test_megatron_layout_fixes_what_it_writes_and_searches_the_rest(tiny, four):
+    plan = baseline_plan("megatron", tiny, four, 8, layout="tp=1,pp=2,dp=2")
+    (g,) = plan.groups
+    assert (g.tp, g.pp, g.dp) == (1, 2, 2) and plan.solver.method == "baseline:megatron"
+    assert {tiny.block(b).group for b in g.stages[1].blocks} == {tiny.blocks[-1].group}  # encoders-first
+    fixed = baseline_plan("megatron", tiny, four, 8, layout="tp=1,pp=2,dp=2,micro-batch=1,schedule=gpipe,zero=1,split=layers")
+    assert (fixed.training.schedule, fixed.training.micro_batch, fixed.groups[0].zero) == ("gpipe", 2, 1)
+    assert "split=layers" in fixed.solver.notes
+    with pytest.raises(MmplanError, match="= 2 GPUs but cluster 4xlocal-cpu has 4"):
+        baseline_plan("megatron", tiny, four, 8, layout="tp=1,pp=1,dp=2")
+    with pytest.raises(MmplanError, match="split=encoders-first puts every encoder on the first stage"):
+        baseline_plan("megatron", tiny, parse_cluster("8xlocal-cpu"), 8, layout="tp=1,pp=8,dp=1")
     with pytest.raises(MmplanError, match="unknown baseline 'sideways'"):
         baseline_plan("sideways", tiny, four, 8)  # type: ignore[arg-type]
 
@@ -225,7 +276,7 @@ def test_megatron_split_puts_the_encoders_on_the_first_stage_and_splits_the_llm_
     names = [b.name for b in tiny.blocks]
     llm = tiny.blocks[-1].group
     first_llm = next(i for i, b in enumerate(tiny.blocks) if b.group == llm)
-    chunks = split_blocks(tiny, 2, "megatron")
+    chunks = split_blocks(tiny, 2, "encoders-first")
     assert [b for c in chunks for b in c] == names
     assert set(names[:first_llm]) <= set(chunks[0])  # every encoder and projector block on stage 0
     layers = [sum(1 for b in c if next(x for x in tiny.blocks if x.name == b).supports_tp and b in names[first_llm:])
@@ -244,7 +295,7 @@ def test_best_megatron_searches_zero_and_schedules_and_every_stage_zero_holds_th
     (g,) = plan.groups
     encoders = {b.name for b in tiny.blocks[:llm_start(tiny)]}
     assert encoders <= set(g.stages[0].blocks)
-    specs = grid_layouts(tiny, four, 8, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), split="megatron")
+    specs = grid_layouts(tiny, four, 8, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), split="encoders-first")
     assert {s.zero for s in specs} == {0, 1, 2, 3} and {s.schedule for s in specs} >= {"1f1b", "gpipe"}
     fitting = [p for p in (homogeneous_plan(tiny, four, 8, s) for s in specs) if p.predicted.fits]
     assert plan.predicted.step_time_s == pytest.approx(min(p.predicted.step_time_s for p in fitting), rel=1e-9)
@@ -263,7 +314,7 @@ def test_megatron_bound_never_exceeds_the_simulated_step_on_random_models(seed):
     if seed % 2:
         profile = Profile.build(profile.model, "bf16", 1, tuple(replace(b, frozen=b.group == "enc0") for b in profile.blocks),
                                 profile.edges)
-    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES, zeros=(0, 3), sequence_parallels=(False, True), split="megatron")
+    kw = dict(schedules=ALL_SCHEDULES, recomputes=ALL_RECOMPUTES, zeros=(0, 3), sequence_parallels=(False, True), split="encoders-first")
     specs = grid_layouts(profile, cluster, batch, **kw)
     if not specs:
         return  # no layout divides this batch
@@ -286,5 +337,5 @@ def test_a_fitting_full_recompute_layout_is_not_dropped_for_a_cheaper_one_the_gr
     plan = best_megatron(profile, cluster, 16)
     assert plan.predicted.fits and "no layout fits" not in plan.solver.notes
     layout = parse_layout("tp=4,pp=2,dp=2,micro-batch=1,schedule=interleaved:2,recompute=full,zero=3,sequence-parallel=true")
-    known = homogeneous_plan(profile, cluster, 16, replace(layout, split="megatron"))  # a layout of the megatron grid
+    known = homogeneous_plan(profile, cluster, 16, replace(layout, split="encoders-first"))  # a layout of the megatron grid
     assert known.predicted.fits and plan.predicted.step_time_s <= known.predicted.step_time_s * (1 + 1e-9)
