@@ -81,7 +81,22 @@ def solution_json(solution: Solution, output: str | os.PathLike, profile: Profil
         "peak_gpu_bytes": max((m.gpu for m in p.memory), default=0.0),
         "mfu": p.mfu,
         "why": why_solved(solution, profile) if profile is not None else {},
+        "other_placement": None if solution.other_placement is None else {
+            "placement": solution.other_placement[0], "layout": layout_text(solution.other_placement[1]),
+            "step_time_s": solution.other_placement[1].predicted.step_time_s, "why": other_placement_text(solution)},
     }
+
+
+def other_placement_text(solution: Solution) -> str:
+    """Under a forced placement, one sentence on the other placement's best plan (planner/solver/explain.py's why)."""
+    from planner.solver.explain import mechanisms, seconds_text
+
+    name, other = solution.other_placement
+    a, b = solution.step_time_s, other.predicted.step_time_s
+    verdict = f"{b / a:.2f}x slower" if b >= a else f"{a / b:.2f}x faster"
+    named = mechanisms(other, solution.plan) if b < a else []
+    return (f"the best {name} plan takes {seconds_text(b)} per step, {verdict} than this one"
+            + (f"; it differs in {'; '.join(named)}" if named else ""))
 
 
 def why_solved(solution: Solution, profile: Profile) -> dict[str, str]:
@@ -130,6 +145,8 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     for name, b in solution.baselines.items():
         lines.append(f"{name} baseline ({safe(layout_text(b).replace(chr(10), '; '))}) {b.predicted.step_time_s:.4g} s: "
                      f"speed-up [bold]{solution.speedup_over(name):.2f}x[/]; {safe(reasons[name])}")
+    if solution.other_placement is not None:
+        lines.append(safe(other_placement_text(solution)))
     if solution.structure == "baseline" and solution.plan.solver:
         lines.append(f"baseline: {safe(solution.plan.solver.notes)}")
     how = "proved optimal over the search space" if solution.proved_optimal else (

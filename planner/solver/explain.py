@@ -6,7 +6,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from cost_models.evaluate import Evaluation
-from plans.plan import Plan
+from cost_models.offload import overlaps_compute
+from plans.plan import Group, Plan
 
 PARTS = ("compute", "comm", "offload", "bubble")
 PART_TEXT = {"compute": "compute", "comm": "exposed communication", "offload": "exposed offload", "bubble": "bubble"}
@@ -28,13 +29,22 @@ class StageTime:
     bubble: float
 
 
-def _work(sc, micro_batches: int) -> tuple[float, float, float]:
-    """(compute, comm, offload) seconds of one stage on one of its ranks for a whole step."""
+def _work(sc, micro_batches: int, hides: bool) -> tuple[float, float, float]:
+    """(compute, comm, offload) seconds of one stage on one of its ranks for a whole step. The op time beyond compute
+    and blocking TP comm is what transfers and ZeRO's gathers / reduce-scatters left exposed; offload counts only what
+    the stage's tier transfers can account for (their time beyond the compute they hide behind, `hides`: on GPUs), the
+    rest is ZeRO communication -- so a plan that offloads nothing shows no offload."""
     t = sc.time
     compute = micro_batches * (t.fwd + t.bwd) + sc.optimizer_s
     blocking = t.fwd_comm + t.bwd_comm
     comm = micro_batches * blocking + sc.grad_sync_s + sc.param_gather_s
-    offload = max(0.0, micro_batches * (sc.fwd_s + sc.bwd_s - t.fwd - t.bwd - blocking))
+    offload = 0.0
+    for op_s, compute_s, op_comm, transfer in ((sc.fwd_s, t.fwd, t.fwd_comm, sc.transfer_fwd_s),
+                                               (sc.bwd_s, t.bwd, t.bwd_comm, sc.transfer_bwd_s)):
+        extra = max(0.0, op_s - compute_s - op_comm)
+        tiers = min(extra, max(0.0, transfer - compute_s) if hides else transfer)
+        offload += micro_batches * tiers
+        comm += micro_batches * (extra - tiers)
     return compute, comm, offload
 
 
@@ -46,11 +56,12 @@ def breakdown(plan: Plan, evaluation: Evaluation) -> tuple[StageTime, ...]:
     fixed = evaluation.simulation.overhead_s  # the runtime's per-step cost: compute on every rank
     per_rank: dict[int, list[float]] = defaultdict(lambda: [fixed, 0.0, 0.0])
     stage_ranks = {}
+    hides = overlaps_compute(plan.cluster)
     for sc in evaluation.stages:
         ranks = plan.group(sc.group).stages[sc.index].ranks
         stage_ranks[sc.group, sc.index] = ranks
         for r in ranks:
-            for i, v in enumerate(_work(sc, m)):
+            for i, v in enumerate(_work(sc, m, hides)):
                 per_rank[r][i] += v
     out = []
     for sc in evaluation.stages:
@@ -66,9 +77,10 @@ def per_gpu(plan: Plan, evaluation: Evaluation) -> dict[str, float]:
     m = plan.training.micro_batches
     fixed = evaluation.simulation.overhead_s  # the runtime's per-step cost: compute on every rank
     per_rank: dict[int, list[float]] = defaultdict(lambda: [fixed, 0.0, 0.0])
+    hides = overlaps_compute(plan.cluster)
     for sc in evaluation.stages:
         for r in plan.group(sc.group).stages[sc.index].ranks:
-            for i, v in enumerate(_work(sc, m)):
+            for i, v in enumerate(_work(sc, m, hides)):
                 per_rank[r][i] += v
     n = max(len(per_rank), 1)
     parts = {p: sum(w[i] for w in per_rank.values()) / n for i, p in enumerate(PARTS[:3])}
@@ -94,6 +106,9 @@ def why(a_name: str, a: Plan, a_eval: Evaluation, b_name: str, b: Plan, b_eval: 
     gains = [(d, p) for d, p in deltas if d > 0.05 * (ts - tf)]
     losses = [(-d, p) for d, p in deltas if -d > 0.05 * (ts - tf)]
     out = head
+    named = mechanisms(a if ta <= tb else b, b if ta <= tb else a)
+    if named:
+        out += f"; it saves {seconds_text(ts - tf)} per step with " + "; ".join(named)
     if gains:
         out += "; per GPU, " + " and ".join(f"{PART_TEXT[p]} falls from {seconds_text(ps[p])} to {seconds_text(pf[p])}"
                                            for _, p in gains[:2])
@@ -101,6 +116,72 @@ def why(a_name: str, a: Plan, a_eval: Evaluation, b_name: str, b: Plan, b_eval: 
     if losses:
         out += " It pays " + " and ".join(f"{seconds_text(d)} more {PART_TEXT[p]}" for d, p in losses[:2]) + " for that."
     return out
+
+
+def mechanisms(fast: Plan, slow: Plan) -> list[str]:
+    """What `fast` does differently from `slow`, per group of `fast` (its blocks found in `slow`'s groups): placement
+    (its own ranks, colocated, or a share of a pipeline stage), tp, dp, pipeline stages, ZeRO stage, recomputation,
+    sequence parallelism, memory tiers; then the step shape (micro-batch, schedule). Empty when they are alike."""
+    where = {b: (g, k) for g in slow.groups for k, st in enumerate(g.stages) for b in st.blocks}
+    out = []
+    for g in fast.groups:
+        if g.blocks[0] not in where:
+            continue
+        h, k = where[g.blocks[0]]
+        diffs = [d for d in (_placement(fast, g, slow, h, k), *_degrees(g, h, where)) if d]
+        if diffs:
+            out.append(f"{g.name}: " + ", ".join(diffs))
+    ta, tb = fast.training, slow.training
+    shape = []
+    if ta.micro_batch != tb.micro_batch:
+        shape.append(f"{ta.micro_batch} samples per micro-batch instead of {tb.micro_batch}")
+    if (ta.schedule, ta.virtual_stages) != (tb.schedule, tb.virtual_stages):
+        shape.append(f"schedule {_schedule(ta)} instead of {_schedule(tb)}")
+    return out + ([", ".join(shape)] if shape else [])
+
+
+def _schedule(training) -> str:
+    return f"interleaved:{training.virtual_stages}" if training.virtual_stages > 1 else training.schedule
+
+
+def _placement(fast: Plan, g: Group, slow: Plan, h: Group, k: int) -> str:
+    if len(fast.groups) == 1:
+        return ""
+    others = set(h.stages[k].blocks) - set(g.blocks)
+    if g.colocated_with:
+        return f"colocated on the ranks of {g.colocated_with}"
+    if others and len(g.ranks) != len(h.stages[k].ranks):
+        return f"on its own {len(g.ranks)} GPUs instead of sharing stage {k} of {h.name} ({len(h.stages[k].ranks)} GPUs)"
+    return f"on its own {len(g.ranks)} GPUs" if others else ""
+
+
+def _degrees(g: Group, h: Group, where: dict) -> list[str]:
+    spanned = len({(where[b][0].name, where[b][1]) for b in g.blocks if b in where})
+    out = [f"{name} {x} instead of {y}" for name, x, y in (("tp", g.tp, h.tp), ("dp", g.dp, h.dp)) if x != y]
+    if g.pp != spanned:
+        out.append(f"{g.pp} pipeline stage{'s' * (g.pp > 1)} instead of {spanned}")
+    if g.zero != h.zero:
+        out.append(f"ZeRO-{g.zero} instead of ZeRO-{h.zero}")
+    mine, theirs = _recompute(g, g.blocks), _recompute(h, g.blocks)
+    if mine != theirs:
+        out.append(f"recompute {mine} instead of {theirs}")
+    if g.tp > 1 and g.sequence_parallel != (h.sequence_parallel and h.tp > 1):
+        out.append("sequence parallelism " + ("on" if g.sequence_parallel else "off"))
+    tiers = lambda x: {(s.memory.params, s.memory.grads, s.memory.optimizer) for s in x.stages}  # noqa: E731
+    if tiers(g) != tiers(h) and {t for s in tiers(g) for t in s} | {t for s in tiers(h) for t in s} != {"gpu"}:
+        out.append("states in " + "/".join(sorted({t for s in tiers(g) for t in s})) + " tiers")
+    return out
+
+
+def _recompute(g: Group, blocks) -> str:
+    """The activation tiers of `blocks` in group g, in words: none, selective, full, or mixed."""
+    acts = {b: t for s in g.stages for b, t in s.memory.activations.items()}
+    kinds = {acts.get(b, "keep") for b in blocks}
+    if kinds <= {"keep"}:
+        return "none"
+    if len(kinds) == 1:
+        return {"recompute": "full", "selective": "selective"}.get(next(iter(kinds)), next(iter(kinds)))
+    return "partial (" + "/".join(sorted(kinds - {"keep"})) + ")"
 
 
 def seconds_text(seconds: float) -> str:

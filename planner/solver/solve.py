@@ -64,6 +64,7 @@ class Solution:
     stopped_early: bool  # the time limit ended the search
     gap: float  # 1 - smallest remaining bound / best step (0 when proved optimal)
     megatron: Plan | None = None  # the Megatron-style baseline (encoders on stage 0, LLM layers even)
+    other_placement: tuple[str, Plan] | None = None  # under a forced placement: the other one's best plan
 
     @property
     def step_time_s(self) -> float:
@@ -185,8 +186,36 @@ def solve(
     if search.best is not None and memory_tiers and not search.out_of_time():
         note("choosing memory tiers", 0.9)
         refine_tiers(search)
-    return _solution(search, profile, cluster, usable, setting, structures, memory_tiers, memory_reserve, homogeneous,
-                     megatron, proved, gap, started, note)
+    other = _other_placement(search, profile, usable, placement, setting, ms, solver)  # before the solve time is taken
+    return _with_other(_solution(search, profile, cluster, usable, setting, structures, memory_tiers, memory_reserve,
+                                 homogeneous, megatron, proved, gap, started, note), other, cluster, placement)
+
+
+def _with_other(solution: Solution, other: tuple[str, Plan] | None, cluster: Cluster, placement: str) -> Solution:
+    """The solution with the other placement's best plan attached and named in the solver notes."""
+    if other is None:
+        return solution
+    name, plan = other[0], replace(other[1], cluster=cluster)
+    info = replace(solution.plan.solver, notes=solution.plan.solver.notes + f"; the best {name} plan (placement "
+                   f"{placement} was forced): {plan.predicted.step_time_s:.4g} s")
+    return replace(solution, plan=replace(solution.plan, solver=info), other_placement=(name, plan))
+
+
+def _other_placement(search: Search, profile: Profile, usable: Cluster, placement: Placement, setting: Setting, ms,
+                     solver: Solver) -> tuple[str, Plan] | None:
+    """Under a forced --placement colocated | non-colocated: the best plan of the other placement (GPU-only tiers,
+    within what is left of the time limit), so that the user sees what the choice costs; None otherwise."""
+    if placement == "auto" or search.out_of_time():
+        return None
+    other: Structure = "non-colocated" if placement == "colocated" else "colocated"
+    found = [(s, u) for s, u in _structures(profile, usable, other) if s == other]
+    if not found:
+        return None
+    search.progress(f"the best {other} plan, for comparison", 0.95)
+    probe = Search(profile, usable, search.global_batch, search.schedule, search.deadline, search.progress, solver=solver,
+                   started=search.started, time_limit=search.time_limit)
+    branch_and_bound(probe, found, setting, ms, solver)
+    return (other, probe.best[1]) if probe.best is not None else None
 
 
 def _setting(profile: Profile, usable: Cluster, global_batch: int, schedule: Schedule, zeros: tuple[int, ...],
@@ -422,7 +451,8 @@ def run_solve(
     from plans.plan import save_plan
 
     if layout is not None and baseline is None:
-        raise MmplanError("--layout describes a homogeneous layout: use it with --baseline homogeneous")
+        raise MmplanError("--layout describes a one-layout plan: use it with --baseline homogeneous (exactly that layout) "
+                          "or --baseline megatron (the best Megatron-style plan with what it writes fixed)")
     profile = load_profile(profile_path)
     spec = parse_cluster(cluster, gpus_per_node)
     if baseline in ("homogeneous", "megatron") and layout is None:

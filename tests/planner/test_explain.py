@@ -92,3 +92,47 @@ def test_solve_says_why_its_plan_beats_each_baseline():
     for name, text in data["why"].items():
         assert text.startswith("the solved plan") or text.startswith(f"the {name} baseline")
         assert f"the {name} baseline" in text
+
+
+def test_exposed_zero_gathers_are_communication_not_offload():
+    # ZeRO-3 on gloo ranks: every gather is exposed (nothing overlaps there), yet the plan offloads nothing
+    profile, cluster = chain_profile(), parse_cluster("4xlocal-cpu")
+    plan = homogeneous_plan(profile, cluster, 8, "tp=1,pp=1,dp=4,zero=3")
+    ev = evaluate(plan, profile)
+    parts = per_gpu(plan, ev)
+    assert parts["offload"] == 0.0 and parts["comm"] > 0
+    assert all(r.offload == 0.0 for r in breakdown(plan, ev))
+    assert sum(parts.values()) == pytest.approx(ev.predicted.step_time_s, rel=1e-9)
+
+
+def test_why_names_the_layout_difference_and_the_time_it_saves(evaluated):
+    from planner.solver.explain import mechanisms, seconds_text
+
+    (a, ea), (b, eb) = evaluated["dp4"], evaluated["pp4"]
+    fast, slow = ((a, ea), (b, eb)) if ea.predicted.step_time_s < eb.predicted.step_time_s else ((b, eb), (a, ea))
+    named = mechanisms(fast[0], slow[0])
+    assert named and named[0].startswith("model: ")
+    assert f"dp {fast[0].groups[0].dp} instead of {slow[0].groups[0].dp}" in named[0]
+    assert f"{fast[0].groups[0].pp} pipeline stage" in named[0]
+    saved = slow[1].predicted.step_time_s - fast[1].predicted.step_time_s
+    assert f"it saves {seconds_text(saved)} per step with model: " in why("fast", fast[0], fast[1], "slow", slow[0], slow[1])
+    assert mechanisms(fast[0], fast[0]) == []
+
+
+def test_a_forced_placement_reports_the_best_plan_of_the_other_one():
+    from planner.profiler.profile import profile_model
+    from planner.commands.report import other_placement_text, solution_json
+    from planner.solver.solve import solve
+    from runtime.source import resolve
+
+    profile = profile_model(resolve("tiny-vlm"))
+    solution = solve(profile, parse_cluster("4xlocal-cpu"), 8, placement="non-colocated", time_limit=60)
+    name, other = solution.other_placement
+    assert name == "colocated" and other.predicted.fits
+    assert all(g.colocated_with for g in other.groups if g.name != other.groups[-1].name)
+    assert f"the best colocated plan (placement non-colocated was forced): {other.predicted.step_time_s:.4g} s" \
+        in solution.plan.solver.notes
+    assert other_placement_text(solution).startswith("the best colocated plan takes ")
+    data = solution_json(solution, "plan.json", profile)
+    assert data["other_placement"]["placement"] == "colocated"
+    assert solve(profile, parse_cluster("4xlocal-cpu"), 8, time_limit=60).other_placement is None
