@@ -103,6 +103,18 @@ def test_baseline_path_writes_that_layout(profiles, tmp_path):
     assert json.loads(r.stdout)["structure"] == "baseline"
 
 
+def test_megatron_with_a_layout_fixes_its_degrees_and_puts_the_encoders_first(profiles, tmp_path):
+    out = tmp_path / "plan.json"
+    r = invoke(profiles["llava-1.5-7b"], "--cluster", "16xh100-sxm", "--global-batch", 32, "-o", out,
+               "--baseline", "megatron", "--layout", "tp=4,pp=2,dp=2", "--json")
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    (g,) = plan.groups
+    assert (g.tp, g.pp, g.dp) == (4, 2, 2) and plan.solver.method == "baseline:megatron"
+    assert all(b.startswith("llm.") for b in g.stages[1].blocks)  # every encoder block on the first stage
+    assert "split=encoders-first" in plan.solver.notes
+
+
 @pytest.mark.parametrize("kind", ["zero3", "gpipe-even", "megatron"])
 def test_a_baselines_search_keeps_the_micro_batch_asked_for(profiles, tmp_path, kind):
     """--micro-batch (samples per micro-batch over the data-parallel replicas) binds --baseline's search too: it
@@ -116,6 +128,9 @@ def test_a_baselines_search_keeps_the_micro_batch_asked_for(profiles, tmp_path, 
 
 @pytest.mark.parametrize("args,message", [
     (("--layout", "tp=1,pp=1,dp=4"), "--baseline homogeneous"),
+    (("--layout", "tp=1,pp=1,dp=4"), "or --baseline megatron"),
+    (("--baseline", "megatron", "--layout", "tp=1,pp=1,dp=4,split=even"), "split must be one of layers, flops, encoders-first"),
+    (("--baseline", "zero3", "--layout", "tp=1,pp=1,dp=4"), "--layout applies to --baseline homogeneous or megatron"),
     (("--baseline", "homogeneous", "--layout", "tp=1,pp=1,dp=4", "--micro-batch", "4"), "micro-batch=N"),
     (("--baseline", "zero3", "--micro-batch", "2"), "not divisible by the baseline's 4 data-parallel replicas"),
     (("--baseline", "homogeneous", "--layout", "tp=2,pp=1,dp=2,sequence-parallel=true"), "drop sequence-parallel=true"),
