@@ -147,16 +147,17 @@ def best_homogeneous(profile: Profile, cluster: Cluster, global_batch: int, *, s
 
 MEGATRON_SCHEDULES = ("1f1b", "gpipe", "interleaved:2")
 ALL_ZEROS = (0, 1, 2, 3)
+MEGATRON_ZEROS = (0, 1)  # Megatron-LM's data parallelism: plain, or its distributed optimizer (ZeRO-1)
 MEGATRON_RECOMPUTES: tuple[Recompute, ...] = ("none", "selective", "full")
 
 
 def best_megatron(profile: Profile, cluster: Cluster, global_batch: int, *, schedules: Sequence[str] = MEGATRON_SCHEDULES,
-                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = ALL_ZEROS,
+                  micro_batches: Sequence[int] | None = None, zeros: Sequence[int] = MEGATRON_ZEROS,
                   recomputes: Sequence[Recompute] = MEGATRON_RECOMPUTES, per_step_micro_batch: int | None = None,
                   deadline: float = math.inf, sequence_parallels: Sequence[bool] = (False, True),
                   layout: str | None = None) -> Plan:
     """The fastest Megatron-style plan (Megatron-LM's MIMO recipe): encoders and projectors on the first pipeline
-    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage (1: Megatron's distributed optimizer) /
+    stage, the LLM's layers split evenly by count, one tp / dp / ZeRO stage (0, or 1: Megatron's distributed optimizer) /
     recompute (none, selective: the attention core, full) / sequence parallelism / micro-batch (every divisor) /
     schedule for all -- searched over every such layout the runtime runs. per_step_micro_batch: only layouts whose
     micro-batch over all replicas (dp x micro-batch) is this (solve --micro-batch). layout (solve --baseline megatron

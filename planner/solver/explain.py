@@ -128,7 +128,7 @@ def mechanisms(fast: Plan, slow: Plan) -> list[str]:
         if g.blocks[0] not in where:
             continue
         h, k = where[g.blocks[0]]
-        diffs = [d for d in (_placement(fast, g, slow, h, k), *_degrees(g, h, where)) if d]
+        diffs = [d for d in (_placement(fast, g, h, k), *_degrees(g, h, where)) if d]
         if diffs:
             out.append(f"{g.name}: " + ", ".join(diffs))
     ta, tb = fast.training, slow.training
@@ -144,9 +144,10 @@ def _schedule(training) -> str:
     return f"interleaved:{training.virtual_stages}" if training.virtual_stages > 1 else training.schedule
 
 
-def _placement(fast: Plan, g: Group, slow: Plan, h: Group, k: int) -> str:
-    if len(fast.groups) == 1:
-        return ""
+def _placement(fast: Plan, g: Group, h: Group, k: int) -> str:
+    """Where group g of `fast` runs, against stage k of group h of the slower plan, which holds g's first block."""
+    if len(fast.groups) == 1 or any(o.colocated_with == g.name for o in fast.groups):
+        return ""  # one layout, or a group whose ranks colocated groups share: not on ranks of its own
     others = set(h.stages[k].blocks) - set(g.blocks)
     if g.colocated_with:
         return f"colocated on the ranks of {g.colocated_with}"
@@ -167,10 +168,16 @@ def _degrees(g: Group, h: Group, where: dict) -> list[str]:
         out.append(f"recompute {mine} instead of {theirs}")
     if g.tp > 1 and g.sequence_parallel != (h.sequence_parallel and h.tp > 1):
         out.append("sequence parallelism " + ("on" if g.sequence_parallel else "off"))
-    tiers = lambda x: {(s.memory.params, s.memory.grads, s.memory.optimizer) for s in x.stages}  # noqa: E731
-    if tiers(g) != tiers(h) and {t for s in tiers(g) for t in s} | {t for s in tiers(h) for t in s} != {"gpu"}:
-        out.append("states in " + "/".join(sorted({t for s in tiers(g) for t in s})) + " tiers")
+    mine_tiers, their_tiers = _state_tiers(g), _state_tiers(h)
+    if mine_tiers != their_tiers:
+        out.append("parameters / gradients / optimizer state in " + "/".join(sorted(mine_tiers)) + " instead of "
+                   + "/".join(sorted(their_tiers)))
     return out
+
+
+def _state_tiers(g: Group) -> set[str]:
+    """The tiers holding a group's parameters, gradients and optimizer state (gpu, cpu, nvme)."""
+    return {t for s in g.stages for t in (s.memory.params, s.memory.grads, s.memory.optimizer)}
 
 
 def _recompute(g: Group, blocks) -> str:

@@ -136,7 +136,8 @@ def solve(
     passes the process start); the search returns the best plan so far and says it stopped early.
     memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
     that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
-    stages searched (by the solver and both baselines). sequence_parallel: the sequence-parallelism settings searched
+    stages searched (by the solver and the homogeneous baseline; the Megatron-style one keeps those of 0 and 1, plain
+    data parallelism and Megatron's distributed optimizer). sequence_parallel: the sequence-parallelism settings searched
     for tp > 1 (by the solver and both baselines; only where tp divides the sequence). megatron_schedules: the
     Megatron-style baseline's schedules (default 1F1B, GPipe and interleaved 1F1B; `solve --schedule` given
     explicitly narrows them to what it asks for, so a baseline emitted as the plan keeps the requested schedule).
@@ -332,7 +333,8 @@ def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_b
     """The best Megatron-style plan (planner/baselines.best_megatron) for the same request, on the real cluster."""
     try:
         plan = baselines.best_megatron(profile, usable, global_batch, per_step_micro_batch=micro_batch, deadline=search.deadline,
-                                       zeros=zeros, sequence_parallels=sequence_parallel, schedules=schedules)
+                                       zeros=tuple(z for z in zeros if z in baselines.MEGATRON_ZEROS) or (0,),
+                                       sequence_parallels=sequence_parallel, schedules=schedules)
     except ImpossiblePrediction:  # inconsistent inputs: an error for every plan, never a skipped candidate
         raise
     except MmplanError:

@@ -295,8 +295,10 @@ def test_best_megatron_searches_zero_and_schedules_and_every_stage_zero_holds_th
     (g,) = plan.groups
     encoders = {b.name for b in tiny.blocks[:llm_start(tiny)]}
     assert encoders <= set(g.stages[0].blocks)
-    specs = grid_layouts(tiny, four, 8, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), split="encoders-first")
-    assert {s.zero for s in specs} == {0, 1, 2, 3} and {s.schedule for s in specs} >= {"1f1b", "gpipe"}
+    specs = grid_layouts(tiny, four, 8, schedules=ALL_SCHEDULES, zeros=(0, 1), split="encoders-first",
+                         recomputes=("none", "selective", "full"))
+    assert {s.zero for s in specs} == {0, 1} and {s.schedule for s in specs} >= {"1f1b", "gpipe"}
+    assert {g.zero for g in plan.groups} <= {0, 1}  # Megatron's data parallelism: plain or its distributed optimizer
     fitting = [p for p in (homogeneous_plan(tiny, four, 8, s) for s in specs) if p.predicted.fits]
     assert plan.predicted.step_time_s == pytest.approx(min(p.predicted.step_time_s for p in fitting), rel=1e-9)
 
@@ -334,7 +336,7 @@ def test_a_fitting_full_recompute_layout_is_not_dropped_for_a_cheaper_one_the_gr
 
     profile = profile_model(resolve("qwen2-vl-72b"))
     cluster = usable_cluster(parse_cluster("16xa100-80g"), 0.1)
-    plan = best_megatron(profile, cluster, 16)
+    plan = best_megatron(profile, cluster, 16, zeros=(0, 1, 2, 3))  # ZeRO-3 too: the layout below needs it
     assert plan.predicted.fits and "no layout fits" not in plan.solver.notes
     layout = parse_layout("tp=4,pp=2,dp=2,micro-batch=1,schedule=interleaved:2,recompute=full,zero=3,sequence-parallel=true")
     known = homogeneous_plan(profile, cluster, 16, replace(layout, split="encoders-first"))  # a layout of the megatron grid
