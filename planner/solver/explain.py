@@ -163,9 +163,9 @@ def _degrees(g: Group, h: Group, where: dict) -> list[str]:
         out.append(f"{g.pp} pipeline stage{'s' * (g.pp > 1)} instead of {spanned}")
     if g.zero != h.zero:
         out.append(f"ZeRO-{g.zero} instead of ZeRO-{h.zero}")
-    mine, theirs = _recompute(g, g.blocks), _recompute(h, g.blocks)
+    mine, theirs = _activations(g, g.blocks), _activations(h, g.blocks)
     if mine != theirs:
-        out.append(f"recompute {mine} instead of {theirs}")
+        out.append(f"activations {mine} instead of {theirs}")
     if g.tp > 1 and g.sequence_parallel != (h.sequence_parallel and h.tp > 1):
         out.append("sequence parallelism " + ("on" if g.sequence_parallel else "off"))
     mine_tiers, their_tiers = _state_tiers(g), _state_tiers(h)
@@ -180,15 +180,13 @@ def _state_tiers(g: Group) -> set[str]:
     return {t for s in g.stages for t in (s.memory.params, s.memory.grads, s.memory.optimizer)}
 
 
-def _recompute(g: Group, blocks) -> str:
-    """The activation tiers of `blocks` in group g, in words: none, selective, full, or mixed."""
+def _activations(g: Group, blocks) -> str:
+    """Where group g keeps the saved activations of `blocks`, in words: kept, selective / full recompute, offloaded,
+    or the mix of those."""
     acts = {b: t for s in g.stages for b, t in s.memory.activations.items()}
-    kinds = {acts.get(b, "keep") for b in blocks}
-    if kinds <= {"keep"}:
-        return "none"
-    if len(kinds) == 1:
-        return {"recompute": "full", "selective": "selective"}.get(next(iter(kinds)), next(iter(kinds)))
-    return "partial (" + "/".join(sorted(kinds - {"keep"})) + ")"
+    words = {"keep": "kept", "selective": "selective recompute", "recompute": "full recompute"}
+    kinds = sorted({words.get(acts.get(b, "keep"), acts.get(b, "keep")) for b in blocks})
+    return kinds[0] if len(kinds) == 1 else "partly " + " / ".join(kinds)
 
 
 def seconds_text(seconds: float) -> str:

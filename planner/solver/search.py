@@ -50,6 +50,8 @@ class Search:
     started: float = field(default_factory=time.perf_counter)
     time_limit: float | None = None
     floor: float = 0.0  # the smallest bound not yet ruled out in the current branch and bound (progress only)
+    phase_stopped: bool = False  # a phase held to a share of the time limit (solve's chain structure) stopped at it
+    resume_deadline: float | None = None  # the whole time limit's deadline while such a phase runs
 
     def report(self, step: str, fraction: float) -> None:
         """Progress with the incumbent and the bound; the fraction is the share of the time limit used, if any."""

@@ -170,7 +170,7 @@ def solve(
         search.best = (search.best[0], search.best[1], "baseline")  # outside the requested placement: a baseline
     # 2. the Megatron-style baseline (its grid of homogeneous layouts, searched by baseline_search.search)
     megatron = None
-    if baseline and not search.out_of_time():
+    if baseline and not _end_phase(search).out_of_time():
         note("Megatron-style baseline", 0.3)
         megatron = _megatron_plan(profile, cluster, usable, global_batch, micro_batch, search, memory_reserve, zeros,
                                   sequence_parallel, megatron_schedules)
@@ -241,9 +241,25 @@ def _chain_first(search: Search, profile: Profile, structures, setting: Setting,
     gap = 0.0
     offload = False
     if chain and emit != "megatron":
+        # under a time limit, with the Megatron-style baseline to search after it, the chain (and its tiers) get
+        # CHAIN_SHARE of it: the rest searches that baseline, so the plan is never slower than it for want of time
+        if baseline and emit == "best" and math.isfinite(search.deadline):
+            search.resume_deadline = search.deadline
+            search.deadline = search.started + CHAIN_SHARE * (search.deadline - search.started)
         quick_incumbent(search, chain[0][1], setting, ms)  # a plan to return even under a very short time limit
         proved, gap, offload = _search(search, chain, setting, ms, solver, memory_tiers, offload)
     return chain, rest, proved, gap, offload
+
+
+def _end_phase(search: Search) -> Search:
+    """The chain's share of the time limit is over: the whole limit again, a stop at the share remembered."""
+    if search.resume_deadline is not None:
+        search.phase_stopped, search.stopped_early = search.stopped_early, False
+        search.deadline, search.resume_deadline = search.resume_deadline, None
+    return search
+
+
+CHAIN_SHARE = 0.6  # of a --time-limit the chain structure may use when the Megatron-style baseline follows it
 
 
 def _megatron_unfit(profile: Profile, usable: Cluster, megatron: Plan | None) -> MmplanError:
@@ -260,6 +276,7 @@ def _solution(search: Search, profile: Profile, cluster: Cluster, usable: Cluste
               memory_tiers: bool, memory_reserve: float, homogeneous: Plan | None, megatron: Plan | None, proved: bool,
               gap: float, started: float, note: Progress) -> Solution:
     """The end of solve: the search's best plan, or a baseline when it is faster (or the search found none)."""
+    search.stopped_early = search.stopped_early or search.phase_stopped
     mega_fits = megatron is not None and megatron.predicted.fits
     if search.best is None and not mega_fits:
         raise no_fit(profile, usable, setting, structures, memory_tiers, search.stopped_early)

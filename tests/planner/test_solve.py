@@ -528,3 +528,20 @@ def test_no_memory_tiers_holds_for_the_homogeneous_baseline_too(zoo_profiles):
                 m = stage.memory
                 assert (m.params, m.grads, m.optimizer) == ("gpu", "gpu", "gpu")
                 assert set(m.activations.values()) <= {"recompute", "selective"}, m.activations
+
+
+def test_a_time_limit_leaves_the_megatron_baseline_its_share():
+    """The chain structure is held to CHAIN_SHARE of --time-limit, so the Megatron-style baseline is still searched
+    (at 1,536 A100s a 60 s limit used to go to the chain alone, and the plan came out 0.95x of Megatron's)."""
+    from planner.profiler.profile import profile_model
+    from planner.solver.search import Search
+    from planner.solver.solve import CHAIN_SHARE, _end_phase
+    from runtime.source import resolve
+
+    search = Search(None, None, 8, "1f1b", deadline=110.0, progress=lambda *a: None, started=10.0)
+    search.resume_deadline, search.deadline, search.stopped_early = 110.0, 10.0 + CHAIN_SHARE * 100.0, True
+    assert _end_phase(search) is search and (search.deadline, search.resume_deadline) == (110.0, None)
+    assert search.phase_stopped and not search.stopped_early
+    profile = profile_model(resolve("tiny-vlm"))
+    solution = solve(profile, parse_cluster("4xlocal-cpu"), 8, time_limit=30)
+    assert solution.megatron is not None and solution.step_time_s <= solution.megatron.predicted.step_time_s * (1 + 1e-9)
