@@ -136,8 +136,7 @@ def solve(
     passes the process start); the search returns the best plan so far and says it stopped early.
     memory_reserve: fraction of each GPU's memory every plan leaves free. emit: "homogeneous" / "megatron" return
     that baseline as the plan (solve --baseline), found exactly as the full solve finds it. zeros: the ZeRO
-    stages searched (by the solver and the homogeneous baseline; the Megatron-style one keeps those of 0 and 1, plain
-    data parallelism and Megatron's distributed optimizer). sequence_parallel: the sequence-parallelism settings searched
+    stages searched (by the solver and the homogeneous baseline; the Megatron-style one keeps 0 and 1). sequence_parallel: the sequence-parallelism settings searched
     for tp > 1 (by the solver and both baselines; only where tp divides the sequence). megatron_schedules: the
     Megatron-style baseline's schedules (default 1F1B, GPipe and interleaved 1F1B; `solve --schedule` given
     explicitly narrows them to what it asks for, so a baseline emitted as the plan keeps the requested schedule).
