@@ -103,11 +103,14 @@ def pass_times(fwd: Sequence[float], bwd: Sequence[float], gather: Sequence[floa
 
 
 def segment_times(fwd: np.ndarray, bwd: np.ndarray, gather: np.ndarray, scatter: np.ndarray, *, share: float,
-                  backward_gather: bool = True, host_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                  backward_gather: bool = True, host_s: float = 0.0,
+                  positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """pass_times of every segment [i, j) of a unit's blocks at once, as (n+1, n+1) arrays (entry [i, j]; 0 where
     j <= i): per-block terms of the formulas at the top summed with prefix sums, the edge terms (the first gather,
-    the last reduce-scatter, the backward's two end blocks) added per segment."""
+    the last reduce-scatter, the backward's two end blocks) added per segment. positions: only the segments between
+    these block indices, as (K, K) arrays (the solver's cut positions, planner/solver/segments.cut_positions)."""
     n = len(fwd)
+    pos = np.arange(n + 1) if positions is None else np.asarray(positions)
     fwd, bwd, g, r = (np.asarray(a, dtype=float) for a in (fwd, bwd, gather, scatter))
     gb = g if backward_gather else np.zeros(n)
     c = np.where((g > 0) | (r > 0), np.maximum(fwd, host_s), fwd)
@@ -115,8 +118,8 @@ def segment_times(fwd: np.ndarray, bwd: np.ndarray, gather: np.ndarray, scatter:
     zero = np.zeros(1)
     nxt_g, prv_g = np.concatenate((g[1:], zero)), np.concatenate((zero, gb[:-1]))
     nxt_r = np.concatenate((r[1:], zero))
-    i = np.arange(n + 1)[:, None]
-    j = np.arange(n + 1)[None, :]
+    i = pos[:, None]
+    j = pos[None, :]
     valid = j > i
     ii, jl = np.minimum(i, n - 1), np.clip(j - 1, 0, n - 1)  # the segment's first and last block (clamped)
 

@@ -213,8 +213,9 @@ def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_gr
                 raise MmplanError(f"block {b!r} of group {ch.group!r} is not in the profile of {profile.model!r}; re-solve the plan for this profile")
     measured = profile.micro_batch if measured_on(profile, cluster) else None
     inputs = block_input_bytes(profile)
+    memo: dict = {}  # block_time of blocks equal but for their name, shared (a model's identical layers)
     costs = [_cost_chunk(ch, group_of[ch.group], plan, blocks, cluster, measured, inputs, fused_grad_accumulation,
-                         grad_bytes, **block_kw) for ch in graph.chunks]
+                         grad_bytes, memo, **block_kw) for ch in graph.chunks]
     lags, sent = zip(*(route_time(graph, r, cluster) for r in graph.routes)) if graph.routes else ((), ())
     if blocking_p2p and graph.routes:  # the sends become part of the tasks (see the docstring)
         for i, r in enumerate(graph.routes):
@@ -304,11 +305,25 @@ def _tail_ops(ops: _Ops, graph, tails, stage_of, stage_classes) -> tuple[list[in
 # --- costs -------------------------------------------------------------------------------------------
 
 
+_CONTENT = tuple(f for f in Block.__dataclass_fields__ if f not in ("name", "group"))
+
+
+def _content(b: Block, memo: dict) -> tuple:
+    """A block's fields but its name and group (equal for a model's identical layers), kept in `memo` by identity."""
+    key = ("content", id(b))
+    out = memo.get(key)
+    if out is None:
+        out = memo[key] = tuple(getattr(b, f) for f in _CONTENT)
+    return out
+
+
 def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], cluster: Cluster, measured: int | None,
                 inputs: dict[str, float], fused_grad_accumulation: bool = False, grad_bytes: int | None = None,
-                **block_kw) -> _Cost:
+                memo: dict | None = None, **block_kw) -> _Cost:
     """A chunk's per-micro-batch compute, TP comm, transfers and overlapped ZeRO collectives on one rank; `grad_bytes`:
-    bytes per gradient element ZeRO-2/3 reduce-scatters (simulate's grad_sync_bytes); `block_kw`: block_time's switches."""
+    bytes per gradient element ZeRO-2/3 reduce-scatters (simulate's grad_sync_bytes); `block_kw`: block_time's switches;
+    memo: block times of one simulation, shared by blocks equal but for their name and group."""
+    memo = {} if memo is None else memo
     training = plan.training
     mem = g.stages[ch.stage].memory
     cost = _Cost()
@@ -322,8 +337,12 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         b = blocks[name]
         t = tp_shard(b, g.tp)
         tier = mem.activations.get(name, "keep")
-        op = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured, recompute=tier,
-                        sequence_parallel=g.sequence_parallel, input_bytes=inputs.get(name, 0.0), **block_kw)
+        key = (_content(b, memo), samples, g.tp, tier, g.sequence_parallel, inputs.get(name, 0.0))
+        op = memo.get(key)
+        if op is None:
+            op = memo[key] = block_time(b, samples, g.tp, cluster, dtype=training.dtype, measured_micro_batch=measured,
+                                        recompute=tier, sequence_parallel=g.sequence_parallel,
+                                        input_bytes=inputs.get(name, 0.0), **block_kw)
         time += op
         per_block.append((op.fwd, op.bwd, b.params / t * width, 0.0 if b.frozen else b.params / t * width))
         if t > 1 and b.vocab_parallel:  # one all-reduce: the embedding's output, the head's input gradient

@@ -10,6 +10,7 @@ from typing import Any
 import networkx as nx
 
 from plans.errors import FormatError
+from plans.limits import MAX_BLOCKS
 from plans.serial import OMIT_DEFAULT, dumps, from_data, read_json, to_data, validate, write_atomic
 
 PROFILE_SCHEMA = "mmplan.profile/2"
@@ -253,11 +254,39 @@ def check(profile: Profile, what: str = "profile") -> Profile:
     return profile
 
 
+# items of a profile's arrays equal but for their names are validated once (plans/serial.validate)
+DISTINCT = {("blocks",): ("name",), ("edges",): ("src", "dst"), ("inputs",): ("input", "dst")}
+
+
 def profile_from_data(data: Any, what: str = "profile") -> Profile:
     if isinstance(data, dict) and "schema" in data and data["schema"] != PROFILE_SCHEMA:
         raise FormatError(f"{what}: schema {data['schema']!r} is not supported (expected {PROFILE_SCHEMA!r})")
-    validate(data, "profile", what)
+    precheck(data, what)
+    validate(data, "profile", what, distinct=DISTINCT)
     return check(from_data(Profile, data), what)
+
+
+def precheck(data: Any, what: str) -> None:
+    """The checks that cost little, before the schema (seconds on a large file): the number of blocks against
+    MAX_BLOCKS, and the fingerprint when the fields it is computed from are well-formed (else the schema names
+    the problem)."""
+    if not isinstance(data, dict) or not isinstance(data.get("blocks"), list):
+        return
+    blocks = data["blocks"]
+    if len(blocks) > MAX_BLOCKS:
+        raise FormatError(f"{what} has {len(blocks):,} blocks, more than the {MAX_BLOCKS:,} mmplan plans for; "
+                          "is it the right file?")
+    edges, loss = data.get("edges"), data.get("loss")
+    if not (isinstance(edges, list) and isinstance(loss, list) and isinstance(data.get("fingerprint"), str)):
+        return
+    if not (all(isinstance(b, dict) and isinstance(b.get("name"), str) and isinstance(b.get("structure", ""), str)
+                for b in blocks)
+            and all(isinstance(e, dict) and isinstance(e.get("src"), str) and isinstance(e.get("dst"), str) for e in edges)
+            and all(isinstance(x, str) for x in loss)):
+        return
+    expected = fingerprint([(b["name"], b.get("structure", "")) for b in blocks], [(e["src"], e["dst"]) for e in edges], loss)
+    if data["fingerprint"] != expected:
+        raise FormatError(f"{what}: fingerprint {data['fingerprint']} does not match its blocks ({expected}); was it edited?")
 
 
 def load_profile(path: str | os.PathLike) -> Profile:

@@ -10,6 +10,7 @@ from typing import Any
 
 from plans.errors import FormatError
 from plans.graph import Profile
+from plans.limits import MAX_BLOCKS
 from plans.plan_types import (PLAN_SCHEMA, ActivationTier, DType, Flow, FlowBlock, Group, Memory, Plan, Predicted,
                               ProfileRef, RankMemory, Schedule, SolverInfo, Stage, Tier, Training)
 from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
@@ -25,8 +26,21 @@ __all__ = ["PLAN_SCHEMA", "ActivationTier", "DType", "Flow", "FlowBlock", "Group
 def plan_from_data(data: Any, what: str = "plan", *, profile: Profile | None = None) -> Plan:
     """Parsed JSON -> checked Plan; with a profile, a missing flow is taken from it."""
     _check_version(data.get("schema") if isinstance(data, dict) else None, what)
-    validate(data, "plan", what)
+    _precheck(data, what)
+    validate(data, "plan", what, distinct=DISTINCT)
     return _check(from_data(Plan, data), profile, what)
+
+
+DISTINCT = {("flow", "blocks"): ("name",)}  # flow blocks equal but for their names are validated once
+
+
+def _precheck(data: Any, what: str) -> None:
+    """The block count of the plan's flow, before the schema (plans/graph.precheck's bound)."""
+    flow = data.get("flow") if isinstance(data, dict) else None
+    blocks = flow.get("blocks") if isinstance(flow, dict) else None
+    if isinstance(blocks, list) and len(blocks) > MAX_BLOCKS:
+        raise FormatError(f"{what} has {len(blocks):,} blocks, more than the {MAX_BLOCKS:,} mmplan plans for; "
+                          "is it the right file?")
 
 
 def load_plan(path: str | os.PathLike, *, profile: Profile | None = None) -> Plan:
@@ -45,7 +59,7 @@ def check_plan(plan: Plan, profile: Profile | None = None, what: str = "plan", *
     schema=False skips the JSON Schema (the solver's candidates: typed in code, validated when saved)."""
     _check_version(plan.schema, what)
     if schema:
-        validate(to_data(plan), "plan", what)
+        validate(to_data(plan), "plan", what, distinct=DISTINCT)
     return _check(plan, profile, what)
 
 

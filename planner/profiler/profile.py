@@ -31,9 +31,10 @@ from runtime.fake_exec import MetaFloats
 from runtime.source import ModelSource, call_factory, model_dtype
 from plans.errors import MmplanError
 from plans.graph import Profile, ProfileOptions
+from plans.limits import MAX_BLOCKS
 from planner.profiler.analyse import analyse, cast_model
 from planner.profiler.assemble import adopted_parameters, assemble, token_vocab
-from planner.profiler.blocks import auto_groups, check_overrides, freeze_blocks
+from planner.profiler.blocks import auto_groups, check_overrides, discover_blocks, freeze_blocks
 from planner.profiler.measure import device_name, measure_blocks, rank_threads
 from planner.profiler.shape import model_shapes
 
@@ -79,6 +80,9 @@ def profile_model(
         note(f"profiling in {dtype} ({where}; --dtype to change)", 0.05)
     batch = cast_model(model, batch, DTYPES[dtype])
     freeze_blocks(model, freeze, source.name)
+    blocks = len(discover_blocks(model))
+    if blocks > MAX_BLOCKS:  # before the trace, whose time and the solver's grow with them
+        raise MmplanError(f"{source.name} has {blocks:,} blocks, more than the {MAX_BLOCKS:,} mmplan plans for")
     note("tracing forward and backward", 0.1)
     try:
         records, trace = analyse(model, batch, fake=fake, fused=fused, softmax_grad_in_memory=softmax_grad_in_memory)

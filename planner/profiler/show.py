@@ -27,19 +27,22 @@ def group_totals(profile: Profile) -> dict[str, dict[str, float]]:
 
 def group_modules(profile: Profile) -> dict[str, str]:
     """Per group: the module subtrees holding its blocks — for each block its highest ancestor under which every
-    block is of the same group (at most three shown)."""
-    group = {b.name: b.group for b in profile.blocks}
-    roots: dict[str, list[str]] = defaultdict(list)
+    block is of the same group (at most three shown). Linear in blocks x name depth (a 10,000-block profile)."""
+    under: dict[str, set[str]] = defaultdict(set)  # module path -> the groups of the blocks strictly under it
+    for b in profile.blocks:
+        parts = b.name.split(".")
+        for i in range(1, len(parts)):
+            under[".".join(parts[:i])].add(b.group)
+    roots: dict[str, dict[str, None]] = defaultdict(dict)
     for b in profile.blocks:
         parts, best = b.name.split("."), b.name
         for i in range(len(parts) - 1, 0, -1):
             prefix = ".".join(parts[:i])
-            if any(g != b.group for n, g in group.items() if n.startswith(prefix + ".")):
+            if under[prefix] != {b.group}:
                 break
             best = prefix
-        if best not in roots[b.group]:
-            roots[b.group].append(best)
-    return {g: ", ".join(r[:3]) + (", ..." if len(r) > 3 else "") for g, r in roots.items()}
+        roots[b.group].setdefault(best)
+    return {g: ", ".join(list(r)[:3]) + (", ..." if len(r) > 3 else "") for g, r in roots.items()}
 
 
 def cross_group_edges(profile: Profile) -> list[tuple[str, str, str, str, float]]:

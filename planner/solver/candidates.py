@@ -292,7 +292,7 @@ def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
             if any(b <= a for a, b in zip(cuts, cuts[1:])):
                 continue
             starts, ends = np.array((0, *cuts)), np.array((*cuts, n))
-            if _stage_preds(seg.unit, starts):
+            if _stage_preds(seg.unit, seg.positions[starts]):
                 continue  # not a linear pipeline of chunks
             flights = np.array([in_flight("interleaved", m, warmup_forwards("interleaved", m, pp - 1 - k, v, pp), v)
                                 for k in range(pp)])
@@ -321,8 +321,8 @@ def _interleaved(seg: Segments, depth: int, limit: float) -> list[Layout]:
             chunk_fwd, chunk_bwd = tuple(best_chunks[0].tolist()), tuple(best_chunks[1].tolist())
             rows = [tuple(r) for r in best_rows.tolist()]
             out.append(Layout(
-                unit=seg.unit.name, schedule="1f1b", micro_batches=m, tp=seg.tp, dp=seg.dp, zero=seg.zero, cuts=cuts,
-                reshard_after_forward=seg.reshard_after_forward,
+                unit=seg.unit.name, schedule="1f1b", micro_batches=m, tp=seg.tp, dp=seg.dp, zero=seg.zero,
+                cuts=tuple(int(seg.positions[c]) for c in cuts), reshard_after_forward=seg.reshard_after_forward,
                 policies=tuple(choice), downstream=None, assumed_downstream=0, fwd=rows[0], bwd=rows[1],
                 lag=(0.0,) * (pp - 1), tail=rows[2], optimizer=rows[3], gather=rows[4], gpu_bytes=rows[5], cpu_bytes=rows[6],
                 nvme_bytes=rows[7], samples=seg.samples, out_bytes=seg.unit.out_bytes, slowest=slowest,
@@ -335,7 +335,7 @@ def _send(seg: Segments, link: Link) -> np.ndarray:
     cross = np.zeros(seg.n + 1)
     tp_link = _tp_link(seg)
     for j in range(1, seg.n):
-        cross[j] = 2 * hand_over_time(seg.unit.cross_bytes[j] * seg.samples, seg.tp, link, tp_link)
+        cross[j] = 2 * hand_over_time(seg.unit.cross_bytes[seg.positions[j]] * seg.samples, seg.tp, link, tp_link)
     return cross
 
 
@@ -347,6 +347,7 @@ def _tp_link(seg: Segments) -> Link:
 
 def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None,
             links: Sequence[Link] | None = None) -> Layout:
+    """The layout of the DP's cuts (indices of seg.positions; the layout's are block indices)."""
     st, cl = seg.setting, seg.setting.cluster
     starts = np.array((0, *cuts), dtype=np.int64)
     ends = np.array((*cuts, seg.n), dtype=np.int64)
@@ -362,6 +363,8 @@ def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: floa
         for row, x in enumerate((*seg.time(pol), *seg.memory(pol))):
             figures[row, sel] = x[a, b]
     fwd, bwd, tail, opt, gather, g0, g1, c0, c1, n0, n1 = figures[:11]
+    starts, ends = seg.positions[starts], seg.positions[ends]  # block indices from here on
+    cuts = tuple(int(c) for c in starts[1:])
     stage_ranks = seg.tp * seg.dp
     links = links if links is not None else [_stage_link(cl, stage_ranks, k) for k in range(len(cuts))]
     lag = tuple(hand_over_time(seg.unit.cross_bytes[c] * seg.samples, seg.tp, links[k], _tp_link(seg))

@@ -10,7 +10,7 @@ from planner.solver.construct import GroupLayout, build_plan, megatron_ranks, wi
 from planner.solver.layout_spec import LayoutSpec, Recompute, Split
 from plans.cluster import Cluster
 from plans.errors import MmplanError
-from plans.graph import Profile
+from plans.graph import Block, Profile
 from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
 
 # Vocabulary: a "layer" is a transformer layer, i.e. a block that supports tensor parallelism (the profiler
@@ -100,13 +100,22 @@ def spec_stages(profile: Profile, spec: LayoutSpec) -> list[tuple[str, ...]]:
     return [tuple(b for k in range(i, len(chunks), spec.pp) for b in chunks[k]) for i in range(spec.pp)]
 
 
+_BY_NAME: list = [None, {}]  # the last profile asked for and its blocks by name (a search asks once per stage)
+
+
+def _by_name(profile: Profile) -> dict[str, Block]:
+    if _BY_NAME[0] is not profile:
+        _BY_NAME[:] = [profile, {b.name: b for b in profile.blocks}]
+    return _BY_NAME[1]
+
+
 def recomputed_tiers(profile: Profile, blocks: Iterable[str], recompute: Recompute) -> dict[str, str]:
     """Activation tiers for `recompute`: full = every block recomputed; layers = the transformer layers recomputed
     whole (DeepSpeed-style activation checkpointing); selective = Megatron's selective recomputation, the attention
     core of every block that has one (Korthikanti et al. 2022, section 5; the runtime's "selective" tier)."""
     if recompute == "none":
         return {}
-    by_name = {b.name: b for b in profile.blocks}
+    by_name = _by_name(profile)
     if recompute == "selective":
         return {b: "selective" for b in blocks if by_name[b].attention_core_bytes > 0}
     return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}

@@ -43,18 +43,33 @@ def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = No
     return np.where(x > 0, a + b * x, 0.0)
 
 
-def _span(values: np.ndarray) -> np.ndarray:
-    """S[i, j] = sum of values[i:j] (j > i)."""
-    c = np.concatenate(([0.0], np.cumsum(values)))
+# A unit of more blocks than this is cut only at this many evenly spaced positions (block indices): the segment
+# figures are (positions x positions) matrices and the DP's time is quadratic in them, so a profile of 10,000 blocks
+# costs what one of 256 does (issue 30: 3,000 blocks ran out of memory). Figures stay exact sums over the blocks
+# between two positions; only where a stage may start is coarser. Units of up to this many blocks are unchanged.
+MAX_CUT_POSITIONS = 256
+
+
+def cut_positions(n: int, limit: int = MAX_CUT_POSITIONS) -> np.ndarray:
+    """The block indices 0 = p_0 < ... < p_K = n where a unit of n blocks may be cut (every index when n <= limit)."""
+    if n <= limit:
+        return np.arange(n + 1)
+    return np.unique(np.round(np.linspace(0, n, limit + 1)).astype(np.int64))
+
+
+def _span(values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """S[a, b] = sum of values[positions[a]:positions[b]] (b > a)."""
+    c = np.concatenate(([0.0], np.cumsum(values)))[positions]
     return c[None, :] - c[:, None]
 
 
-def _range_max(values: np.ndarray) -> np.ndarray:
-    """R[i, j] = max of values[i:j] (0 for j <= i)."""
-    n = len(values)
-    out = np.zeros((n + 1, n + 1))
-    for i in range(n):
-        out[i, i + 1:] = np.maximum.accumulate(values[i:])
+def _range_max(values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """R[a, b] = max of values[positions[a]:positions[b]] (0 for b <= a)."""
+    pieces = np.maximum.reduceat(np.asarray(values, dtype=float), positions[:-1]) if len(values) else np.zeros(0)
+    k = len(pieces)
+    out = np.zeros((k + 1, k + 1))
+    for i in range(k):
+        out[i, i + 1:] = np.maximum.accumulate(pieces[i:])
     return out
 
 
@@ -92,20 +107,28 @@ class BlockTimes:
             # checkpoints: whole without sequence parallelism, split over the tp ranks with it
             inp = np.array(unit.input_bytes, dtype=float) * samples / (shard if sp else 1.0)
             trained = params * np.array([not b.frozen for b in blocks], dtype=float)  # frozen: no grads / optimizer / sync
-            n = len(blocks)
+            pos = cut_positions(len(blocks))
+            k = len(pos)
+
+            def span(values: np.ndarray) -> np.ndarray:
+                return _span(values, pos)
+
+            def largest(values: np.ndarray) -> np.ndarray:
+                return _range_max(values, pos)
+
             self._arrays[key] = dict(
-                fwd=_span(np.array([o.fwd for o in ops])), fwd_comm=_span(np.array([o.fwd_comm for o in ops])),
-                bwd=_span(np.array([o.bwd for o in ops])), bwd_comm=_span(np.array([o.bwd_comm for o in ops])),
-                core=_span(core_time), act_sel=_span(act_sel), core_max=_range_max(core_bytes),
-                params=_span(params), trained=_span(trained), largest=_range_max(params), act=_span(act), act_max=_range_max(act),
+                fwd=span(np.array([o.fwd for o in ops])), fwd_comm=span(np.array([o.fwd_comm for o in ops])),
+                bwd=span(np.array([o.bwd for o in ops])), bwd_comm=span(np.array([o.bwd_comm for o in ops])),
+                core=span(core_time), act_sel=span(act_sel), core_max=largest(core_bytes),
+                params=span(params), trained=span(trained), largest=largest(params), act=span(act), act_max=largest(act),
                 # trained parameter tensors (the optimizer's per-tensor cost) and blocks with parameters (ZeRO's
                 # fully_shard units): cost_models/overhead.py's measured terms, as the simulator applies them
-                tensors=_span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)),
-                sharded=_span(np.array([1.0 if b.params else 0.0 for b in blocks])),
+                tensors=span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)),
+                sharded=span(np.array([1.0 if b.params else 0.0 for b in blocks])),
                 # per block (not per segment): cost_models/fsdp.py's ZeRO timing per block
                 block_fwd=np.array([o.fwd for o in ops]), block_bwd=np.array([o.bwd for o in ops]), block_core=core_time,
                 block_params=params, block_trained=trained,
-                checkpoint=_span(inp), valid=np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :])
+                checkpoint=span(inp), valid=np.arange(k)[:, None] < np.arange(k)[None, :], positions=pos)
         return self._arrays[key]
 
     def of(self, unit: Unit, tp: int, samples: float, sp: bool = False) -> list:
@@ -157,7 +180,7 @@ class BlockTimes:
 
 @dataclass
 class Segments:
-    """Op durations, tails and memory of a stage of blocks [i, j) of a unit, for every (i, j), at one
+    """Op durations, tails and memory of a stage of blocks [i, j) of a unit, for every (i, j) of cut positions, at one
     (tp, dp, ZeRO stage, micro-batch count), for each policy; figures are cached per policy."""
 
     unit: Unit
@@ -178,7 +201,10 @@ class Segments:
             self.times = BlockTimes(st)
         sp = self.sequence_parallel
         arrays = self.times.arrays(self.unit, self.tp, self.samples, sp)  # shared with every Segments of these samples
-        self.n = len(self.unit.blocks)
+        # segment [a, b) of the arrays is blocks positions[a]:positions[b]; n counts the pieces between positions
+        # (the blocks themselves unless the unit has more than MAX_CUT_POSITIONS)
+        self.positions = arrays["positions"]
+        self.n = len(self.positions) - 1
         self.fwd, self.fwd_comm, self.bwd, self.bwd_comm = (arrays[k] for k in ("fwd", "fwd_comm", "bwd", "bwd_comm"))
         self.width = DTYPE_BYTES[st.dtype]
         self.params = arrays["params"]
@@ -266,9 +292,10 @@ class Segments:
         gathers = _affine(lambda x: all_gather_time(x, share.params, link), pb, memo, ("block gather", *k)) if z >= 3 else 0.0 * pb
         scatters = _affine(lambda x: reduce_scatter_time(x, share.grads, link), tb, memo, ("block scatter", *k)) if z >= 2 else 0.0 * tb
         zf, zb = segment_times(self.blocks["block_fwd"], block_bwd, gathers + 0.0 * pb, scatters + 0.0 * tb,
-                               share=overlap_share(cl), backward_gather=again, host_s=host_floor(cl))
-        copy_in = _span(copy_time(pb, dp, cl)) if z >= 3 else 0.0
-        copy_out = _span(copy_time(tb, dp, cl)) if z >= 2 else 0.0
+                               share=overlap_share(cl), backward_gather=again, host_s=host_floor(cl),
+                               positions=self.positions)
+        copy_in = _span(copy_time(pb, dp, cl), self.positions) if z >= 3 else 0.0
+        copy_out = _span(copy_time(tb, dp, cl), self.positions) if z >= 2 else 0.0
         return zf, zb, (copy_in, (copy_in if again else 0.0) + copy_out)
 
     def memory(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
