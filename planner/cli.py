@@ -51,12 +51,13 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def check_writable(path: Path) -> None:
-    """Fail before any work when the output cannot be written (nothing is left behind)."""
+def check_writable(path: Path, option: str = "output path") -> None:
+    """Fail before any work when the output cannot be written (nothing is left behind) or is not a regular file."""
+    from plans.serial import refuse_non_regular
+
     parent = path.parent if str(path.parent) else Path(".")
+    refuse_non_regular(path, option)
     try:
-        if path.is_dir():
-            raise MmplanError(f"output path {path} is a directory")
         if parent.exists() and not parent.is_dir():
             raise MmplanError(f"cannot write {path}: {parent} is a file, not a directory")
         if not parent.is_dir():
@@ -104,7 +105,7 @@ def profile(
 
     if device not in ("meta", "cpu", "cuda"):
         raise MmplanError(f"--device must be meta, cpu or cuda, got {device!r}")
-    check_writable(output)
+    check_writable(output, "--output")
     check_not_input(output, "--output", [Path(model)] if model.endswith(".toml") else [])
     source = resolve(model)
     with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
@@ -184,7 +185,7 @@ def solve(
     fresh = Path(sys.argv[0]).name in ("mmplan", "cli.py", "__main__.py")
     started = process_started() if fresh else None
 
-    check_writable(output)
+    check_writable(output, "--output")
     check_not_input(output, "--output", [profile_path, Path(cluster)])
     given = _given(ctx, "placement", "schedule", "micro_batch", "time_limit", "solver", "memory_tiers", "memory_reserve",
                    "sequence_parallel")
@@ -230,7 +231,7 @@ def export(
     from planner.export import run_export
 
     if output is not None:
-        check_writable(output)
+        check_writable(output, "--output")
         check_not_input(output, "--output", [plan_path, *([profile] if profile else [])])
     result = run_export(plan_path=plan_path, target=to, output=output, lossy=lossy, profile_path=profile)
     if output is None:
@@ -275,12 +276,12 @@ def run(
     from planner.commands.run import check_options, measured_summary, prepare_run, run_plan
 
     if log:
-        check_writable(log)
+        check_writable(log, "--log")
         check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
     from plans.graph import load_profile
     measured_profile = load_profile(profile_path) if profile_path else None
     if trace:
-        check_writable(trace)
+        check_writable(trace, "--trace")
         check_not_input(trace, "--trace", [plan_path, profile_path, Path(model) if model else None, Path(data), log])
     from planner.commands.monitor import MonitorOptions
 
@@ -378,7 +379,7 @@ def calibrate(
     from planner.calibrate.fit import to_cluster
     from plans.serial import write_atomic
 
-    check_writable(output)
+    check_writable(output, "--output")
     with console.progress("calibrating") as note:
         cal = measure(ranks=ranks, quick=quick, progress=note)
     cluster = to_cluster(cal)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 import types
 import typing
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import jsonschema
 
-from plans.errors import FormatError
+from plans.errors import FormatError, MmplanError
 from plans.limits import MAX_FILE_BYTES
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = 
     crash makes worthless anyway). The one atomic writer of plans, profiles, traces, cluster files, checkpoints
     and the launcher's results."""
     path = Path(path)
+    refuse_non_regular(path, "output")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -64,6 +66,23 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, durable: bool = 
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def refuse_non_regular(path: str | os.PathLike, option: str) -> None:
+    """An output that exists must be a regular file (through any link): renaming over a device node (run as root,
+    `-o /dev/null` replaced the system's with a file), a FIFO or a directory is refused, in one line, nothing
+    replaced."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there yet (or a parent that is no directory: the write fails on its own)
+    except OSError:
+        return  # not ours to judge (a dangling link, a permission): the write reports it
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file"
+        raise MmplanError(f"{option} {path} is {kind}, not a regular file; mmplan replaces only regular files: "
+                          "choose another path")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -17,7 +17,7 @@ from cost_models.trace import chrome_trace
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, load_plan
-from plans.serial import parse_json, read_text, validate, write_atomic
+from plans.serial import parse_json, read_text, refuse_non_regular, validate, write_atomic
 
 TRACE_ALL_RANKS_UP_TO = 64  # traces of larger plans show one rank per class of identical ranks ("stands for ...")
 WARMUP_STEPS = 1  # measured steps left out of the medians (the first step builds caches, warms allocators)
@@ -80,13 +80,16 @@ def write_traces(items: Sequence[Compared], directory: str | os.PathLike) -> lis
         raise MmplanError(f"cannot create trace directory {folder}: {e.strerror or e}") from None
     written: list[Path] = []
     used: dict[str, int] = {}
+    paths = []
     for c in items:
         stem = Path(c.name).stem
         used[stem] = used.get(stem, 0) + 1
         name = stem if used[stem] == 1 else f"{stem}-{used[stem]}"
+        paths.append(folder / f"{name}.trace.json")
+        refuse_non_regular(paths[-1], "--trace")  # every trace's path before any is written
+    for c, path in zip(items, paths):
         every = sorted(c.evaluation.simulation.representative)  # all ranks of the plan
         ranks = every if len(every) <= TRACE_ALL_RANKS_UP_TO else None
-        path = folder / f"{name}.trace.json"
         try:
             write_atomic(path, json.dumps(chrome_trace(c.evaluation, ranks=ranks)))
         except OSError as e:
