@@ -19,6 +19,7 @@ from plans.plan import Plan
 DEFAULT_MODEL = "runtime.models.conv_vlm:factory"
 DEFAULT_CLUSTER = str(Path(__file__).resolve().parent / "demo_cluster.toml")
 RUNS = 3  # training runs per plan; the measured step is the median of their median steps
+NVME_DIR = "nvme"  # under the output directory: the runs' nvme tier (`mmplan run --nvme-dir`)
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,11 @@ def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CL
         raise MmplanError(f"cannot create the output directory {out}: {e.strerror or e}") from None
     try:
         return _run_demo(out, source, spec, global_batch, steps, runs, calibrate, note, started)
-    except MmplanError:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    except MmplanError as e:
+        if created and not (out / "profile.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # refused before the profile (a model that cannot be built): no
+            raise  # half-filled directory left behind
+        raise MmplanError(f"{e} (what the demo wrote is kept in {out})") from None
 
 
 def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda step, fraction: None) -> Cluster:
@@ -137,9 +139,11 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
         note(f"training the {name} plan for {steps} steps (run {i // len(plans) + 1} of {runs})", 0.25 + 0.7 * i / len(order))
         log = out / (f"run-{name}.jsonl" if name not in first else f"run-{name}-{i // len(plans) + 1}.jsonl")
         load.append(os.getloadavg()[0])
-        # the demo owns its output directory; each rank is held to the cluster's device memory
+        # the demo owns its output directory; each rank is held to the cluster's device memory; whichever tiers the
+        # solver chose (it may put state on NVMe when the measured profile makes memory tight), the runs have a
+        # directory for the nvme tier under the output directory (each run's own inside it, removed at its end)
         result = run_plan(paths[name], steps=steps, model=source.name, log=log, overwrite=True,
-                          device_budget=float(cluster.device.memory_bytes))
+                          device_budget=float(cluster.device.memory_bytes), nvme_dir=out / NVME_DIR)
         medians[name].append(_median_step(result.metrics))
         first.setdefault(name, (log, result.metrics))
     trained = {name: Trained(name, plans[name], paths[name], *first[name], runs_s=tuple(medians[name]))
