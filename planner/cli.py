@@ -24,6 +24,35 @@ app = typer.Typer(
 )
 
 
+def version() -> str:
+    """mmplan's version: the installed distribution's, else pyproject.toml's beside the sources."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("mmplan")
+    except PackageNotFoundError:
+        import tomllib
+
+        try:
+            return tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+        except (OSError, KeyError, ValueError):
+            return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"mmplan {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print mmplan's version and exit.")] = False,
+) -> None:
+    pass
+
+
 def user_errors(fn: Callable) -> Callable:
     """Turn MmplanError (and unwritable paths) into one line on stderr and exit code 2; SIGTERM and SIGHUP stop
     the command like Ctrl-C (its cleanup runs: ranks killed, temporary files removed) with one line and 128+signal."""
@@ -167,10 +196,11 @@ def solve(
     baseline: Annotated[Optional[Literal["homogeneous", "megatron", "zero3", "gpipe-even"]], typer.Option(help="Write a baseline plan instead of solving: the best of its kind (homogeneous and megatron: exactly the ones solve compares with), or exactly [cyan]--layout[/].")] = None,
     memory_reserve: Annotated[float, typer.Option(help="Fraction of each GPU's memory every plan leaves free: usable = capacity x (1 - reserve).")] = 0.10,
     sequence_parallel: Annotated[bool, typer.Option(help="Search sequence parallelism for tp > 1 layouts (where tp divides the sequence).")] = True,
-    layout: Annotated[Optional[str], typer.Option(help="tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full][,zero=1][,sequence-parallel=true][,split=layers|flops|encoders-first]. With [cyan]--baseline homogeneous[/]: exactly this layout (split default [cyan]flops[/]: stages of even FLOPs). With [cyan]--baseline megatron[/]: what it writes is fixed, the rest searched (split default [cyan]encoders-first[/]: encoders and projector on the first stage, LLM layers even). [cyan]layers[/]: every transformer layer counts one.")] = None,
+    layout: Annotated[Optional[str], typer.Option(help="With [cyan]--baseline homogeneous[/] or [cyan]megatron[/]: KEY=VALUE pairs joined by commas, e.g. [cyan]tp=8,pp=2,dp=32[/]; optional keys: micro-batch (1), schedule (1f1b, gpipe or interleaved:2), recompute (none, selective, layers or full), zero (0 to 3), sp (sequence parallelism: true or false), split (layers, flops or encoders-first). homogeneous: exactly this layout (split flops: stages of even FLOPs); megatron: what it writes is fixed, the rest searched (split encoders-first: encoders and projector on the first stage).")] = None,
     from_: Annotated[Optional[tuple[str, str]], typer.Option("--from", metavar="KIND VALUE", help="Your current configuration as the plan: [cyan]--from megatron \"ARGS\"[/] (or @FILE) or [cyan]--from deepspeed ds_config.json[/] (with [cyan]--baseline homogeneous[/]).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (plan path, step times, speed-up, solve time, fits).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    allow_unfit: Annotated[bool, typer.Option("--allow-unfit", help="Exit 0 when the plan written (--layout, --from, a baseline) does not fit its GPUs' memory.")] = False,
 ) -> None:
     """Solve for the fastest plan: cut points (DP), per-group layouts, GPUs per modality (ILP), memory tiers (ILP).
 
@@ -215,6 +245,18 @@ def solve(
         print(json.dumps(solution_json(solution, output, prof), allow_nan=False))
     elif not quiet:
         console.out.print(render_solution(solution, prof, output))
+    _refuse_unfit(solution.plan, output, allow_unfit)
+
+
+def _refuse_unfit(plan, output: Path, allow: bool) -> None:
+    """A plan that does not fit is written (compare can show it) but exits 2 unless --allow-unfit."""
+    from plans.units import format_bytes, format_capacity, short_by
+
+    if allow or plan.predicted is None or plan.predicted.fits:
+        return
+    peak, cap = max(m.gpu for m in plan.predicted.memory), plan.cluster.device.memory_bytes
+    raise MmplanError(f"the plan written to {output} does not fit: {format_bytes(peak)} on its fullest GPU of "
+                      f"{format_capacity(cap)} {short_by(peak, cap)}; pass --allow-unfit to accept it")
 
 
 

@@ -18,7 +18,7 @@ from planner.solver.explain import breakdown, seconds_text, why
 from planner.profiler.show import group_totals
 from plans.graph import Profile
 from plans.plan import Group, Plan, Predicted
-from plans.units import format_bytes
+from plans.units import format_bytes, format_capacity, plural
 
 if TYPE_CHECKING:
     from planner.commands.demo import DemoResult
@@ -118,7 +118,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     total = sum(flops.values()) or 1.0
     world = plan.world_size
     title = (f"{plan.profile.model} on {plan.cluster.world_size} x {plan.cluster.device.name}: {plan.training.global_batch} samples "
-             f"per step in {plan.training.micro_batches} micro-batches, {plan.training.schedule}")
+             f"per step in {plural(plan.training.micro_batches, 'micro-batch', 'micro-batches')}, {plan.training.schedule}")
     table = Table(title=title, title_justify="left", header_style="bold")
     for col in ("group", "GPUs", "dp·tp·pp", "ZeRO", "placement", "blocks per stage (cuts before)", "params/grads/optim; activations"):
         table.add_column(col, justify="right" if col in ("GPUs", "ZeRO") else "left", overflow="fold")
@@ -131,13 +131,13 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     for g in plan.groups:
         mods = list(dict.fromkeys(modality[b] for b in g.blocks))
         share = sum(flops[b] for b in g.blocks) / total
-        per_modality.append(f"{safe('+'.join(mods))}: {len(g.ranks)} GPUs ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
+        per_modality.append(f"{safe('+'.join(mods))}: {plural(len(g.ranks), 'GPU')} ({len(g.ranks) / world:.0%}) for {share:.1%} of the FLOPs")
     peak = {t: max((getattr(m, t) for m in p.memory), default=0.0) for t in ("gpu", "cpu", "nvme")}
     lines = [
         "GPUs per modality: " + "; ".join(per_modality),
         f"predicted step {p.step_time_s:.4g} s, {p.samples_per_s:,.1f} samples/s, MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}, "
         f"bottleneck {safe(p.bottleneck)}",
-        f"peak memory per rank: GPU {format_bytes(peak['gpu'])} of {format_bytes(plan.cluster.device.memory_bytes)}"
+        f"peak memory per rank: GPU {format_bytes(peak['gpu'])} of {format_capacity(plan.cluster.device.memory_bytes)}"
         + (f", CPU {format_bytes(peak['cpu'])}" if peak["cpu"] else "") + (f", NVMe {format_bytes(peak['nvme'])}" if peak["nvme"] else "")
         + ("" if p.fits else "  [bold red]does not fit[/]"),
     ]
@@ -280,7 +280,7 @@ def _schedule_text(plan: Plan) -> str:
 def _memory_cell(c: Compared) -> Text:
     """Fullest rank's GPU bytes of the device's; red when over."""
     gpu, cap = max_memory(c.predicted)["gpu"], c.plan.cluster.device.memory_bytes
-    return Text(f"{format_bytes(gpu)} of {format_bytes(cap)}", style=None if gpu <= cap else "bold red")
+    return Text(f"{format_bytes(gpu)} of {format_capacity(cap)}", style=None if gpu <= cap else "bold red")
 
 
 def comparison_json(result: Comparison) -> list[dict[str, Any]]:
@@ -339,7 +339,7 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
             stages = "; ".join(f"{len(s.blocks)} blocks @ rank {','.join(map(str, s.ranks))}" for s in g.stages)
             table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages, placement_text(g, len(plan.groups)), tiers_text(g))
             name = ""
-        table.add_row("", "", "", Text(f"{plan.training.micro_batches} micro-batches, {plan.training.schedule}", style="dim"), "", "")
+        table.add_row("", "", "", Text(f"{plural(plan.training.micro_batches, 'micro-batch', 'micro-batches')}, {plan.training.schedule}", style="dim"), "", "")
     return table
 
 

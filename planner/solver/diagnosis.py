@@ -16,7 +16,7 @@ from planner.solver.structure import profile_units
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
-from plans.units import short_by
+from plans.units import format_capacity, short_by
 
 
 def state_bytes(profile: Profile, dtype: str) -> float:
@@ -42,13 +42,13 @@ def no_fit(profile: Profile, cluster: Cluster, setting: Setting, structures, mem
     cap = cluster.device.memory_bytes
     how = "with every memory tier" if memory_tiers else "in GPU memory (try --memory-tiers)"
     if need is None or need <= cap:
-        single = f"one layout for the whole model would need {need / 1e9:,.2f} GB of the {cap / 1e9:,.2f} GB per GPU" \
-            if need is not None else f"no layout fits the {cap / 1e9:,.2f} GB per GPU"
+        single = f"one layout for the whole model would need {need / 1e9:,.2f} GB of the {format_capacity(cap)} per GPU" \
+            if need is not None else f"no layout fits the {format_capacity(cap)} per GPU"
         return MmplanError(f"no plan of {profile.model} fits {cluster.world_size} x {cluster.device.name} {how} at global batch "
                            f"{setting.global_batch} with the placements searched ({single}); add GPUs or change the global batch")
     return MmplanError(
         f"{profile.model} does not fit on {cluster.world_size} x {cluster.device.name} {how}: its least-loaded layout needs "
-        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {cap / 1e9:,.2f} GB {short_by(need, cap)}; add GPUs")
+        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {format_capacity(cap)} {short_by(need, cap)}; add GPUs")
 
 
 def _least_gpu_bytes(profile: Profile, cluster: Cluster, setting: Setting, memory_tiers: bool) -> float | None:

@@ -20,6 +20,7 @@ from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction, MmplanError
 from plans.graph import Profile
 from plans.plan import Plan, SolverInfo
+from plans.units import format_capacity
 
 # The search, in order (each step its own module):
 # 1. units (planner/solver/structure.profile_units): the profile's groups, a projector or head merged into its
@@ -266,7 +267,7 @@ def _megatron_unfit(profile: Profile, usable: Cluster, megatron: Plan | None) ->
     need = f"; its least-loaded layout needs {max(m.gpu for m in megatron.predicted.memory) / 1e9:,.2f} GB on its " \
            f"fullest GPU" if megatron is not None else ""
     return MmplanError(f"no Megatron-style layout of {profile.model} fits {usable.world_size} x {usable.device.name} "
-                       f"({usable.device.memory_bytes / 1e9:,.2f} GB usable per GPU){need}: that baseline keeps every "
+                       f"({format_capacity(usable.device.memory_bytes)} usable per GPU){need}: that baseline keeps every "
                        f"state and activation on the GPU; solve without --baseline places them in CPU / NVMe tiers, "
                        f"or add GPUs")
 
