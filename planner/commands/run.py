@@ -289,6 +289,7 @@ def _resumable(resume: Path, plan: Plan):
 
 
 NVME_RUN_PREFIX = "mmplan-run-"
+NVME_RUN_MARKER = ".mmplan-nvme-run"  # written into each run directory at creation: clean-up removes only these
 _STALE_UNLOCKED_S = 60.0  # a run directory without a lock file is another run's being created, or a stale one
 
 
@@ -313,6 +314,7 @@ def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path], locks: lis
     except OSError as e:
         raise MmplanError(f"cannot write in --nvme-dir {nvme_dir}: {e.strerror or e}") from None
     try:
+        (run_dir / NVME_RUN_MARKER).write_text(f"made by mmplan run (pid {os.getpid()}) for its nvme tier\n")
         locks.append(DirLock(run_dir, "--nvme-dir run directory").acquire())
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -321,12 +323,13 @@ def _nvme_dir(plan: Plan, nvme_dir: Path | None, created: list[Path], locks: lis
 
 
 def _remove_stale_runs(nvme_dir: Path) -> None:
-    """Remove the run directories in --nvme-dir that no live run holds (left by a SIGKILLed run)."""
+    """Remove the run directories in --nvme-dir that no live run holds (left by a SIGKILLed run): only those mmplan
+    marked as its own at creation (a user's `mmplan-run-*` directory is not ours, whatever its name)."""
     from runtime.dirlock import LOCK_NAME, is_locked
 
     for d in nvme_dir.glob(f"{NVME_RUN_PREFIX}*"):
         try:
-            if d.is_symlink() or not d.is_dir() or is_locked(d):
+            if d.is_symlink() or not d.is_dir() or not (d / NVME_RUN_MARKER).is_file() or is_locked(d):
                 continue
             if not (d / LOCK_NAME).exists() and time.time() - d.stat().st_mtime < _STALE_UNLOCKED_S:
                 continue

@@ -176,3 +176,25 @@ def test_unwritable_checkpoint_and_nvme_directories_are_refused_before_launch(nv
         line = one_line_error(runner.invoke(app, ["run", str(nvme_plan), "--steps", "2", "--nvme-dir", str(ro)]))
         assert str(ro) in line and "--nvme-dir" in line
         assert time.monotonic() - t0 < 30
+
+
+def test_nvme_clean_up_removes_only_directories_mmplan_marked_as_its_own(nvme_plan, tmp_path):
+    """Issue 30: a user's checkpoint and results directories named mmplan-run-* in --nvme-dir were deleted by the next
+    run (which exited 0). Only directories holding the marker written at their creation are stale runs."""
+    from planner.commands.run import NVME_RUN_MARKER
+
+    nvme = tmp_path / "nvme"
+    users = [nvme / "mmplan-run-checkpoints", nvme / "mmplan-run-results"]
+    for d in users:
+        d.mkdir(parents=True)
+        (d / "data.bin").write_bytes(b"mine")
+    stale = nvme / "mmplan-run-killed"  # what a SIGKILLed run leaves: marked, unlocked
+    stale.mkdir()
+    (stale / NVME_RUN_MARKER).write_text("made by mmplan run\n")
+    (stale / "params.bin").write_bytes(b"x")
+    for d in (*users, stale):
+        os.utime(d, (time.time() - 3600, time.time() - 3600))  # older than any run being created
+    res = runner.invoke(app, ["run", str(nvme_plan), "--steps", "1", "--nvme-dir", str(nvme), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in nvme.iterdir()) == sorted(d.name for d in users)
+    assert all((d / "data.bin").read_bytes() == b"mine" for d in users)
