@@ -315,8 +315,16 @@ def run(
     Checks the plan against the model first (fingerprint, every block in one stage, rank count). At the end prints the
     measured step time, busy time and memory beside the cost model's prediction.
     """
-    from planner.commands.run import check_options, measured_summary, prepare_run, run_plan
+    from planner.commands.run import check_files, check_options, measured_summary, prepare_run, run_plan
+    from runtime.preflight import torchrun_job
 
+    # every refusal that needs no model first: options, torchrun's variables, files (issue 30)
+    check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+                  device_budget=device_budget, timeout_s=timeout, op_timeout_s=op_timeout)
+    job = torchrun_job()
+    if job is not None and not quiet:
+        console.err.print(f"joining {job.describe()}; each collective waits up to --op-timeout {op_timeout:g} s for "
+                          "the other ranks", soft_wrap=True, markup=False)
     if log:
         check_writable(log, "--log")
         check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
@@ -327,8 +335,7 @@ def run(
         check_not_input(trace, "--trace", [plan_path, profile_path, Path(model) if model else None, Path(data), log])
     from planner.commands.monitor import MonitorOptions
 
-    check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-                  device_budget=device_budget, timeout_s=timeout, op_timeout_s=op_timeout)
+    check_files(log=log, resume=resume, checkpoint_dir=checkpoint_dir, overwrite=overwrite)
     prepared = prepare_run(plan_path, model, measured_profile)  # the plan read, checked and evaluated once
     if prepared.actual.warning and not quiet and int(os.environ.get("RANK", "0")) == 0:
         console.err.print(prepared.actual.warning, soft_wrap=True)

@@ -163,15 +163,52 @@ def check_zero(plan: Plan, plan_path: Path) -> None:
                                   f"{ZERO_TIERS}: set zero=0 or change the tiers")
 
 
-def launched_world_size() -> int | None:
-    """WORLD_SIZE of a torchrun launch, None when not launched by one."""
-    value = os.environ.get("WORLD_SIZE")
-    if value is None:
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what joining a job reads (env:// rendezvous)
+LAUNCHER_VAR = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every process it starts
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    """The torchrun job this process is one rank of."""
+
+    rank: int
+    world: int
+    master: str  # ADDR:PORT
+    run_id: str
+
+    def describe(self) -> str:
+        return f"torchrun job {self.run_id}: rank {self.rank} of {self.world}, master {self.master}"
+
+
+def torchrun_job(environ: Any = None) -> TorchrunJob | None:
+    """The torchrun job that launched this process, None when none did. Stray variables are refused in one line
+    instead of waiting up to --op-timeout for ranks that never come (issue 30): some of torchrun's variables set
+    without the others, or all of them without torchrun's agent (TORCHELASTIC_RUN_ID; another launcher that sets
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself sets it too, to any job id)."""
+    env = os.environ if environ is None else environ
+    present = [v for v in (*TORCHRUN_VARS, "LOCAL_RANK") if v in env]
+    if not present:
         return None
+    missing = [v for v in TORCHRUN_VARS if v not in env]
+    if missing or LAUNCHER_VAR not in env:
+        why = f"not {', '.join(missing)}" if missing else f"no torchrun launched this process ({LAUNCHER_VAR} is unset)"
+        raise MmplanError(f"the environment sets {', '.join(f'{v}={env[v]}' for v in present)} but {why}: these are "
+                          "torchrun's variables, and this process would wait as one rank of a job that is not there; unset "
+                          f"them to run the plan's ranks here, or start it with torchrun (another launcher: set {LAUNCHER_VAR} too)")
     try:
-        return int(value)
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     except ValueError:
-        raise MmplanError(f"the environment variable WORLD_SIZE={value!r} is not a number of ranks") from None
+        raise MmplanError(f"the environment variables RANK={env['RANK']!r}, WORLD_SIZE={env['WORLD_SIZE']!r} are not "
+                          "numbers of ranks") from None
+    if not 0 <= rank < world:
+        raise MmplanError(f"the environment sets RANK={rank} outside WORLD_SIZE={world}")
+    return TorchrunJob(rank, world, f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", env[LAUNCHER_VAR])
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE of a torchrun launch, None when not launched by one (stray variables refused: torchrun_job)."""
+    job = torchrun_job()
+    return job.world if job else None
 
 
 def check_launch(plan: Plan, plan_path: Path, launched: int | None) -> None:

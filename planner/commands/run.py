@@ -31,7 +31,7 @@ from plans.plan import Plan, check_plan, load_plan
 from planner.commands.actual import Actual, on_actual_cluster
 from planner.commands.monitor import Monitor, MonitorOptions, check_monitor
 from runtime.checkpoint import remove_incomplete
-from runtime.preflight import (CheckedModel, backend, check_host_memory, check_launch, check_model,
+from runtime.preflight import (CheckedModel, backend, check_host_memory, check_launch, check_model, plan_model,
                                check_runs, check_zero, launched_world_size)
 from runtime.source import resolve
 from runtime.train import Job, train_rank
@@ -74,10 +74,13 @@ def prepare_run(plan_path: Path, model: str | None = None, profile: Profile | No
     plan = load_plan(plan_path)
     if profile is not None:
         plan = check_plan(plan, profile, f"plan {plan_path}")
+    # a plan this host cannot start, a model spec that names nothing (a mistyped zoo name, an hf: model without the
+    # transformers extra): refused before the model is built and traced (seconds to minutes)
+    check_launch(plan, plan_path, launched_world_size())
+    resolve(model or plan_model(plan, plan_path))
     checked = check_model(plan, plan_path, model)
     plan = checked.plan
     check_runs(checked, plan_path)
-    check_launch(plan, plan_path, launched_world_size())  # a plan this host cannot start: refused before any warning
     actual = on_actual_cluster(plan, None, backend(plan))
     evaluation = evaluate(plan, profile, None if actual.same else actual.cluster) if profile is not None else None
     if not actual.same and (profile is not None or predict):
@@ -116,17 +119,13 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     launched = launched_world_size()
     monitor = monitor or MonitorOptions(show=False)
     check_monitor(monitor)
+    check_files(log=log, resume=resume, checkpoint_dir=checkpoint_dir, overwrite=overwrite)
     prepared = prepared or prepare_run(plan_path, model, profile, predict=False)
     plan = prepared.plan
     check_zero(plan, plan_path)
     if launched is None:
         memory = prepared.evaluation.memory if prepared.evaluation is not None else (plan.predicted.memory if plan.predicted else ())
         check_host_memory(prepared.checked, plan_path, sum(m.gpu + m.cpu for m in memory))
-    if resume is not None and not resume.is_dir():
-        raise MmplanError(f"--resume {resume}: no such checkpoint directory")
-    if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-        raise MmplanError(f"--checkpoint-dir {checkpoint_dir} is a file, not a directory")
-    _check_log(log, resuming=resume is not None, overwrite=overwrite)
     job = Job(plan=plan, model=prepared.checked.spec, steps=steps, seed=seed, lr=lr,
               data=None if data in (None, "builtin") else data, log=str(log) if log else None,
               device_budget=device_budget, prefetch=prefetch, checkpoint_every=checkpoint_every,
@@ -230,6 +229,16 @@ def write_trace(path: Path, timelines: dict[int, list], metrics: list[dict[str, 
 
     other = {"step": metrics[-1]["step"], "step_time_s": metrics[-1]["step_time_s"]} if metrics else {}
     write_atomic(path, json.dumps(chrome_trace(timelines, other={"measured": True, **other})))
+
+
+def check_files(*, log: Path | None, resume: Path | None, checkpoint_dir: Path | None, overwrite: bool) -> None:
+    """The refusals about files and directories, before any model is built: no checkpoint to resume from, a
+    --checkpoint-dir that is a file, a log that holds a run (without --resume or --overwrite)."""
+    if resume is not None and not resume.is_dir():
+        raise MmplanError(f"--resume {resume}: no such checkpoint directory")
+    if checkpoint_dir is not None and checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        raise MmplanError(f"--checkpoint-dir {checkpoint_dir} is a file, not a directory")
+    _check_log(log, resuming=resume is not None, overwrite=overwrite)
 
 
 def _check_log(log: Path | None, *, resuming: bool, overwrite: bool) -> None:

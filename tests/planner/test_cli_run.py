@@ -32,7 +32,9 @@ def test_run_refuses_a_plan_for_another_model(tmp_path):
 
 
 def test_run_refuses_a_launch_of_the_wrong_size(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    for name, value in {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                        "TORCHELASTIC_RUN_ID": "job"}.items():
+        monkeypatch.setenv(name, value)
     res = runner.invoke(app, ["run", str(EXAMPLES / "tiny-vlm-pp2.json"), "--steps", "1"])
     assert res.exit_code == 2 and "needs 2 ranks" in res.stderr and "launched with 3" in res.stderr
 
