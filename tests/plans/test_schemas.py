@@ -12,7 +12,7 @@ import pytest
 from cost_models.catalog import CATALOG
 from cost_models.cluster_spec import parse_cluster
 from cost_models.cluster_toml import cluster_from_toml, cluster_to_toml
-from plans.errors import FormatError
+from plans.errors import FormatError, MmplanError
 from plans.serial import parse_json, validate, write_atomic
 from runtime.train import StepMetrics
 
@@ -62,6 +62,6 @@ def test_write_atomic_replaces_whole_files_and_leaves_no_temporary(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(MmplanError, match="is a directory, not a regular file"):  # refused before any write (issue 30)
         write_atomic(tmp_path, "x")
     assert os.listdir(tmp_path) == ["out.json"]
