@@ -134,12 +134,19 @@ def profile(
 
     if device not in ("meta", "cpu", "cuda"):
         raise MmplanError(f"--device must be meta, cpu or cuda, got {device!r}")
+    if micro_batch < 1:  # refusals that need no model, before the model is resolved or built (issue 30)
+        raise MmplanError(f"--micro-batch must be >= 1, got {micro_batch}")
+    if measure and device == "meta":
+        raise MmplanError("--measure needs a real device: add --device cpu or --device cuda")
+    if dtype is not None and dtype not in ("fp32", "bf16", "fp16"):
+        raise MmplanError(f"unknown dtype {dtype!r}; choose one of fp32, bf16, fp16")
     check_writable(output, "--output")
     check_not_input(output, "--output", [Path(model)] if model.endswith(".toml") else [])
+    groups = parse_group_overrides(group or [])
     source = resolve(model)
     with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
         prof = profile_model(source, micro_batch=micro_batch, device=device, dtype=dtype, measure=measure,
-                             groups=parse_group_overrides(group or []), progress=note, freeze=freeze or [])
+                             groups=groups, progress=note, freeze=freeze or [])
     save_profile(prof, output)
     if as_json:
         print(json.dumps({"profile": str(output), "model": prof.model, "fingerprint": prof.fingerprint,

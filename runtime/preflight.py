@@ -269,6 +269,11 @@ def _torchrun_hint(plan: Plan) -> str:
             f"{c.gpus_per_node} -m planner.cli run PLAN")
 
 
+def available_memory() -> float | None:
+    """This machine's memory available to a new process, in bytes (None where unknown)."""
+    return _available_memory()
+
+
 def _available_memory() -> float | None:
     """MemAvailable + SwapFree from /proc/meminfo, in bytes (None where unknown)."""
     try:

@@ -72,6 +72,8 @@ def profile_model(
     if measure and device == "meta":
         raise MmplanError("--measure needs a real device: add --device cpu or --device cuda")
     fake = device != "cpu"  # cuda: analyse on fake tensors (the model may not fit), measure blocks on the GPU
+    if not fake:
+        _check_host_memory(source, micro_batch, dtype)
     note("building model", 0.0)
     with MetaFloats() if fake else nullcontext():  # parameters on meta; token ids real (runtime/fake_exec.py)
         model, batch = call_factory(source, micro_batch)
@@ -121,3 +123,23 @@ def written_as_read(profile: Profile, name: str) -> Profile:
         raise MmplanError(f"{e} (a profiler defect: please report it with the model)") from None
     return profile
 
+
+
+def _check_host_memory(source: ModelSource, micro_batch: int, dtype: str) -> None:
+    """A real CPU profile holds the model's parameters and their gradients in this process: counted on the meta
+    device (no memory) and refused before the build when they exceed the memory available (a real-size model died
+    after 154 s with the allocator's error, issue 30)."""
+    from plans.units import format_bytes
+    from runtime.preflight import available_memory
+
+    available = available_memory()
+    if available is None:
+        return
+    with torch.device("meta"):
+        model, _ = call_factory(source, micro_batch)
+    width = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    need = 2 * width * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    if need > available:
+        raise MmplanError(f"profiling {source.name} on --device cpu needs at least {format_bytes(need)} for its parameters "
+                          f"and their gradients, but this machine has {format_bytes(available)} available; profile it with "
+                          "--device meta (no memory: FLOPs and saved activations are the same) or on a larger machine")
