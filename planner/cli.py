@@ -425,7 +425,7 @@ def calibrate(
         from planner.calibrate.cuda import measure_cluster, require_cuda
 
         require_cuda()
-        check_writable(output)
+        check_writable(output, "--output")
         if measure_cluster(output) is not None:
             console.out.print(f"wrote [bold]{console.safe(output)}[/] (use it as [cyan]--cluster {console.safe(output)}[/])",
                               soft_wrap=True, markup=True)
