@@ -291,6 +291,16 @@ def export(
                           soft_wrap=True, markup=True)
 
 
+def _announce_torchrun(quiet: bool, op_timeout: float) -> None:
+    """One line when this process joins a torchrun job (stray torchrun variables are refused by torchrun_job)."""
+    from runtime.preflight import torchrun_job
+
+    job = torchrun_job()
+    if job is not None and not quiet:
+        console.err.print(f"joining {job.describe()}; each collective waits up to --op-timeout {op_timeout:g} s for "
+                          "the other ranks", soft_wrap=True, markup=False)
+
+
 @app.command()
 @user_errors
 def run(
@@ -323,15 +333,11 @@ def run(
     measured step time, busy time and memory beside the cost model's prediction.
     """
     from planner.commands.run import check_files, check_options, measured_summary, prepare_run, run_plan
-    from runtime.preflight import torchrun_job
 
     # every refusal that needs no model first: options, torchrun's variables, files (issue 30)
     check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
                   device_budget=device_budget, timeout_s=timeout, op_timeout_s=op_timeout)
-    job = torchrun_job()
-    if job is not None and not quiet:
-        console.err.print(f"joining {job.describe()}; each collective waits up to --op-timeout {op_timeout:g} s for "
-                          "the other ranks", soft_wrap=True, markup=False)
+    _announce_torchrun(quiet, op_timeout)
     if log:
         check_writable(log, "--log")
         check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
