@@ -333,11 +333,12 @@ def run(
     measured step time, busy time and memory beside the cost model's prediction.
     """
     from planner.commands.run import check_files, check_options, measured_summary, prepare_run, run_plan
+    from runtime.preflight import torchrun_job
 
     # every refusal that needs no model first: options, torchrun's variables, files (issue 30)
     check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
                   device_budget=device_budget, timeout_s=timeout, op_timeout_s=op_timeout)
-    _announce_torchrun(quiet, op_timeout)
+    torchrun_job()  # stray torchrun variables refused now; joining a job is announced once the plan is checked
     if log:
         check_writable(log, "--log")
         check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
@@ -352,6 +353,7 @@ def run(
     prepared = prepare_run(plan_path, model, measured_profile)  # the plan read, checked and evaluated once
     if prepared.actual.warning and not quiet and int(os.environ.get("RANK", "0")) == 0:
         console.err.print(prepared.actual.warning, soft_wrap=True)
+    _announce_torchrun(quiet, op_timeout)
     result = run_plan(plan_path, steps=steps, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       op_timeout_s=op_timeout, monitor=MonitorOptions(show=not quiet, log_every=log_every, tensorboard=tensorboard),
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,

@@ -243,11 +243,7 @@ def check(profile: Profile, what: str = "profile") -> Profile:
     for b in profile.loss:
         if b not in seen:
             raise FormatError(f"{what}: the loss reads unknown block {b!r}")
-    flow = nx.DiGraph((e.src, e.dst) for e in profile.edges)
-    if not nx.is_directed_acyclic_graph(flow):
-        cycle = [u for u, _ in nx.find_cycle(flow)]
-        loop = " -> ".join(cycle[:6] + (["..."] if len(cycle) > 6 else []) + [cycle[0]])
-        raise FormatError(f"{what}: its edges form a cycle ({loop}); data flows from earlier blocks to later ones only")
+    _check_acyclic([(e.src, e.dst) for e in profile.edges], what)
     expected = profile_fingerprint(profile)
     if profile.fingerprint != expected:
         raise FormatError(f"{what}: fingerprint {profile.fingerprint} does not match its blocks ({expected}); was it edited?")
@@ -256,6 +252,14 @@ def check(profile: Profile, what: str = "profile") -> Profile:
 
 # items of a profile's arrays equal but for their names are validated once (plans/serial.validate)
 DISTINCT = {("blocks",): ("name",), ("edges",): ("src", "dst"), ("inputs",): ("input", "dst")}
+
+
+def _check_acyclic(edges: list[tuple[str, str]], what: str) -> None:
+    flow = nx.DiGraph(edges)
+    if not nx.is_directed_acyclic_graph(flow):
+        cycle = [u for u, _ in nx.find_cycle(flow)]
+        loop = " -> ".join(cycle[:6] + (["..."] if len(cycle) > 6 else []) + [cycle[0]])
+        raise FormatError(f"{what}: its edges form a cycle ({loop}); data flows from earlier blocks to later ones only")
 
 
 def profile_from_data(data: Any, what: str = "profile") -> Profile:
@@ -286,6 +290,7 @@ def precheck(data: Any, what: str) -> None:
         return
     expected = fingerprint([(b["name"], b.get("structure", "")) for b in blocks], [(e["src"], e["dst"]) for e in edges], loss)
     if data["fingerprint"] != expected:
+        _check_acyclic([(e["src"], e["dst"]) for e in edges], what)  # the more precise refusal of an edited flow
         raise FormatError(f"{what}: fingerprint {data['fingerprint']} does not match its blocks ({expected}); was it edited?")
 
 

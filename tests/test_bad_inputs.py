@@ -184,7 +184,9 @@ CASES: dict[str, Callable[[Inputs], Case]] = {
     "run: plan for another model": lambda x: Case(x.run(None, "--model", "tiny-avlm"), "fingerprint"),
     "run: plan naming an unknown model": lambda x: Case(
         x.run(x.plan_with("plan.json", _set("profile/model", "no-such-model"))), "unknown model"),
-    "run: ranks do not match the launch": lambda x: Case(x.run(), "launched with 3", env={"WORLD_SIZE": "3"}),
+    "run: ranks do not match the launch": lambda x: Case(x.run(), "launched with 3", env={
+        "WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "j"}),
+    "run: a stray WORLD_SIZE without torchrun": lambda x: Case(x.run(), "WORLD_SIZE=3", env={"WORLD_SIZE": "3"}),
     "run: WORLD_SIZE that is not a number": lambda x: Case(x.run(), "WORLD_SIZE", env={"WORLD_SIZE": "two"}),
     "run: ZeRO with tiers FSDP2 cannot hold": lambda x: Case(x.run(x.plan_with("plan.json", lambda d: (
         _set("groups/0/zero", 1)(d), _set("groups/0/stages/0/memory", {"params": "nvme"})(d)))), "ZeRO stage 1"),
