@@ -238,7 +238,7 @@ def check_never_worse(profile: Profile, gpus: int) -> None:
         assert got.plan.solver.method in ("baseline:homogeneous", "baseline:megatron") and "emitted" in got.plan.solver.notes
 
 
-TINY = ["tiny-vlm", "tiny-avlm", "tiny-flamingo", "tiny-clip", "tiny-vlm-heavy"]
+TINY = ["tiny-vlm", "tiny-vlm-tied", "tiny-avlm", "tiny-flamingo", "tiny-clip", "tiny-vlm-heavy"]
 
 
 # 512 GPUs and tiny-avlm at 64 take 4-10 s each: in the slow set (python -m pytest -m slow tests/planner/test_solve.py)
