@@ -304,6 +304,14 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
     train = train or global_batch
     if tp > 1 and pp == 1 and train == global_batch * tp:
         train = global_batch  # AutoTP without an mpu: DeepSpeed counts every rank (mmplan export writes it so)
+    inferred = ""
+    if "pipeline" not in config and mbs and gas and train % (mbs * gas) == 0 and world % (tp * (train // (mbs * gas))) == 0:
+        # the file carries no stage count (PipelineModule takes it); DeepSpeed's data-parallel size is
+        # train / (micro x accumulation), so the stages are what the cluster's other GPUs leave
+        implied = world // (tp * (train // (mbs * gas)))
+        if implied > 1:
+            pp, dp = implied, train // (mbs * gas)
+            inferred = f"; {pp} pipeline stages inferred from the batch sizes (the file carries none)"
     if train != global_batch:
         raise MmplanError(f"{what}: train_batch_size {train} differs from --global-batch {global_batch}")
     if mbs is None:
@@ -322,7 +330,7 @@ def plan_from_deepspeed(path: Path, profile: Profile, cluster: Cluster, global_b
     checkpointing = "activation_checkpointing" in config
     spec = LayoutSpec(tp, pp, dp, mbs, "1f1b", 1, "layers" if checkpointing else "none", zero)
     notes = (f"from deepspeed: {path}; layout {spec}; activation checkpointing read as every transformer layer "
-             "recomputed" if checkpointing else f"from deepspeed: {path}; layout {spec}")
+             "recomputed" if checkpointing else f"from deepspeed: {path}; layout {spec}") + inferred
     unread = _deepspeed_unread(config)
     if unread:
         notes += f"; not carried (no plan field): {unread}"

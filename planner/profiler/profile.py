@@ -137,8 +137,9 @@ def _check_host_memory(source: ModelSource, micro_batch: int, dtype: str) -> Non
         return
     with torch.device("meta"):
         model, _ = call_factory(source, micro_batch)
-    width = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    need = 2 * width * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    # a factory without --dtype is profiled in its own parameters' dtype
+    params = sum(p.numel() * (DTYPES[dtype].itemsize if dtype else p.element_size()) for p in model.parameters())
+    need = 2 * params + sum(b.numel() * b.element_size() for b in model.buffers())
     if need > available:
         raise MmplanError(f"profiling {source.name} on --device cpu needs at least {format_bytes(need)} for its parameters "
                           f"and their gradients, but this machine has {format_bytes(available)} available; profile it with "
