@@ -103,7 +103,9 @@ def pick_solver(name: Solver) -> Solver:
 
 
 def combined_bound(units: Sequence[Unit], layouts: Sequence[Layout], structure: Structure, cluster: Cluster) -> float:
-    """The ILP's objective for one combination (the same terms, evaluated directly)."""
+    """The ILP's objective for one combination (the same terms, evaluated directly), and for colocated units the
+    serial work of the least favourable sink stage's ranks (_colocated_ranks), which the ILP leaves out: a bound at
+    least the ILP's floor."""
     if len(units) == 1:
         return layouts[0].bound.own
     sink = next(i for i, u in enumerate(units) if u.feeds)
