@@ -137,10 +137,14 @@ def check_sequence_parallel(plan: Plan, model: nn.Module, example: dict, plan_pa
         return hook
 
     handles = [model.get_submodule(b).register_forward_pre_hook(record(b)) for b in watched]
+    on_meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
     try:
-        model(**example)
-    except Exception:  # noqa: BLE001 - a model the meta device cannot run: the ranks check it at their first forward
-        return
+        for inputs in (example, on_meta):  # real token ids first (value-dependent glue), else every input on meta
+            try:
+                model(**inputs)
+                break
+            except Exception:  # noqa: BLE001 - a model the meta device cannot run: the ranks check it at their first forward
+                continue
     finally:
         for h in handles:
             h.remove()
