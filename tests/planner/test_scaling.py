@@ -96,7 +96,9 @@ def test_show_is_near_linear_in_blocks(base):
     small, large = wide_profile(base, 1000), wide_profile(base, 4000)
     console = Console(file=open("/dev/null", "w"), width=120)
     render_profile(small, console)  # warm-up (imports, caches)
-    ratio = _cpu(lambda: render_profile(large, console)) / max(_cpu(lambda: render_profile(small, console)), 1e-3)
+    # the least of three CPU times each: one run of the small case can be cut short or stretched by a collection
+    ratio = min(_cpu(lambda: render_profile(large, console)) for _ in range(3)) / max(
+        min(_cpu(lambda: render_profile(small, console)) for _ in range(3)), 1e-3)
     assert ratio < 9, ratio
 
 
