@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models.hardware import peak_flops
-from cost_models.memory import TierBytes, block_input_bytes, stage_memory
+from cost_models.memory import GradBuffer, TierBytes, block_input_bytes, stage_memory
+from cost_models.workspace import GpuOverhead, Seen, gpu_overhead
 from cost_models.pipeline import Busy, Event, Simulation, StageCost, simulate
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction
@@ -50,13 +51,18 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
              overlapped_tp_backward: bool = False, optimizer_extra_bytes: float = 0.0, grad_sync_bytes: int | None = None,
              overlapped_param_gather: bool = False, tp_comm_overlap: bool = False,
              cross_entropy_bytes: tuple[float, float] | None = None, selective: str = "attention",
-             attention: str = "fused") -> Evaluation:
+             attention: str = "fused", grad_buffer: GradBuffer = "dtype", overhead: Seen | None = None) -> Evaluation:
     """Simulate one step of `plan` and derive its throughput, MFU, memory per rank and whether it fits.
 
     TFLOP/s per GPU = model FLOPs per step (forward + backward of every block for every sample; the
     recomputed forward is not counted) / step time / ranks of the plan; MFU = that / peak[dtype]
     (Chowdhery et al. 2022, PaLM, appendix B). tokens/s = samples/s x tokens_per_sample(profile), 0 when
     the profile does not say how many tokens a sample has.
+
+    Memory: each rank's tensors (memory.stage_memory; `grad_buffer="fp32"`: gradients as Megatron-LM keeps them,
+    memory.grad_buffer_bytes); with `overhead`, its GPU tier as that measurement counts it beyond the tensors
+    (workspace.GpuOverhead.seen_by: "allocated", "reserved" or "device"; nothing on CPU clusters). Without, tensors
+    only, as mmplan's own runtime measures them.
     """
     cluster = cluster or plan.cluster
     training = plan.training
@@ -70,6 +76,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     blocks = {b.name: b for b in profile.blocks}
     per_stage: list[TierBytes] = []
     per_rank: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # rank -> bytes in gpu, cpu, nvme
+    layouts: dict[int, set] = defaultdict(set)  # rank -> (group, tp, dp, pp) of the groups it runs
     for sc in sim.stages:
         g = plan.group(sc.group)
         stage = g.stages[sc.index]
@@ -77,7 +84,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
             [blocks[b] for b in stage.blocks], samples=training.micro_batch / g.dp, tp=g.tp, dp=g.dp,
             zero=g.zero, memory=stage.memory, in_flight_micro_batches=sc.in_flight, input_bytes=inputs,
             dtype=training.dtype, optimizer=training.optimizer, sequence_parallel=g.sequence_parallel,
-            reshard_after_forward=g.reshard_after_forward,
+            reshard_after_forward=g.reshard_after_forward, grad_buffer=grad_buffer,
         )
         per_stage.append(tb)
         for r in stage.ranks:
@@ -85,6 +92,10 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
             acc[0] += tb.gpu
             acc[1] += tb.cpu
             acc[2] += tb.nvme
+            layouts[r].add((g.name, g.tp, g.dp, g.pp))
+    if overhead is not None:
+        for r, acc in per_rank.items():
+            acc[0] = rank_overhead(cluster, layouts[r]).seen_by(acc[0], overhead)
     memory = tuple(RankMemory(r, *per_rank[r]) for r in sorted(per_rank))
 
     step = sim.step_time_s
@@ -123,6 +134,13 @@ def check_possible(predicted: Predicted, sim: Simulation, profile: Profile, clus
             f"per rank is {predicted.mfu:.0%} of the {dtype} peak ({peak_flops(cluster.device, dtype) / 1e9:.4g} GFLOP/s); "
             f"the profile's measured times (measured on {profile.measured_on or 'no device'}) or the cluster's peak are "
             f"wrong: re-measure the profile on this device or calibrate the cluster")
+
+
+def rank_overhead(cluster: Cluster, layouts) -> GpuOverhead:
+    """The GpuOverhead of a rank running the groups `layouts` ((group, tp, dp, pp) each): one CUDA context, cuBLAS
+    workspace and fragmentation share, and each group's own NCCL communicators (colocated groups do not share them)."""
+    parts = [gpu_overhead(cluster, tp=tp, dp=dp, pp=pp) for _, tp, dp, pp in sorted(layouts)] or [gpu_overhead(cluster, tp=1, dp=1, pp=1)]
+    return replace(parts[0], nccl=sum(p.nccl for p in parts))
 
 
 def fits(memory: tuple[RankMemory, ...], cluster: Cluster) -> bool:

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from plans.errors import MmplanError
 from plans.graph import Block, Profile
 from plans.plan import ActivationTier, Memory, Schedule, Tier
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GradBuffer = Literal["dtype", "fp32"]  # gradients in the training dtype (mmplan's runtime) | fp32 main_grad (Megatron-LM)
+MAIN_GRAD_BYTES = 4  # Megatron-LM's main_grad: fp32 (see grad_buffer_bytes)
 
 # Every function here works on plain floats and, unchanged, on numpy arrays of them (the solver's vectorised
 # figures over every segment of a unit call these same functions; planner/solver/candidates.py).
@@ -225,6 +227,7 @@ def stage_memory(
     optimizer: str = "adam",
     sequence_parallel: bool = False,
     reshard_after_forward: bool = True,
+    grad_buffer: GradBuffer = "dtype",
 ) -> TierBytes:
     """Peak bytes per tier on one rank of a stage running `blocks` on `samples` samples per micro-batch.
 
@@ -232,7 +235,7 @@ def stage_memory(
     the plan's Memory. Activations (per sample, as profiled, on one tp rank: kept_activation_bytes) times the
     micro-batches in flight, each block's by activation_residency of its tier, plus the largest
     activation_transient of its blocks (under selective recompute: the attention core of one block, rebuilt
-    during its backward).
+    during its backward). `grad_buffer="fp32"`: gradients kept as Megatron-LM keeps them (grad_buffer_bytes).
     """
     shard = {b.name: (tp if (b.supports_tp or b.vocab_parallel) else 1) for b in blocks}
     params = sum(b.params / shard[b.name] for b in blocks)
@@ -240,6 +243,7 @@ def stage_memory(
     largest = max((b.params / shard[b.name] for b in blocks), default=0.0)
     out = state_residency(params, largest, dp=dp, zero=zero, memory=memory, dtype=dtype, optimizer=optimizer, trained=trained,
                           reshard_after_forward=reshard_after_forward)
+    out = out.put(memory.grads, grad_buffer_bytes(trained, dp=dp, zero=zero, dtype=dtype, grad_buffer=grad_buffer))
     transient = 0.0  # bytes: the one block being recomputed, or the two being offloaded / prefetched
     for b in blocks:
         tier = memory.activations.get(b.name, "keep")
@@ -251,3 +255,20 @@ def stage_memory(
         if tier == "selective":
             transient = max(transient, b.attention_core_bytes * samples / shard[b.name])
     return out.put("gpu", transient)
+
+
+def grad_buffer_bytes(trained: Any, *, dp: int, zero: int, dtype: str = "bf16", grad_buffer: GradBuffer = "dtype") -> Any:
+    """Bytes one rank's gradients take beyond model_state_bytes' (gradients in the training dtype) for `trained`
+    trained parameters on the rank: 0 with grad_buffer="dtype" (mmplan's runtime: gradients in the parameters' dtype);
+    with "fp32", Megatron-LM's: with bf16 / fp16 parameters its DistributedDataParallel accumulates and reduces every
+    gradient in a contiguous fp32 buffer (`param.main_grad`, megatron/core/distributed/param_and_grad_buffer.py; the
+    default --accumulate-allreduce-grads-in-fp32 for bf16) and no separate half-precision .grad is kept (gradient
+    accumulation fusion writes the weight gradient into main_grad). That is 4 bytes per parameter where
+    model_state_bytes counts 2: Megatron-LM's megatron/training/theoretical_memory_usage.py counts 18 bytes per
+    parameter (2 weight + 4 main_grad + 12 Adam) without the distributed optimizer and 6 + 12/dp with it (ZeRO-1: the
+    gradient buffer is not sharded). Sharded like the gradients under ZeRO-2/3 (zero_divisors)."""
+    if grad_buffer not in ("dtype", "fp32"):
+        raise MmplanError(f"grad_buffer must be 'dtype' or 'fp32', got {grad_buffer!r}")
+    if grad_buffer == "dtype":
+        return 0.0 * trained
+    return max(0, MAIN_GRAD_BYTES - DTYPE_BYTES[dtype]) * trained / zero_divisors(zero, dp).grads

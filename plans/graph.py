@@ -31,7 +31,7 @@ class Block:
     param_bytes: int
     fwd_flops: float  # forward FLOPs per sample (torch.utils.flop_counter)
     bwd_flops: float  # backward FLOPs per sample
-    activation_bytes: float  # bytes autograd saves for backward, per sample (saved-tensor hooks)
+    activation_bytes: float  # bytes autograd saves for backward, per sample (saved-tensor hooks; Profile.kernels)
     output_bytes: float  # bytes of the block's outputs, per sample
     supports_tp: bool = False  # Megatron-style tensor parallelism applies
     reduces_batch: bool = False  # its output has no batch dimension (e.g. a contrastive loss): needs dp = 1
@@ -166,6 +166,9 @@ class Profile:
     measure_spread: float = field(default=0.0, metadata={OMIT_DEFAULT: True})
     # per group, its transformer's shape as the model defines it (ModelShape); empty in older profiles
     shapes: tuple[ModelShape, ...] = field(default=(), metadata={OMIT_DEFAULT: True})
+    # which kernels the layers' saved activations are counted for: "eager" as the saved-tensor hooks measured them;
+    # "fused" (TransformerEngine / flash attention) by cost_models/fused.py's per-op count (written only when fused)
+    kernels: str = field(default="eager", metadata={OMIT_DEFAULT: True})
 
     def shape(self, group: str) -> ModelShape | None:
         return next((s for s in self.shapes if s.group == group), None)
