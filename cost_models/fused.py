@@ -70,19 +70,20 @@ def shape_layer_params(shape: ModelShape) -> float:
 def is_layer_of(block: Block, shape: ModelShape) -> bool:
     """Whether `block` is a plain transformer layer of `shape` (its group's): same group, a known sequence, and its
     parameters those of the shape's layer (within PARAM_TOLERANCE)."""
-    if block.group != shape.group or not (shape.hidden and shape.heads and shape.ffn and shape.mlp):
+    if block.group != shape.group or not (shape.hidden and shape.heads and shape.ffn and shape.mlp and shape.norm):
         return False
     expected = shape_layer_params(shape)
     return abs(block.params - expected) <= PARAM_TOLERANCE * expected and (block.sequence or shape.sequence) > 0
 
 
-def with_kernels(profile: Profile, kernels: Kernels, *, dropout: bool = False,
+def with_kernels(profile: Profile, kernels: Kernels, *, dropout: bool | None = None,
                  shapes: tuple[ModelShape, ...] | None = None) -> Profile:
     """`profile` with its transformer layers' saved activations as `kernels` store them: "eager" is the profile as
     measured (returned unchanged when it already is); "fused" replaces each plain layer's activation_bytes, its
     replicated share and its attention core by fused_layer_bytes x the block's sequence (other blocks -- embeddings,
     projectors, heads, cross-attention layers -- keep their measured bytes). `shapes` default to the profile's own;
-    `dropout`: the layers apply dropout (Megatron's GPT: 0.1; LLaMA-style models: none)."""
+    `dropout`: the layers apply dropout (Megatron's GPT: 0.1; LLaMA-style models: none); None: as each shape says
+    (ModelShape.dropout, read from the model by the profiler)."""
     if kernels not in KERNELS:
         raise MmplanError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == profile.kernels:
@@ -96,7 +97,8 @@ def with_kernels(profile: Profile, kernels: Kernels, *, dropout: bool = False,
         if shape is None or not is_layer_of(b, shape):
             blocks.append(b)
             continue
-        saved, s = fused_layer_bytes(shape, profile.dtype, dropout=dropout), b.sequence or shape.sequence
+        drops = shape.dropout if dropout is None else dropout
+        saved, s = fused_layer_bytes(shape, profile.dtype, dropout=drops), b.sequence or shape.sequence
         blocks.append(replace(b, activation_bytes=saved.total * s, activation_replicated_bytes=saved.replicated * s,
                               attention_core_bytes=saved.core * s))
     return replace(profile, blocks=tuple(blocks), kernels="fused")

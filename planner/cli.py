@@ -123,6 +123,7 @@ def profile(
     measure: Annotated[bool, typer.Option(help="Time forward/backward of each distinct block on --device (cpu or cuda).")] = False,
     group: Annotated[Optional[list[str]], typer.Option(help="Override module groups: PATTERN=GROUP (fnmatch on block names, repeatable).")] = None,
     freeze: Annotated[Optional[list[str]], typer.Option(help="Freeze the blocks matching PATTERN (fnmatch on block names, repeatable): not trained, no gradients or optimizer state.")] = None,
+    kernels: Annotated[str, typer.Option(help="Saved activations of the transformer layers: [cyan]eager[/] as measured (mmplan's runtime), [cyan]fused[/] as TransformerEngine / flash attention keep them (counted per op from each group's shape).")] = "eager",
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -130,6 +131,7 @@ def profile(
     from runtime.source import resolve
     from planner.profiler.blocks import parse_group_overrides
     from planner.profiler.profile import profile_model
+    from cost_models.fused import KERNELS, with_kernels
     from plans.graph import save_profile
 
     if device not in ("meta", "cpu", "cuda"):
@@ -140,6 +142,8 @@ def profile(
         raise MmplanError("--measure needs a real device: add --device cpu or --device cuda")
     if dtype is not None and dtype not in ("fp32", "bf16", "fp16"):
         raise MmplanError(f"unknown dtype {dtype!r}; choose one of fp32, bf16, fp16")
+    if kernels not in KERNELS:
+        raise MmplanError(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     check_writable(output, "--output")
     check_not_input(output, "--output", [Path(model)] if model.endswith(".toml") else [])
     groups = parse_group_overrides(group or [])
@@ -147,6 +151,7 @@ def profile(
     with console.progress(f"profiling {source.name}", enabled=not quiet and not as_json) as note:
         prof = profile_model(source, micro_batch=micro_batch, device=device, dtype=dtype, measure=measure,
                              groups=groups, progress=note, freeze=freeze or [])
+    prof = with_kernels(prof, kernels)
     save_profile(prof, output)
     if as_json:
         print(json.dumps({"profile": str(output), "model": prof.model, "fingerprint": prof.fingerprint,

@@ -133,6 +133,7 @@ class ModelShape:
     mlp: str = _omit("")  # "swiglu" (gated, SiLU) | "gelu" (two linears, GELU)
     position: str = _omit("")  # "rope" | "learned"
     bias: str = _omit("")  # "yes" | "no": whether the layers' linears have biases
+    dropout: bool = _omit(False)  # the layers apply dropout (nn.Dropout or a dropout rate > 0): its masks are saved
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,20 @@ def _layer_shape(layer: nn.Module) -> dict:
     fields["norm"] = "rmsnorm" if "rms" in norms else "layernorm" if "layernorm" in norms else ""
     linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
     fields["bias"] = "yes" if any(m.bias is not None for m in linears) else "no"
+    fields["dropout"] = _has_dropout(layer)
     return fields
+
+
+def _has_dropout(layer: nn.Module) -> bool:
+    """Whether the layer drops out: an nn.Dropout with p > 0, or a dropout rate > 0 kept as a float attribute (Hugging
+    Face attentions keep `attention_dropout` / `dropout` and call the functional form)."""
+    for m in layer.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        rates = (getattr(m, name, None) for name in ("attention_dropout", "dropout", "hidden_dropout"))
+        if any(isinstance(r, float) and r > 0 for r in rates):
+            return True
+    return False
 
 
 def _token_embedding(recs, vocab: int | None) -> nn.Embedding | None:

@@ -125,3 +125,29 @@ def test_activation_residency_by_tier():
     assert activation_residency("recompute", 100.0, 10.0) == TierBytes(gpu=10.0)
     assert activation_residency("offload-nvme", 100.0, 10.0) == TierBytes(nvme=100.0)
     assert [activation_transient(t, 100.0) for t in ("keep", "recompute", "offload-cpu")] == [0.0, 100.0, 200.0]
+
+
+@pytest.mark.parametrize("zero,dp,per_param", [(0, 8, 18.0), (1, 8, 6 + 12 / 8), (1, 64, 6 + 12 / 64)])
+def test_megatron_grad_buffer_is_theoretical_memory_usage_bytes_per_parameter(zero, dp, per_param):
+    # Megatron-LM, megatron/training/theoretical_memory_usage.py: 18 bytes per parameter (bf16 weight, fp32 main_grad,
+    # fp32 Adam master + moments), 6 + 12/dp with the distributed optimizer (ZeRO-1; the gradient buffer unsharded)
+    from cost_models.memory import grad_buffer_bytes
+
+    blocks = [Block("b", "g", "Layer", 10**6, 2 * 10**6, 1.0, 2.0, 0.0, 0.0)]
+    common = dict(samples=1.0, tp=1, dp=dp, zero=zero, memory=Memory(), in_flight_micro_batches=1.0, input_bytes={})
+    mmplan = stage_memory(blocks, **common)
+    megatron = stage_memory(blocks, **common, grad_buffer="fp32")
+    assert megatron.gpu == pytest.approx(per_param * 10**6)
+    assert megatron.gpu - mmplan.gpu == grad_buffer_bytes(10**6, dp=dp, zero=zero, grad_buffer="fp32") == 2 * 10**6
+    assert grad_buffer_bytes(10**6, dp=dp, zero=zero) == 0  # mmplan's runtime: gradients in the training dtype
+    assert grad_buffer_bytes(10**6, dp=4, zero=2, grad_buffer="fp32") == 2 * 10**6 / 4  # sharded like the gradients
+    assert grad_buffer_bytes(10**6, dp=4, zero=0, dtype="fp32", grad_buffer="fp32") == 0  # fp32 gradients already
+    with pytest.raises(MmplanError, match="grad_buffer"):
+        grad_buffer_bytes(1.0, dp=1, zero=0, grad_buffer="fp8")
+
+
+def test_megatron_grad_buffer_leaves_frozen_blocks_out():
+    blocks = [Block("a", "g", "Layer", 10**6, 2 * 10**6, 1.0, 2.0, 0.0, 0.0),
+              Block("f", "g", "Layer", 10**6, 2 * 10**6, 1.0, 2.0, 0.0, 0.0, frozen=True)]
+    common = dict(samples=1.0, tp=1, dp=1, zero=0, memory=Memory(), in_flight_micro_batches=1.0, input_bytes={})
+    assert stage_memory(blocks, **common, grad_buffer="fp32").gpu - stage_memory(blocks, **common).gpu == 2 * 10**6
