@@ -129,3 +129,23 @@ def test_bad_inputs_give_one_line_exit_2_and_no_file(tmp_path, user_module, monk
         assert len(lines) == 1 and needle in lines[0], (case, res.stderr)
         assert not out.exists(), case
         assert not list(tmp_path.glob("**/.*.tmp")), case
+
+
+def test_profile_kernels_fused_counts_the_layers_per_op(tmp_path):
+    from cost_models.fused import fused_layer_bytes, is_layer_of
+
+    eager, fused = tmp_path / "e.json", tmp_path / "f.json"
+    assert invoke("profile", "tiny-vlm", "-o", eager, "-q").exit_code == 0
+    res = invoke("profile", "tiny-vlm", "-o", fused, "-q", "--kernels", "fused")
+    assert res.exit_code == 0, res.output
+    e, f = load_profile(eager), load_profile(fused)
+    assert e.kernels == "eager" and f.kernels == "fused" and f.fingerprint == e.fingerprint
+    shapes = {s.group: s for s in f.shapes}
+    layers = [b for b in f.blocks if b.group in shapes and is_layer_of(b, shapes[b.group])]
+    assert layers  # the zoo model's transformer layers are recognised
+    for b in layers:
+        assert b.activation_bytes == fused_layer_bytes(shapes[b.group], f.dtype, dropout=shapes[b.group].dropout).total * (
+            b.sequence or shapes[b.group].sequence)
+    res = invoke("profile", "tiny-vlm", "-o", tmp_path / "x.json", "--kernels", "tensorrt")
+    assert res.exit_code == 2 and "--kernels must be one of eager, fused" in res.output
+    assert not (tmp_path / "x.json").exists()
