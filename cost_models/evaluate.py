@@ -13,6 +13,11 @@ from plans.errors import ImpossiblePrediction
 from plans.graph import Profile
 from plans.plan import Plan, Predicted, RankMemory
 
+# How memory is counted (evaluate's grad_buffer / overhead): "tensors" -- mmplan's runtime: the tensors it holds, as
+# its own measurement counts them (gradients in the training dtype); "megatron" -- a Megatron-LM run on GPUs: fp32
+# gradient buffer (memory.grad_buffer_bytes) and the device's whole use (workspace.GpuOverhead, "device").
+MEMORY_MODELS: dict[str, dict] = {"tensors": {}, "megatron": {"grad_buffer": "fp32", "overhead": "device"}}
+
 TOKEN_INPUTS = ("tokens", "input_ids")  # model-input names that carry the LLM's token ids
 TOKEN_ID_BYTES = 8  # int64, torch's default for token ids (runtime/models/build.py example_batch)
 

@@ -398,6 +398,7 @@ def compare(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list on stdout, one object per plan in argument order.")] = False,
     trace: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Write [cyan]<plan stem>.trace.json[/] per plan into DIR (open in ui.perfetto.dev); needs --profile.")] = None,
     measured: Annotated[Optional[Path], typer.Option(metavar="RUN.jsonl", help="A run's metrics log ([cyan]mmplan run --log[/]): show the plan's prediction beside it (one plan only).")] = None,
+    memory_model: Annotated[str, typer.Option(help="How GPU memory is counted (needs --profile): [cyan]tensors[/] as mmplan's runtime holds them; [cyan]megatron[/] as a Megatron-LM run uses the GPU (fp32 gradient buffer, cuBLAS / NCCL / CUDA context, allocator fragmentation).")] = "tensors",
 ) -> None:
     """Compare plans offline: step time, throughput, MFU, memory per tier, bubble, communication; best highlighted.
 
@@ -407,7 +408,8 @@ def compare(
     from planner.commands.compare import run_compare
     from planner.commands.report import breakdown_table, compare_table, comparison_json, measured_table, why_texts
 
-    result = run_compare(plans, profile_path=profile_path, trace_dir=trace, measured_path=measured)
+    result = run_compare(plans, profile_path=profile_path, trace_dir=trace, measured_path=measured,
+                         memory_model=memory_model)
     if as_json:
         print(json.dumps(comparison_json(result), allow_nan=False))
         return

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cost_models.evaluate import Evaluation, evaluate
+from cost_models.evaluate import MEMORY_MODELS, Evaluation, evaluate
 from cost_models.trace import chrome_trace
 from plans.errors import FormatError, MmplanError
 from plans.graph import Profile
@@ -34,16 +34,22 @@ class Compared:
     evaluation: Evaluation | None = None
 
 
-def load_compared(paths: Sequence[str | os.PathLike], profile: Profile | None = None) -> list[Compared]:
+def load_compared(paths: Sequence[str | os.PathLike], profile: Profile | None = None,
+                  memory_model: str = "tensors") -> list[Compared]:
     """Load plans for comparison. With a profile every plan is checked against it and evaluated by the current
-    cost model; without one, each plan's stored predictions are used and a plan without them is an error."""
+    cost model (memory counted as `memory_model` says: cost_models.evaluate.MEMORY_MODELS); without one, each plan's
+    stored predictions are used and a plan without them is an error."""
     if not paths:
         raise MmplanError("give at least one plan file to compare")
+    if memory_model not in MEMORY_MODELS:
+        raise MmplanError(f"--memory-model must be one of {', '.join(MEMORY_MODELS)}, got {memory_model!r}")
+    if memory_model != "tensors" and profile is None:
+        raise MmplanError(f"--memory-model {memory_model} needs --profile: the figures stored in plans count tensors only")
     out = []
     for path in paths:
         plan = load_plan(path, profile=profile)
         if profile is not None:
-            ev = evaluate(plan, profile)
+            ev = evaluate(plan, profile, **MEMORY_MODELS[memory_model])
             out.append(Compared(str(path), plan, ev.predicted, ev))
         elif plan.predicted is None:
             raise MmplanError(f"plan {path} carries no predicted figures (a hand-written plan?); pass --profile "
@@ -280,7 +286,8 @@ class Comparison:
 
 
 def run_compare(paths: Sequence[str | os.PathLike], *, profile_path: str | os.PathLike | None = None,
-                trace_dir: str | os.PathLike | None = None, measured_path: str | os.PathLike | None = None) -> Comparison:
+                trace_dir: str | os.PathLike | None = None, measured_path: str | os.PathLike | None = None,
+                memory_model: str = "tensors") -> Comparison:
     """Load (and with a profile evaluate) the plans, read the metrics log, write the traces; inputs are all
     checked before anything is written."""
     from plans.graph import load_profile
@@ -291,7 +298,7 @@ def run_compare(paths: Sequence[str | os.PathLike], *, profile_path: str | os.Pa
     if trace_dir is not None and profile_path is None:
         raise MmplanError("--trace needs --profile: the timeline is simulated from the profile, plans do not store it")
     profile = load_profile(profile_path) if profile_path is not None else None
-    items = tuple(load_compared(paths, profile))
+    items = tuple(load_compared(paths, profile, memory_model))
     if measured is not None:
         deviation_summary(items[0].plan, items[0].evaluation or items[0].predicted, measured)  # rank counts match
     traces = tuple(write_traces(items, trace_dir)) if trace_dir is not None else ()

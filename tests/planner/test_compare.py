@@ -213,3 +213,22 @@ def _render(table) -> str:
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(table)
     return console.export_text()
+
+
+def test_memory_model_megatron_counts_the_gradient_buffer_and_the_gpu_overhead(setup, tmp_path):
+    from cost_models.evaluate import evaluate
+    from cost_models.workspace import CUDA_CONTEXT
+
+    profile, _, plans = setup
+    save_plan(plans["pp2"], tmp_path / "p.json")
+    (tensors,) = load_compared([tmp_path / "p.json"], profile)
+    (megatron,) = load_compared([tmp_path / "p.json"], profile, "megatron")
+    # local-cpu (gloo): no GPU overhead, only the fp32 gradient buffer where gradients are in a half dtype
+    assert megatron.predicted.memory == evaluate(plans["pp2"], profile, grad_buffer="fp32").memory
+    on_gpus = replace(plans["pp2"], cluster=parse_cluster("4xh100-sxm"))
+    ev = evaluate(on_gpus, profile, grad_buffer="fp32", overhead="device")
+    assert min(m.gpu for m in ev.memory) > CUDA_CONTEXT + min(m.gpu for m in tensors.predicted.memory)
+    with pytest.raises(MmplanError, match="--memory-model must be one of tensors, megatron"):
+        load_compared([tmp_path / "p.json"], profile, "deepspeed")
+    with pytest.raises(MmplanError, match="--memory-model megatron needs --profile"):
+        load_compared([tmp_path / "p.json"], None, "megatron")
