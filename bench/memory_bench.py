@@ -144,11 +144,14 @@ class MegatronRun:
 
 # GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads; 2048 tokens) at tp 8 x pp 16 as the
 # issue names it, dp 8, 192 micro-batches; LLaMA-2 7B (Touvron et al. 2023: 32 layers, 4096, 32 heads, MLP 11008,
-# vocabulary 32000, 4096 tokens) on one DGX (dp 8), no recompute.
+# vocabulary 32000, 4096 tokens) on one DGX (dp 8), no recompute; LLaMA-2 70B with grouped-query attention.
 MEGATRON_RUNS = (
     MegatronRun("GPT-3 175B", 96, 12288, 96, 4 * 12288, 51200, 2048, tp=8, pp=16, dp=8, micro_batches=192,
                 sp_selective=True),
     MegatronRun("LLaMA-2 7B", 32, 4096, 32, 11008, 32000, 4096, tp=1, pp=1, dp=8, micro_batches=16, gated=True),
+    # LLaMA-2 70B (Touvron et al. 2023: 80 layers, 8192, 64 heads, 8 kv heads, MLP 28672) at tp 8 x pp 4 x dp 4
+    MegatronRun("LLaMA-2 70B", 80, 8192, 64, 28672, 32000, 4096, tp=8, pp=4, dp=4, micro_batches=64, gated=True,
+                kv_heads=8, sp_selective=True),
 )
 
 
