@@ -81,7 +81,7 @@ def with_kernels(profile: Profile, kernels: Kernels, *, dropout: bool | None = N
     """`profile` with its transformer layers' saved activations as `kernels` store them: "eager" is the profile as
     measured (returned unchanged when it already is); "fused" replaces each plain layer's activation_bytes, its
     replicated share and its attention core by fused_layer_bytes x the block's sequence (other blocks -- embeddings,
-    projectors, heads, cross-attention layers -- keep their measured bytes). `shapes` default to the profile's own;
+    projectors, heads, cross-attention layers, frozen layers -- keep their measured bytes). `shapes` default to the profile's own;
     `dropout`: the layers apply dropout (Megatron's GPT: 0.1; LLaMA-style models: none); None: as each shape says
     (ModelShape.dropout, read from the model by the profiler)."""
     if kernels not in KERNELS:
@@ -94,8 +94,8 @@ def with_kernels(profile: Profile, kernels: Kernels, *, dropout: bool | None = N
     blocks = []
     for b in profile.blocks:
         shape = by_group.get(b.group)
-        if shape is None or not is_layer_of(b, shape):
-            blocks.append(b)
+        if shape is None or b.frozen or not is_layer_of(b, shape):  # a frozen layer saves only what the gradients
+            blocks.append(b)  # of the blocks before it need (profiled so): its measured bytes stay
             continue
         drops = shape.dropout if dropout is None else dropout
         saved, s = fused_layer_bytes(shape, profile.dtype, dropout=drops), b.sequence or shape.sequence

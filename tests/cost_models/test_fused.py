@@ -85,3 +85,11 @@ def test_a_block_of_other_parameters_is_not_a_layer():
     assert is_layer_of(block, GPT)
     assert not is_layer_of(dataclasses.replace(block, params=int(block.params * 1.5)), GPT)  # e.g. cross-attention
     assert not is_layer_of(dataclasses.replace(block, group="vision"), GPT)
+
+
+def test_frozen_layers_keep_their_measured_bytes():
+    eager = _profile(GPT)
+    frozen = dataclasses.replace(eager, blocks=tuple(dataclasses.replace(b, frozen=b.name == "layers.0") for b in eager.blocks))
+    fused = with_kernels(frozen, "fused")
+    assert fused.blocks[1] == frozen.blocks[1]  # profiled frozen: it saves only what earlier gradients need
+    assert fused.blocks[2].activation_bytes != frozen.blocks[2].activation_bytes
