@@ -27,6 +27,7 @@ from cost_models.evaluate import evaluate  # noqa: E402
 from planner.solver.baselines import best_megatron, homogeneous_plan  # noqa: E402
 from planner.solver.explain import per_gpu  # noqa: E402
 from planner.solver.solve import DEFAULT_RESERVE, solve, usable_cluster  # noqa: E402
+from plans.errors import MmplanError  # noqa: E402
 
 MODEL, BATCH, GPUS = "vit22b-gpt175b", 1536, (1536, 2048, 3072)
 TARGET = 1.10  # issue 33: each step within 10 % of linear scaling from the smallest cluster
@@ -65,9 +66,13 @@ def main(argv: list[str] | None = None) -> None:
         sol = solve(profile, parse_cluster(f"{gpus}xa100-80g"), BATCH, time_limit=args.time_limit, schedule="interleaved")
         plan, how = sol.plan, sol.structure + (" [stopped at the time limit]" if sol.stopped_early else "")
         if "megatron" not in sol.baselines:  # the limit ended the solve before its Megatron-style baseline (as hetero_bench)
-            late = best_megatron(profile, cluster, BATCH, deadline=time.perf_counter() + args.time_limit)
-            if late.predicted.fits and late.predicted.step_time_s < plan.predicted.step_time_s:
-                plan, how = late, "megatron baseline searched after the solve"
+            try:
+                late = best_megatron(profile, cluster, BATCH, deadline=time.perf_counter() + args.time_limit)
+            except MmplanError as e:  # its own time limit ended before it simulated a layout
+                how += f" [megatron baseline: {e}]"
+            else:
+                if late.predicted.fits and late.predicted.step_time_s < plan.predicted.step_time_s:
+                    plan, how = late, "megatron baseline searched after the solve"
         step = plan.predicted.step_time_s
         first = first or (gpus, step)
         linear = first[1] * first[0] / gpus
