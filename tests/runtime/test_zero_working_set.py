@@ -65,3 +65,14 @@ def test_fsdp2_holds_the_parameters_the_cost_model_counts(case):
     for r in results:
         assert abs(r["peak"] - predicted) <= 0.05 * predicted, (case, r["peak"], predicted)
         assert r["after_step"] == 4 * params / DP  # resharded after the step's last backward: the shard alone
+
+
+def test_fsdp2_zero1_holds_its_shard_beyond_megatrons_count():
+    """ZeRO-1 keeps the parameters unsharded across the step too; the cost model counts it as Megatron-LM's
+    distributed optimizer holds it (whole parameters, no second copy of the shard: state_residency's docstring), so
+    FSDP2 holds exactly the rank's shard more."""
+    params = BLOCKS * (WIDTH * WIDTH + WIDTH)
+    results = launch(_worker, DP, (1, True), timeout_s=120)
+    predicted = state_residency(params, WIDTH * WIDTH + WIDTH, dp=DP, zero=1, memory=Memory(), dtype="fp32", trained=0).gpu
+    for r in results:
+        assert r["peak"] == predicted + 4 * params / DP and r["after_step"] == 4 * params / DP
