@@ -111,7 +111,12 @@ def state_residency(params: float, largest: float, *, dp: int, zero: int, memory
     (GradTier moves each gradient out as soon as it has accumulated); ZeRO-3 keeps a double buffer of the largest
     gathered block (the one in use and the one being all-gathered, ZeRO section 7.2). ZeRO-3 without
     `reshard_after_forward` (FSDP2's reshard_after_forward=False) holds every block's gathered parameters from its
-    forward to its backward: at the peak, with a micro-batch between the two, the stage's whole parameters unsharded.
+    forward to its backward: at the peak, with a micro-batch between the two, the stage's whole parameters unsharded,
+    beside the rank's own shard. ZeRO-2 as runtime/zero.py runs it on FSDP2 keeps the parameters unsharded across
+    the step's micro-batches (resharded after the last backward) and, like ZeRO-3, keeps the rank's shard (the
+    DTensor the optimizer steps) beside them: 1 + 1/dp of the parameters, as measured on FSDP2's storages
+    (tests/runtime/test_zero_working_set.py). ZeRO-1 is counted as Megatron-LM's distributed optimizer holds it
+    (whole parameters, no second copy of the shard), which FSDP2 exceeds by the same 1/dp.
     """
     share = zero_divisors(zero, dp)
     state = model_state_bytes(params, dp=dp, zero=zero, dtype=dtype, optimizer=optimizer)
@@ -127,7 +132,9 @@ def state_residency(params: float, largest: float, *, dp: int, zero: int, memory
     if zero >= 3:
         out = out.put("gpu", 2 * block)
     if zero >= 3 and not reshard_after_forward:
-        out = out.put("gpu", state.params * (share.params - 1))  # the rest of the unsharded parameters
+        out = out.put("gpu", state.params * share.params)  # the unsharded parameters, beside the rank's shard
+    if zero == 2 and memory.params == "gpu":
+        out = out.put("gpu", state.params / dp)  # the rank's shard, beside the unsharded parameters kept all step
     return out
 
 

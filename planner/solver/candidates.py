@@ -170,7 +170,8 @@ def zero_forms(cluster: Cluster, dp: int, zeros: Sequence[int] = ZERO_STAGES) ->
     """(ZeRO stage, reshard_after_forward) pairs worth trying: every zero_stages one, and ZeRO-3 also without
     resharding after the forward (FSDP2's reshard_after_forward=False: one all-gather per micro-batch, the gathered
     parameters held from each forward to its backward). Keeping parameters unsharded across a step's micro-batches
-    (gather once, reduce-scatter once per step) is ZeRO-1 as the runtime runs it (runtime/zero.py), already here."""
+    (gathered once per step) is ZeRO-2 (reduce-scatter every micro-batch) and ZeRO-1 (once per step) as the runtime
+    runs them (runtime/zero.before_backward), already here."""
     return tuple((z, again) for z in zero_stages(cluster, dp, zeros) for again in ((True, False) if z == 3 else (True,)))
 
 

@@ -117,7 +117,8 @@ def test_off_device_gradients_keep_one_block_on_the_gpu():
     assert grads_off.nvme == 2 * 3000 and on_gpu.gpu - grads_off.gpu == 2 * 3000 - 2 * 2000
     assert params_off.cpu == 2 * 3000 and on_gpu.gpu - params_off.gpu == 2 * 3000 - 2 * 2 * 2000
     sharded = state_residency(3000, 2000, dp=4, zero=2, memory=Memory(grads="cpu"))
-    assert sharded.cpu == 2 * 3000 / 4 and sharded.gpu == 2 * 3000 + 12 * 3000 / 4 + 2 * 2000 / 4
+    # ZeRO-2 on FSDP2: the unsharded parameters (2 x 3000) and the rank's shard beside them (2 x 3000 / 4)
+    assert sharded.cpu == 2 * 3000 / 4 and sharded.gpu == 2 * 3000 * (1 + 1 / 4) + 12 * 3000 / 4 + 2 * 2000 / 4
 
 
 def test_activation_residency_by_tier():

@@ -173,3 +173,32 @@ def test_zero3_without_reshard_after_forward_matches_reference(case):
     job = Job(plan=plan, model=model, steps=20, seed=0, probe_grads=True)
     results = launch(train_rank, plan.world_size, job, timeout_s=480)
     check_parity(case, results, reference(model, job))
+
+
+# FSDP2 keeping the parameters unsharded across a step's micro-batches (gathered once per step, resharded after the
+# last backward: runtime/zero.before_backward) is ZeRO-2 (gradients reduce-scattered every micro-batch) and ZeRO-1
+# (gradients accumulated unsharded, reduced once); 20 steps of 4 micro-batches, on dp2, pp2 x dp2 and two multimodal
+# placements (encoder and LLM on disjoint ranks, and colocated on the same ranks)
+ACCUMULATED = {
+    "dp2-zero2-kept-across-micro-batches": ("tiny-vlm", [
+        {"name": "all", "dp": 2, "zero": 2, "stages": [(VLM_ALL, [0, 1])]}]),
+    "pp2-dp2-zero1-kept-across-micro-batches": ("tiny-vlm", [
+        {"name": "all", "dp": 2, "zero": 1,
+         "stages": [(["vision", "vision_proj", "llm.embed"], [0, 1]), (["llm"], [2, 3])]}]),
+    "non-colocated-encoder-zero2-llm-zero1": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "zero": 2, "stages": [(["vision", "vision_proj"], [0, 1])]},
+        {"name": "llm", "dp": 2, "zero": 1, "stages": [(["llm"], [2, 3])]}]),
+    "colocated-encoder-zero2-llm-zero2": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "zero": 2, "stages": [(["vision", "vision_proj"], [0, 1])]},
+        {"name": "llm", "dp": 2, "zero": 2, "colocated_with": "vision", "stages": [(["llm"], [0, 1])]}]),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCUMULATED))
+def test_parameters_kept_unsharded_across_micro_batches_match_reference(case):
+    model, groups = ACCUMULATED[case]
+    plan = make_plan(model, groups, micro_batches=4)
+    assert all(g.zero in (1, 2) for g in plan.groups)
+    job = Job(plan=plan, model=model, steps=20, seed=0, probe_grads=True)
+    results = launch(train_rank, plan.world_size, job, timeout_s=480)
+    check_parity(case, results, reference(model, job))
