@@ -109,10 +109,10 @@ Sources:
   traffic counted (eager: `profile_model(fused=False)`), and 48 text tokens (assumed: the captions' padded
   length; not published). The TFLOP/s columns are the profile's executed FLOPs per step (the same for both)
   over each time, so the error is the step-time ratio. The published time is a rounded wall time that includes
-  data loading, start-up and logging, which the cost model does not price. The 7B row misses (+27.6 %) where the
-  13B row does not (+9.7 %): the published times are in ratio 3.5 h / 5.5 h = 0.64, while the 7B executes 0.51 of
+  data loading, start-up and logging, which the cost model does not price. The 7B row misses (+25.8 %) where the
+  13B row does not (+8.1 %): the published times are in ratio 3.5 h / 5.5 h = 0.64, while the 7B executes 0.51 of
   the 13B's FLOPs and the cost model predicts 0.55 of its step. A cost the same for both runs, ~2 s per step
-  ((4.53 s + c) / (8.28 s + c) = 0.636), or the rounding of "around 3.5 hours" (+-0.25 h, +-7 %) with a smaller
+  ((4.59 s + c) / (8.40 s + c) = 0.636), or the rounding of "around 3.5 hours" (+-0.25 h, +-7 %) with a smaller
   such cost, would reconcile them; the publication gives neither, and fitting c here would be fitting a constant
   to a validation row.
   The two rows are published as rounded wall times ("around 3.5 hours"): they are printed in a table of their own,
@@ -130,6 +130,10 @@ Not fitted: no constant is derived from these rows (each is a datasheet figure o
 in cost_models/catalog.py and hardware.py). What each row's software did (micro-batch,
 interleaving, overlap of the gradient all-reduce, blocking pipeline sends) comes from the scripts and code of the
 runs ([SC21], [MLM]); the hardware constants from datasheets and published microbenchmarks (catalog.py, hardware.py).
+
+Judged (issue 33): the mean absolute error <= 8 %, every row within +-15 %, and the MFU ceiling: per GPU model (A100,
+H100; [TT]'s capped Grand Teton H100s are H100s, each row's MFU over its own GPUs' peak), no predicted MFU above the
+best published one in the bench.
 """
 from __future__ import annotations
 
@@ -152,7 +156,7 @@ from planner.solver.baselines import homogeneous_plan  # noqa: E402
 from plans.graph import Profile  # noqa: E402
 
 TOLERANCE = 0.15  # every row within +-15 %
-MAE_TARGET = 0.10
+MAE_TARGET = 0.08  # issue 33's must-show
 
 
 @dataclass(frozen=True)
@@ -540,17 +544,29 @@ def _table(rows: list[Row], explain: bool) -> list[tuple[Row, float, float]]:
     return out
 
 
+def gpu_model(row: Row) -> str:
+    """The GPU a row ran on, whatever its catalog entry: "a100", "h100" ([TT]'s power-capped Grand Teton H100s are H100s)."""
+    return row.gpu.split("-")[0]
+
+
+def mfu(row: Row, tflops: float) -> float:
+    """TFLOP/s by the row's metric over the bf16 peak of the row's own GPUs (_cluster: [TT]'s capped peak for its rows)."""
+    return tflops * 1e12 / _cluster(row).device.peak_flops["bf16"]
+
+
 def _mfu_check(judged: list[tuple[Row, float, float]]) -> list[str]:
-    """Per GPU, the highest predicted MFU (TFLOP/s by the row's metric / the GPU's bf16 peak) against the best published
-    one in the bench; printed; the GPUs where a prediction exceeds it."""
+    """Per GPU model (gpu_model), the highest predicted MFU (mfu) against the best published one in the bench; printed;
+    the GPUs where a prediction exceeds it."""
     over = []
-    for gpu in sorted({r.gpu for r, _, _ in judged}):
-        peak = _cluster(next(r for r, _, _ in judged if r.gpu == gpu)).device.peak_flops["bf16"] / 1e12
-        best = max(published(r) / peak for r, _, _ in judged if r.gpu == gpu)
-        top_row, _, top = max(((r, e, p) for r, e, p in judged if r.gpu == gpu), key=lambda x: x[2])
-        flag = "" if top / peak <= best else "  OVER"
+    for gpu in sorted({gpu_model(r) for r, _, _ in judged}):
+        rows = [(r, p) for r, _, p in judged if gpu_model(r) == gpu]
+        best_row = max((r for r, _ in rows), key=lambda r: mfu(r, published(r)))
+        top_row, top = max(rows, key=lambda x: mfu(*x))
+        best, top_mfu = mfu(best_row, published(best_row)), mfu(top_row, top)
+        flag = "" if top_mfu <= best else "  OVER"
         over += [gpu] if flag else []
-        print(f"{gpu}: best published MFU {best:.1%}, highest predicted {top / peak:.1%} ({top_row.source}){flag}")
+        print(f"{gpu}: best published MFU {best:.1%} ({best_row.source}), highest predicted {top_mfu:.1%} "
+              f"({top_row.source}){flag}")
     return over
 
 
