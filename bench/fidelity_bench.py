@@ -109,10 +109,10 @@ Sources:
   traffic counted (eager: `profile_model(fused=False)`), and 48 text tokens (assumed: the captions' padded
   length; not published). The TFLOP/s columns are the profile's executed FLOPs per step (the same for both)
   over each time, so the error is the step-time ratio. The published time is a rounded wall time that includes
-  data loading, start-up and logging, which the cost model does not price. The 7B row misses (+27.6 %) where the
-  13B row does not (+9.7 %): the published times are in ratio 3.5 h / 5.5 h = 0.64, while the 7B executes 0.51 of
+  data loading, start-up and logging, which the cost model does not price. The 7B row misses (+25.8 %) where the
+  13B row does not (+8.1 %): the published times are in ratio 3.5 h / 5.5 h = 0.64, while the 7B executes 0.51 of
   the 13B's FLOPs and the cost model predicts 0.55 of its step. A cost the same for both runs, ~2 s per step
-  ((4.53 s + c) / (8.28 s + c) = 0.636), or the rounding of "around 3.5 hours" (+-0.25 h, +-7 %) with a smaller
+  ((4.59 s + c) / (8.40 s + c) = 0.636), or the rounding of "around 3.5 hours" (+-0.25 h, +-7 %) with a smaller
   such cost, would reconcile them; the publication gives neither, and fitting c here would be fitting a constant
   to a validation row.
   The two rows are published as rounded wall times ("around 3.5 hours"): they are printed in a table of their own,
@@ -122,14 +122,25 @@ Sources:
   Priced first as a fused Megatron-style layer with Korthikanti's selective recompute, they missed at +42.7 % / +29.7 %;
   priced as torchtitan 9dec370 ran them (op-level SAC, PyTorch's FlashAttention-2 SDPA, fp32 complex RoPE, fp32
   reduce-scatters, eager fp32 cross-entropy, foreach AdamW; none fitted) they are at +17.4 % / +6.5 %. What is left
-  of the 8-GPU row's gap is not explained here; candidates not priced: the 500 W cap's GEMM clocks (the peak is
+  of the 8-GPU row's gap is not explained here (the bf16 "FSDP + torch.compile" rows, judged too, miss the same way:
+  +18.7 % / +5.2 %, so it is not the eager memory-bound kernels, which compile fuses); candidates not priced: the 500 W cap's GEMM clocks (the peak is
   the SXM / NVL midpoint, not measured), torchtitan's root FSDP unit (embedding, final norm and output gathered
   together, first and exposed), strided copies (repeat_kv, transposes) below stream bandwidth.
+  The 128-GPU rows' smaller error is partly a mispriced link: their FSDP collectives cross nodes at one NIC's
+  50 GB/s (comm.link_between, the slowest link), where NCCL's rings over a group with k GPUs per node leave the
+  node through k NICs, one per GPU (nccl-tests issue 119: 96 GB/s bus bandwidth from 4 x 25 GB/s NICs). Priced so
+  (min(NVLink, k x NIC); tried in issue 33, not applied), the eager 8- and 128-GPU rows predict the same step, as
+  published (5,762 vs 5,605 tokens/s), both +17-21 %; but [MLM24]'s tp 1 / 2 rows (8 / 4 dp ranks per node) go to
+  +37 % / +34 %: some small-model cost on H100 is missing and the single-NIC price hides it.
 
 Not fitted: no constant is derived from these rows (each is a datasheet figure or a published microbenchmark, cited
 in cost_models/catalog.py and hardware.py). What each row's software did (micro-batch,
 interleaving, overlap of the gradient all-reduce, blocking pipeline sends) comes from the scripts and code of the
 runs ([SC21], [MLM]); the hardware constants from datasheets and published microbenchmarks (catalog.py, hardware.py).
+
+Judged (issue 33): the mean absolute error <= 8 %, every row within +-15 %, and the MFU ceiling: per GPU model (A100,
+H100; [TT]'s capped Grand Teton H100s are H100s, each row's MFU over its own GPUs' peak), no predicted MFU above the
+best published one in the bench.
 """
 from __future__ import annotations
 
@@ -152,7 +163,7 @@ from planner.solver.baselines import homogeneous_plan  # noqa: E402
 from plans.graph import Profile  # noqa: E402
 
 TOLERANCE = 0.15  # every row within +-15 %
-MAE_TARGET = 0.10
+MAE_TARGET = 0.08  # issue 33's must-show
 
 
 @dataclass(frozen=True)
@@ -409,6 +420,14 @@ ROWS += tuple(
         recompute="selective", micro_batch=2, zero=3, published_step_s=2 * _TT_TOKENS / tps, selective="op",
         attention="sdpa", grad_sync_bytes=4, cross_entropy_bytes=_TT_CROSS_ENTROPY, optimizer_extra_bytes=_TT_OPTIMIZER_EXTRA)
     for gpus, tps in ((8, 5762), (128, 5605)))
+# [TT] the bf16 "FSDP + torch.compile" rows of Tables 1 and 3 (6,667 / 6,514 tokens/s per GPU; the Float8 rows and the
+# 70B / 405B tables (Float8 + torch.compile) are not bf16: not compared). torchtitan 9dec370 compiles each
+# TransformerBlock on its own (parallelisms/parallelize_llama.py apply_compile, fullgraph=True): the blocks' memory-bound
+# chains fused (the profile's fused kernels, eager=False); the loss, the optimizer and SAC as in the eager rows.
+LLAMA31_8B_COMPILED = replace(LLAMA31_8B, name="llama3.1-8b-compiled", eager=False)
+ROWS += tuple(replace(next(r for r in ROWS if r.source == f"TT FSDP 8B {gpus} GPUs"), source=f"TT FSDP+compile 8B {gpus}",
+                      model=LLAMA31_8B_COMPILED, published_step_s=2 * _TT_TOKENS / tps)
+              for gpus, tps in ((8, 6667), (128, 6514)))
 # the [TT] GPUs (above): bf16 peak between the SXM's and the NVL's, HBM2e 2.4 TB/s, 96 GB
 _TT_PEAK = (989.4 + 835.5) / 2 * 1e12
 
@@ -540,17 +559,29 @@ def _table(rows: list[Row], explain: bool) -> list[tuple[Row, float, float]]:
     return out
 
 
+def gpu_model(row: Row) -> str:
+    """The GPU a row ran on, whatever its catalog entry: "a100", "h100" ([TT]'s power-capped Grand Teton H100s are H100s)."""
+    return row.gpu.split("-")[0]
+
+
+def mfu(row: Row, tflops: float) -> float:
+    """TFLOP/s by the row's metric over the bf16 peak of the row's own GPUs (_cluster: [TT]'s capped peak for its rows)."""
+    return tflops * 1e12 / _cluster(row).device.peak_flops["bf16"]
+
+
 def _mfu_check(judged: list[tuple[Row, float, float]]) -> list[str]:
-    """Per GPU, the highest predicted MFU (TFLOP/s by the row's metric / the GPU's bf16 peak) against the best published
-    one in the bench; printed; the GPUs where a prediction exceeds it."""
+    """Per GPU model (gpu_model), the highest predicted MFU (mfu) against the best published one in the bench; printed;
+    the GPUs where a prediction exceeds it."""
     over = []
-    for gpu in sorted({r.gpu for r, _, _ in judged}):
-        peak = _cluster(next(r for r, _, _ in judged if r.gpu == gpu)).device.peak_flops["bf16"] / 1e12
-        best = max(published(r) / peak for r, _, _ in judged if r.gpu == gpu)
-        top_row, _, top = max(((r, e, p) for r, e, p in judged if r.gpu == gpu), key=lambda x: x[2])
-        flag = "" if top / peak <= best else "  OVER"
+    for gpu in sorted({gpu_model(r) for r, _, _ in judged}):
+        rows = [(r, p) for r, _, p in judged if gpu_model(r) == gpu]
+        best_row = max((r for r, _ in rows), key=lambda r: mfu(r, published(r)))
+        top_row, top = max(rows, key=lambda x: mfu(*x))
+        best, top_mfu = mfu(best_row, published(best_row)), mfu(top_row, top)
+        flag = "" if top_mfu <= best else "  OVER"
         over += [gpu] if flag else []
-        print(f"{gpu}: best published MFU {best:.1%}, highest predicted {top / peak:.1%} ({top_row.source}){flag}")
+        print(f"{gpu}: best published MFU {best:.1%} ({best_row.source}), highest predicted {top_mfu:.1%} "
+              f"({top_row.source}){flag}")
     return over
 
 

@@ -26,16 +26,19 @@ def _launch_bound_curve(peak: float, best: float, launch_s: float) -> tuple[tupl
 
 # A CUDA kernel launch plus cuBLAS heuristics costs a few microseconds (estimate; "CUDA C++ Best Practices
 # Guide", section on kernel launch overhead). Large GEMMs of transformer shapes, fraction of the dense tensor peak:
-# - A100: 0.75. NVIDIA's CUTLASS profiler documentation (media/docs/profiler.md, "Example Tensor Core GEMM
-#   Operations", CUTLASS 2.2, 2020) measures an fp16 GEMM m=3456 n=4096 k=8192 on A100 at 235.1 TFLOP/s = 0.754 x
-#   312. The best shape of a search with today's cuBLAS reaches 267.9 TFLOP/s =
-#   0.86 (S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS" table): a searched maximum, not a
-#   transformer's shapes.
+# - A100: 0.737. What PyTorch's cuBLAS sustains on a large square fp16 GEMM: `a @ b` at n = 8192 on an A100 80GB,
+#   timed over at least 3 s (torch.utils.benchmark blocked_autorange(min_run_time=3), so at the clocks a sustained
+#   load runs at), 230 TFLOP/s = 0.737 x 312 (mli/transformers-benchmarks, README "Micro-Benchmarking Summary" and
+#   micro_bench.ipynb, NGC PyTorch 22.07: the cuBLAS of the 2021-2022 Megatron-LM runs). NVIDIA's CUTLASS profiler
+#   documentation (media/docs/profiler.md, CUTLASS 2.2, 2020) measures one CUTLASS kernel, m=3456 n=4096 k=8192, at
+#   235.1 TFLOP/s = 0.754 (the figure used before: a profiler run, not cuBLAS under a sustained load). The best
+#   shape of a search with today's cuBLAS reaches 267.9 TFLOP/s = 0.86 (S. Bekman, ml-engineering, "Maximum
+#   Achievable Matmul FLOPS" table): a searched maximum, not a transformer's shapes.
 # - Hopper: 0.75 (estimate; the same MAMF table: H100 SXM best shape 792.1 TFLOP/s = 0.80 of 989; NVIDIA's blog
 #   "New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs" for curves).
 # Both are replaced by measurements with `mmplan calibrate` on the target.
 _GPU_LAUNCH_S = 5e-6
-_GPU_BEST_FRACTION = {"a100": 0.75, "hopper": 0.75}
+_GPU_BEST_FRACTION = {"a100": 0.737, "hopper": 0.75}
 
 
 # Per-hop latencies of NCCL's own cost model, Ring / Simple protocol, in microseconds

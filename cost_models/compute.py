@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from cost_models.comm import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
+from cost_models.fsdp import overlap_share
 from cost_models.hardware import attention_efficiency, efficiency, peak_flops, sm_count, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES
 from cost_models.overhead import host_time, measured_compute_scale, with_host
@@ -149,7 +150,8 @@ def op_sac_time(block: Block, samples: float, t: int, sequence_parallel: bool, c
 
 
 def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes: float = 0.0, *,
-                   sequence_parallel: bool = False, overlapped_tp_backward: bool = False) -> tuple[float, float]:
+                   sequence_parallel: bool = False, overlapped_tp_backward: bool = False,
+                   share: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of a block's blocking tensor-parallel collectives on one micro-batch.
 
     Every collective is priced as the call it is (cost_models/comm.py: each pays the link's fixed cost per call,
@@ -174,10 +176,11 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     turns it off; with sequence parallelism, 9aad9203aa 2022-05-20, the input-gradient reduce-scatter during the
     weight-gradient GEMM and the re-gather during the input-gradient GEMM; TransformerEngine's Linear the same,
     transformer_engine/pytorch/module/linear.py backward at 8e039fdcd). Those are priced hidden: each moves b s h
-    bytes against a GEMM of 2 b s h (3h or 4h) / t FLOPs on the same tokens, shorter at transformer sizes on NVLink
-    (not priced: the SMs NCCL takes from the GEMM while both run). What stays exposed: without sequence
-    parallelism nothing in the backward (g's backward is the identity), with it the row-parallel exits' gradient
-    all-gathers (two calls, one all-reduce's volume)."""
+    bytes against a GEMM of 2 b s h (3h or 4h) / t FLOPs on the same tokens, shorter at transformer sizes on NVLink,
+    but the GEMM runs on the SMs NCCL's kernels leave it while they last: `share` of the hidden collectives' time is
+    added (FSDP2's rule, fsdp.overlapped with the GEMM outlasting the collective; fsdp.overlap_share). What stays
+    exposed: without sequence parallelism nothing in the backward (g's backward is the identity), with it the
+    row-parallel exits' gradient all-gathers (two calls, one all-reduce's volume)."""
     if t <= 1:
         return 0.0, 0.0
     if block.vocab_parallel == "embedding":
@@ -187,11 +190,11 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     size = block.output_bytes * samples
     if not sequence_parallel:  # per region: g all-reduces the output forward, f the input gradient backward
         one = all_reduce_time(size, t, link)
-        return 2 * one, 0.0 if overlapped_tp_backward else 2 * one
+        return 2 * one, share * 2 * one if overlapped_tp_backward else 2 * one
     # per region: all-gather on entry, reduce-scatter at the row-parallel exit; the backward the reverse
     gather, scatter = all_gather_time(size, t, link), reduce_scatter_time(size, t, link)
-    if overlapped_tp_backward:
-        return 2 * (gather + scatter), 2 * gather
+    if overlapped_tp_backward:  # hidden: the input gradient's reduce-scatter and the saved input's re-gather
+        return 2 * (gather + scatter), 2 * gather + share * (2 * scatter + regather_time(block, samples, t, link))
     return 2 * (gather + scatter), 2 * (gather + scatter) + regather_time(block, samples, t, link)
 
 
@@ -336,7 +339,8 @@ def block_time(
         fwd_comm, bwd_comm = userbuffers_tp_time(block, samples, t, tp_link or cluster.intra_node, cluster, dtype)
     else:
         fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,
-                                            sequence_parallel=sequence_parallel, overlapped_tp_backward=overlapped_tp_backward)
+                                            sequence_parallel=sequence_parallel, overlapped_tp_backward=overlapped_tp_backward,
+                                            share=overlap_share(cluster))
     if recompute is True or recompute == "recompute":
         return OpTime(fwd=fwd, fwd_comm=fwd_comm, bwd=bwd + fwd, bwd_comm=bwd_comm + fwd_comm)
     if recompute == "selective":

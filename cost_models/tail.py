@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from cost_models.comm import all_gather_time, all_reduce_time, dp_link, reduce_scatter_time, ring_bytes_sent
+from cost_models.fsdp import overlap_share
 from cost_models.memory import DTYPE_BYTES, StateTiers, zero_divisors
 from cost_models.overhead import optimizer_time, zero_optimizer_time
 from plans.cluster import Cluster, Link
@@ -43,6 +46,16 @@ def stage_tail(group: Group, stage_index: int, params_per_rank: float, training:
                      gather_overlap_s=gather_overlap_s)
 
 
+def hidden_exposure(total_s, last_bucket_s, overlap_s, share: float):
+    """Seconds a bucketed collective of `total_s` adds to a rank when it runs beside `overlap_s` seconds of compute,
+    but for its last bucket (`last_bucket_s`), which is ready only when that compute ends: the larger of that bucket,
+    what outlasts the compute, and the compute's slowdown while the collective holds `share` of the SMs (FSDP2's
+    rule, fsdp.overlapped: c beside x takes max(x, c + share x), the x - c or share x beyond c). No compute to hide
+    behind (overlap_s 0): the whole collective. Works on numpy arrays (the solver's segments)."""
+    hidden = np.maximum(np.minimum(total_s, overlap_s), 0.0)
+    return np.maximum(last_bucket_s, np.maximum(total_s - overlap_s, share * hidden * (overlap_s > 0)))
+
+
 def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers, link: Link, cluster: Cluster,
               dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0, tensors: int = 0,
               grad_bytes: int | None = None, gather_overlap_s: float | None = None) -> StageTail:
@@ -57,24 +70,28 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     The gradient sync (ZeRO 0-1) is bucketed (BUCKET_BYTES) and each bucket is reduced asynchronously as soon as
     the last micro-batch's backward has produced it (DDP's overlap, Li et al. 2020, section 3.2.3): it hides
     behind the `overlap_s` seconds of that backward, except the last bucket, which is ready only at its end.
-    `grad_sync` is the exposed part. `tensors`: the stage's trained parameter tensors, for a cluster with a measured
+    `grad_sync` is the exposed part: besides what outlasts that backward, the SMs NCCL's kernels take from the GEMMs
+    they run beside while the hidden part lasts (fsdp.overlap_share, the same share FSDP2's overlap pays:
+    hidden_exposure). `tensors`: the stage's trained parameter tensors, for a cluster with a measured
     per-tensor optimizer cost (cost_models/overhead.py; each rank steps every tensor's shard under ZeRO too).
     Two keywords price other runtimes than mmplan's (cost_models.pipeline.simulate's switches): `grad_bytes`, the
     bytes of a gradient element as the runtime reduces it (default: `dtype`'s; Megatron-LM reduces fp32 gradients
     of bf16 models); `gather_overlap_s`, ZeRO 1-2's parameter all-gather issued bucket by bucket ahead of the next
     step's forward and hidden behind that many seconds of it but for its first bucket (Megatron-LM's
-    `--overlap-param-gather`), where mmplan's runtime gathers after the optimizer step.
+    `--overlap-param-gather`), where mmplan's runtime gathers after the optimizer step; it pays the same SM share.
     """
     nbytes = params_per_rank * DTYPE_BYTES[dtype]  # this rank's gradients (and parameters)
     gbytes = nbytes if grad_bytes is None else params_per_rank * grad_bytes
     sync, sent = 0.0, 0.0
     collective = all_reduce_time if zero == 0 else reduce_scatter_time
+    share = overlap_share(cluster)
     if zero in (0, 1):
-        sync = max(collective(min(gbytes, BUCKET_BYTES), dp, link), collective(gbytes, dp, link) - overlap_s)
+        sync = hidden_exposure(collective(gbytes, dp, link), collective(min(gbytes, BUCKET_BYTES), dp, link),
+                               overlap_s, share)
         sent = ring_bytes_sent(gbytes, dp, all_reduce=zero == 0)
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     if gather and gather_overlap_s is not None:
-        gather = max(all_gather_time(min(nbytes, BUCKET_BYTES), dp, link), gather - gather_overlap_s)
+        gather = hidden_exposure(gather, all_gather_time(min(nbytes, BUCKET_BYTES), dp, link), gather_overlap_s, share)
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer
     opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors) \

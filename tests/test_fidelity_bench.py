@@ -67,3 +67,20 @@ def test_table_4_times_give_the_readme_mfu():
     assert set(rows) == set(readme)
     for name, mfu in readme.items():
         assert fb.published(rows[name]) / 312 == pytest.approx(mfu, abs=0.0025), name
+
+
+def test_the_mfu_ceiling_flags_a_prediction_above_the_best_published_mfu_of_its_gpu(capsys):
+    # the must-show's ceiling, per GPU model: [TT]'s capped Grand Teton H100s count as H100s, each row's MFU against
+    # its own GPUs' peak; a prediction at the best published MFU passes, one above it fails
+    judged = [r for r in fb.ROWS if not r.indicative and r.source.startswith(("K22 T4", "MLM24", "TT"))]
+    assert {fb.gpu_model(r) for r in judged} == {"a100", "h100"}
+    best = {g: max(fb.mfu(r, fb.published(r)) for r in judged if fb.gpu_model(r) == g) for g in ("a100", "h100")}
+    at_published = [(r, 0.0, fb.published(r)) for r in judged]
+    assert fb._mfu_check(at_published) == []
+    tt = next(r for r in judged if r.source.startswith("TT"))
+    peak = fb._cluster(tt).device.peak_flops["bf16"] / 1e12
+    above = [(r, 0.0, 1.01 * best["h100"] * peak if r is tt else p) for r, _, p in at_published]
+    assert fb._mfu_check(above) == ["h100"]  # a TT row above the best H100 MFU (Megatron's) is over
+    below = [(r, 0.0, 0.99 * best["h100"] * peak if r is tt else p) for r, _, p in at_published]
+    assert fb._mfu_check(below) == []  # above TT's own published MFU, below the H100's best: not over
+    assert "OVER" in capsys.readouterr().out

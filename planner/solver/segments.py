@@ -13,7 +13,7 @@ from cost_models.memory import (DTYPE_BYTES, activation_residency, activation_tr
                                 zero_divisors)
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import optimizer_tensor_time, zero_block_time, zero_optimizer_time
-from cost_models.tail import BUCKET_BYTES, tail_over
+from cost_models.tail import BUCKET_BYTES, hidden_exposure, tail_over
 from planner.solver.space import Policy, Setting, Unit
 from plans.cluster import Link
 from plans.graph import Block
@@ -268,11 +268,12 @@ class Segments:
         def tail(x: float):
             return tail_over(x, dp=dp, zero=z, memory=policy, link=link, cluster=cl, dtype=st.dtype, optimizer=st.optimizer)
 
-        # the gradient sync hides behind the last backward but for its last bucket (tail.tail_over's overlap_s);
+        # the gradient sync hides behind the last backward but for its last bucket and the SMs it takes from it
+        # (tail.tail_over's overlap_s, tail.hidden_exposure);
         # frozen parameters are neither synced nor updated
         full = _affine(lambda x: tail(x).grad_sync, self.trained, memo, ("sync", *k))
         bucket = _affine(lambda x: tail(x).grad_sync, np.minimum(self.trained, BUCKET_BYTES / self.width), memo, ("sync", *k))
-        sync = np.maximum(bucket, full - bwd) if overlaps_compute(cl) else full
+        sync = hidden_exposure(full, bucket, bwd, overlap_share(cl)) if overlaps_compute(cl) else full
         opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k)) \
             + (optimizer_tensor_time(policy, cl) + zero_optimizer_time(1, z, cl)) * self.tensors
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
