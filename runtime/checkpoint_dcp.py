@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -137,16 +138,36 @@ def prepare_step(root: str | os.PathLike, step: int, rank: int) -> Path:
 
 
 def save(state: Mapping[str, torch.Tensor], d: Path, *, group: Any = None, asynchronous: bool = False) -> Any:
-    """dcp.save (returns None) or dcp.async_save (returns its Future) of `state` into directory `d`."""
+    """dcp.save (returns None) or dcp.async_save (returns its Future: wait with `wait`) of `state` into `d`."""
     writer = dcp.FileSystemWriter(str(d), single_file_per_rank=True, sync_files=True, thread_count=1)
     try:
         if asynchronous:
             return dcp.async_save(dict(state), storage_writer=writer, process_group=group)
         dcp.save(dict(state), storage_writer=writer, process_group=group)
-    except OSError as e:
-        raise MmplanError(f"cannot write checkpoint {d}: {e.strerror or e}; free space there or choose another "
-                          "--checkpoint-dir") from None
+    except (OSError, CheckpointException) as e:
+        raise write_error(e, d) from None
     return None
+
+
+def wait(future: Any, d: Path) -> None:
+    """The end of an asynchronous save; its failure as write_error."""
+    try:
+        future.result()
+    except (OSError, CheckpointException) as e:
+        raise write_error(e, d) from None
+
+
+def write_error(e: BaseException, d: Path) -> MmplanError:
+    """One line for a failed DCP write (a full disk, a file size limit): the file and the reason. DCP reports every
+    rank's failure on every rank as a CheckpointException (a BaseException: it must not escape as one)."""
+    rank, cause = next(iter(e.failures.items())) if isinstance(e, CheckpointException) and e.failures else (None, (e, None))
+    cause = cause[0]
+    if isinstance(cause, CheckpointException) and cause.failures:
+        rank, (cause, _) = next(iter(cause.failures.items()))
+    name = getattr(cause, "filename", None) or (d / f"__{rank}_0.distcp" if rank is not None else d)
+    reason = getattr(cause, "strerror", None) or " ".join(str(cause).split())[:200]
+    return MmplanError(f"cannot write checkpoint file {name}: {reason} (checkpoint directory {d.parent}); free space "
+                       "there or choose another --checkpoint-dir")
 
 
 def own_files(d: Path, rank: int) -> dict[str, BlockFile]:
@@ -208,7 +229,12 @@ def load(manifest: Manifest, stages: Iterable[Any], modules: Mapping[str, nn.Mod
             else:
                 raise MmplanError(f"checkpoint {manifest.path}: optimizer state {k} of {n} has shape {list(shape)}, "
                                   f"the parameter {list(where.shape)}; refusing to resume")
-    dcp.load(wanted, storage_reader=dcp.FileSystemReader(manifest.path), process_group=group)
+    try:
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(manifest.path), process_group=group)
+    except (OSError, CheckpointException) as e:
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        raise MmplanError(f"cannot read checkpoint {manifest.path}: {' '.join(str(cause).split())[:200]}; refusing "
+                          "to resume") from None
     for st in stages:
         for b in st.blocks:
             values = {f"{b}.{n}": _local(wanted[f"model.{b}.{n}"]) for n, _ in modules[b].named_parameters()}
@@ -251,4 +277,32 @@ def read_full(manifest: Manifest, prefix: str = "") -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(wanted, storage_reader=dcp.FileSystemReader(manifest.path), no_dist=True)
     return wanted
+
+
+def read_blocks(manifest: Manifest) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]:
+    """block -> (params, optimizer state), both keyed by full parameter names, of a checkpoint in either format,
+    read in one process (format /1's load_block per block; a DCP checkpoint's blocks are listed in its manifest).
+    A parameter without optimizer state (frozen, or the second name of a tied weight) maps to {}."""
+    from runtime.checkpoint import load_block
+
+    if manifest.format != FORMAT_DCP:
+        return {b: load_block(manifest, b) for b in manifest.files}
+    blocks = sorted(manifest.extra.get("blocks", []), key=len, reverse=True)  # longest first: "llm.layers.1" before "llm"
+    full = read_full(manifest)
+    out: dict[str, tuple[dict, dict]] = {}
+    for key, t in full.items():
+        if key.startswith("model."):
+            name = key[len("model."):]
+            block = next((b for b in blocks if name.startswith(b + ".")), None)
+            if block is None:
+                raise MmplanError(f"checkpoint {manifest.path}: parameter {name} is in none of its blocks")
+            params, optimizer = out.setdefault(block, ({}, {}))
+            params[name] = t
+            optimizer.setdefault(name, {})
+    for key, t in full.items():
+        if key.startswith("optim."):
+            name, k = key[len("optim."):].rsplit(".", 1)
+            block = next(b for b in blocks if name.startswith(b + "."))
+            out[block][1][name][k] = t
+    return out
 

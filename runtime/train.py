@@ -301,20 +301,21 @@ class RankTrainer:
         """Complete the DCP save in flight: wait for its writes, hash each rank's files, rank 0 writes the manifest."""
         if self._pending_checkpoint is None:
             return
+        from runtime import checkpoint_dcp
         from runtime.checkpoint import FORMAT_DCP, write_manifest
-        from runtime.checkpoint_dcp import own_files
 
         done, d, future, rng = self._pending_checkpoint
         self._pending_checkpoint = None
         if future is not None:
-            future.result()
+            checkpoint_dcp.wait(future, d)
         gathered: list = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, (own_files(d, self.ctx.rank), rng))  # also the barrier before the manifest
+        dist.all_gather_object(gathered, (checkpoint_dcp.own_files(d, self.ctx.rank), rng))  # also the barrier before the manifest
         if self.ctx.rank == 0:
             write_manifest(self.job.checkpoint_dir, done, {n: f for fs, _ in gathered for n, f in fs.items()},
                            rng={r: state for r, (_, state) in enumerate(gathered)}, data_position=done,
                            model=self.plan.profile.model, fingerprint=self.plan.profile.fingerprint,
-                           lineage=self.job.lineage, format=FORMAT_DCP)
+                           lineage=self.job.lineage, format=FORMAT_DCP,
+                           extra={"blocks": [b for st in self.stage_map.stages.values() for b in st.blocks]})
         dist.barrier()
 
     def _save_gathered(self, done: int) -> None:
