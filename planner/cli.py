@@ -331,7 +331,7 @@ def run(
     prefetch: Annotated[bool, typer.Option(help="Bring offloaded activations and parameters back ahead of use.")] = True,
     checkpoint_every: Annotated[int, typer.Option(help="Write a checkpoint every K steps (0: never).")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
-    checkpoint_format: Annotated[Literal["dcp", "gather"], typer.Option(help="[cyan]dcp[/]: torch.distributed.checkpoint, every rank writes its own shards; [cyan]gather[/]: one file per block, gathered first (the format before 0.x). [cyan]--resume[/] reads both.")] = "dcp",
+    checkpoint_format: Annotated[Literal["dcp", "gather"], typer.Option(help="[cyan]dcp[/]: torch.distributed.checkpoint, every rank writes its own shards; [cyan]gather[/]: one file per block, each gathered to one rank first (the earlier format). [cyan]--resume[/] reads both.")] = "dcp",
     checkpoint_async: Annotated[bool, typer.Option("--checkpoint-async", help="dcp only: write each checkpoint in a background thread while training goes on (completed before the next one and at the end).")] = False,
     resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan, in either --checkpoint-format.")] = None,
     trace: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write the last step's measured timeline as a Perfetto/Chrome trace: one process per rank, the event names of [cyan]mmplan compare --trace[/].")] = None,
