@@ -306,6 +306,16 @@ def _announce_torchrun(quiet: bool, op_timeout: float) -> None:
                           "the other ranks", soft_wrap=True, markup=False)
 
 
+def _check_run_outputs(log: Path | None, trace: Path | None, inputs: list[Path | None]) -> None:
+    """run's --log and --trace: writable regular files that are none of its inputs."""
+    if log:
+        check_writable(log, "--log")
+        check_not_input(log, "--log", inputs)
+    if trace:
+        check_writable(trace, "--trace")
+        check_not_input(trace, "--trace", [*inputs, log])
+
+
 @app.command()
 @user_errors
 def run(
@@ -326,7 +336,9 @@ def run(
     prefetch: Annotated[bool, typer.Option(help="Bring offloaded activations and parameters back ahead of use.")] = True,
     checkpoint_every: Annotated[int, typer.Option(help="Write a checkpoint every K steps (0: never).")] = 0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Where checkpoints go (the last two complete ones are kept).")] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan.")] = None,
+    checkpoint_format: Annotated[Literal["dcp", "gather"], typer.Option(help="[cyan]dcp[/]: torch.distributed.checkpoint, every rank writes its own shards; [cyan]gather[/]: one file per block, each gathered to one rank first (the earlier format). [cyan]--resume[/] reads both.")] = "dcp",
+    checkpoint_async: Annotated[bool, typer.Option("--checkpoint-async", help="dcp only: write each checkpoint in a background thread while training goes on (completed before the next one and at the end).")] = False,
+    resume: Annotated[Optional[Path], typer.Option(help="Resume from the latest complete checkpoint in this directory — written under any plan, in either --checkpoint-format.")] = None,
     trace: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Write the last step's measured timeline as a Perfetto/Chrome trace: one process per rank, the event names of [cyan]mmplan compare --trace[/].")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Let this run replace the checkpoints already in --checkpoint-dir (once its own first one is complete) and an existing --log.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
@@ -341,17 +353,12 @@ def run(
     from runtime.preflight import torchrun_job
 
     # every refusal that needs no model first: options, torchrun's variables, files (issue 30)
-    check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-                  device_budget=device_budget, timeout_s=timeout, op_timeout_s=op_timeout)
+    check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, device_budget=device_budget,
+                  timeout_s=timeout, op_timeout_s=op_timeout, checkpoint_format=checkpoint_format, checkpoint_async=checkpoint_async)
     torchrun_job()  # stray torchrun variables refused now; joining a job is announced once the plan is checked
-    if log:
-        check_writable(log, "--log")
-        check_not_input(log, "--log", [plan_path, profile_path, Path(model) if model else None, Path(data)])
+    _check_run_outputs(log, trace, [plan_path, profile_path, Path(model) if model else None, Path(data)])
     from plans.graph import load_profile
     measured_profile = load_profile(profile_path) if profile_path else None
-    if trace:
-        check_writable(trace, "--trace")
-        check_not_input(trace, "--trace", [plan_path, profile_path, Path(model) if model else None, Path(data), log])
     from planner.commands.monitor import MonitorOptions
 
     check_files(log=log, resume=resume, checkpoint_dir=checkpoint_dir, overwrite=overwrite)
@@ -362,7 +369,8 @@ def run(
     result = run_plan(plan_path, steps=steps, seed=seed, lr=lr, data=data, log=log, timeout_s=timeout,
                       op_timeout_s=op_timeout, monitor=MonitorOptions(show=not quiet, log_every=log_every, tensorboard=tensorboard),
                       device_budget=device_budget, nvme_dir=nvme_dir, prefetch=prefetch, checkpoint_every=checkpoint_every,
-                      checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite, trace=trace, prepared=prepared)
+                      checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite, trace=trace, prepared=prepared,
+                      checkpoint_format=checkpoint_format, checkpoint_async=checkpoint_async)
     if result.rank != 0:
         return
     # the cost model's evaluation with --profile; else the plan's prediction on this cluster, or its own

@@ -7,6 +7,8 @@ escapes included, as visible symbols instead of sending them to the terminal.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Callable, Iterator
 
 from rich.console import Console
@@ -49,11 +51,57 @@ def fail(message: str) -> None:
     err.print(f"[bold red]error:[/] {safe(' '.join(message.split()))}", markup=True, soft_wrap=True)
 
 
+PLAIN_INTERVAL_S = 15.0  # piped: one progress line per this many seconds (a command done sooner prints none)
+
+
+class PlainLines:
+    """Progress for a stderr that is not a terminal (piped, redirected to a file, a CI log), where rich's bar shows
+    nothing: a background thread prints the latest step as one plain line every `interval` seconds,
+    "profiling tiny-vlm: measuring blocks (40%, 30 s)". Nothing is printed before the first interval, so a quick
+    command (or a refusal) stays silent or one line."""
+
+    def __init__(self, description: str, interval: float = PLAIN_INTERVAL_S, console: Console | None = None) -> None:
+        self.description, self.interval, self.console = visible(description), interval, console or err
+        self.step, self.fraction = "", 0.0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmplan-progress", daemon=True)
+
+    def update(self, step: str, fraction: float) -> None:
+        self.step, self.fraction = visible(step), fraction  # read by the thread: two plain assignments
+
+    def line(self) -> str:
+        where = f"{self.step} " if self.step else ""
+        return f"{self.description}: {where}({self.fraction:.0%}, {time.monotonic() - self.started:.0f} s)"
+
+    def tick(self) -> None:
+        self.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+        with contextlib.suppress(Exception):
+            self.console.file.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.tick()
+
+    def __enter__(self) -> "PlainLines":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 @contextlib.contextmanager
 def progress(description: str, *, enabled: bool = True) -> Iterator[Callable[[str, float], None]]:
-    """A transient progress bar on stderr; yields a callback(step, fraction)."""
-    if not enabled or not err.is_terminal:
+    """A transient progress bar on stderr, or plain lines when stderr is not a terminal (PlainLines); yields a
+    callback(step, fraction)."""
+    if not enabled:
         yield lambda step, fraction: None
+        return
+    if not err.is_terminal:
+        with PlainLines(description, PLAIN_INTERVAL_S) as lines:
+            yield lines.update
         return
     with Progress(TextColumn("{task.description}", markup=False), BarColumn(), TextColumn("{task.fields[step]}", markup=False),
                   TimeElapsedColumn(), console=err, transient=True) as bar:

@@ -16,6 +16,11 @@ The manifest names the model (`model`, `fingerprint`: the plan's ProfileRef) so 
 refused, and its fields are checked when read (step, data position, RNG states). A write that fails (a full
 disk) removes its temporary file and raises MmplanError naming the path; the caller removes the incomplete
 step directory (remove_incomplete) so the disk space comes back.
+
+Two formats share this directory layout, manifest, lineage and rotation: `mmplan.checkpoint/1` (above: one file per
+block, written after gathering each block's shards; `run --checkpoint-format gather`) and `mmplan.checkpoint/2`
+(runtime/checkpoint_dcp.py: torch.distributed.checkpoint, every rank writing its own shards; the default). Its
+manifest's `files` name DCP's files (`.metadata`, `__R_0.distcp`) instead of blocks. Either resumes under any plan.
 """
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ from torch import nn
 from plans.errors import MmplanError
 from plans.serial import read_bounded, write_atomic
 
-FORMAT = "mmplan.checkpoint/1"
+FORMAT = "mmplan.checkpoint/1"  # one file per block (gathered)
+FORMAT_DCP = "mmplan.checkpoint/2"  # torch.distributed.checkpoint shards (runtime/checkpoint_dcp.py)
+FORMATS = (FORMAT, FORMAT_DCP)
 MANIFEST = "manifest.json"
 KEEP = 2  # complete checkpoints kept
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -63,7 +70,7 @@ class Manifest:
 
     path: str  # the step directory
     step: int
-    files: dict[str, BlockFile]  # block -> its file
+    files: dict[str, BlockFile]  # block -> its file (format /2: DCP's file name -> that file)
     rng: dict[str, Any]  # rank (as a string) -> rng_state() of that rank
     data_position: int  # where the data stream resumes (the caller's unit, e.g. the next step's first sample)
     format: str = FORMAT
@@ -131,7 +138,8 @@ def write_block_files(root: str | os.PathLike, step: int, blocks: Mapping[str, M
 
 def write_manifest(root: str | os.PathLike, step: int, files: Mapping[str, BlockFile] | Iterable[str], *,
                    rng: Mapping[int | str, Mapping[str, Any]], data_position: int, extra: Mapping[str, Any] | None = None,
-                   keep: int = KEEP, model: str = "", fingerprint: str = "", lineage: str = "") -> Manifest:
+                   keep: int = KEEP, model: str = "", fingerprint: str = "", lineage: str = "",
+                   format: str = FORMAT) -> Manifest:
     """Complete step `step`: write its manifest (atomically, last), then keep only the newest `keep` checkpoints
     (of `lineage` when given: checkpoints of other runs in the directory are deleted, never kept in its place).
 
@@ -148,7 +156,7 @@ def write_manifest(root: str | os.PathLike, step: int, files: Mapping[str, Block
             raise MmplanError(f"cannot complete checkpoint {d}: block file {p} is missing or has the wrong size; did every rank write its blocks?")
     manifest = Manifest(path=str(d), step=step, files=dict(files), rng={str(k): dict(v) for k, v in rng.items()},
                         data_position=int(data_position), extra=dict(extra or {}), model=model, fingerprint=fingerprint,
-                        lineage=lineage)
+                        lineage=lineage, format=format)
     doc = {k: v for k, v in asdict(manifest).items() if k != "path"}
     doc["files"] = {b: asdict(bf) for b, bf in manifest.files.items()}
     for leftover in d.glob(".*.tmp-*"):  # every rank is done writing: temp files are from interrupted writes
@@ -278,7 +286,7 @@ def latest_checkpoint(root: str | os.PathLike, *, verify: bool = True, skip_corr
             manifest = read_manifest(d)
             if verify:
                 for block in manifest.files:
-                    _verified_bytes(manifest, block)
+                    verified_file(manifest, block)
             return manifest
         except MmplanError:
             if not skip_corrupt:
@@ -291,8 +299,8 @@ def read_manifest(d: str | os.PathLike) -> Manifest:
     path = Path(d) / MANIFEST
     try:
         doc = json.loads(read_bounded(path, "checkpoint manifest"))
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
+        if doc.get("format") not in FORMATS:
+            raise ValueError(f"format {doc.get('format')!r}, expected one of {', '.join(FORMATS)}")
         if not isinstance(doc.get("files"), dict) or not doc["files"]:
             raise ValueError("'files' must name at least one block file")
         files = {b: BlockFile(**f) for b, f in doc["files"].items()}
@@ -346,6 +354,47 @@ def _check_rng(rng: Any) -> None:
         set_rng_state(saved)
 
 
+def verified_file(manifest: Manifest, block: str) -> None:
+    """Check one file of the checkpoint against the manifest (size, then sha256 read in 4 MiB pieces); raises
+    MmplanError naming the file."""
+    if block not in manifest.files:
+        raise MmplanError(f"checkpoint {manifest.path} has no block {block!r} (it has {', '.join(manifest.files)}); "
+                          "was it written for another model?")
+    bf = manifest.files[block]
+    path = Path(manifest.path) / bf.file
+    h, size = hashlib.sha256(), 0
+    try:
+        if path.stat().st_size == bf.bytes:
+            with open(path, "rb") as f:
+                while size <= bf.bytes and (chunk := f.read(1 << 22)):  # never read more than the manifest promises
+                    h.update(chunk)
+                    size += len(chunk)
+        else:
+            size = path.stat().st_size
+    except FileNotFoundError:
+        raise MmplanError(f"checkpoint {path} is missing; refusing to resume") from None
+    except OSError as e:
+        raise MmplanError(f"cannot read checkpoint {path}: {e.strerror or e}; refusing to resume") from None
+    if size != bf.bytes:
+        raise MmplanError(f"checkpoint {path} is corrupt: {size} bytes, the manifest says {bf.bytes} (truncated?); refusing to resume")
+    if h.hexdigest() != bf.sha256:
+        raise MmplanError(f"checkpoint {path} is corrupt: sha256 mismatch; refusing to resume")
+
+
+def check_sizes(manifest: Manifest) -> None:
+    """Every file the manifest names is there with its size (a DCP checkpoint's checksums are checked by
+    the ranks, each a share: checkpoint_dcp.verify_share)."""
+    for name, bf in manifest.files.items():
+        path = Path(manifest.path) / bf.file
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise MmplanError(f"checkpoint {path} is missing; refusing to resume") from None
+        if size != bf.bytes:
+            raise MmplanError(f"checkpoint {path} is corrupt: {size} bytes, the manifest says {bf.bytes} (truncated?); "
+                              "refusing to resume")
+
+
 def _verified_bytes(manifest: Manifest, block: str) -> bytes:
     if block not in manifest.files:
         raise MmplanError(f"checkpoint {manifest.path} has no block {block!r} (it has {', '.join(manifest.files)}); "
@@ -370,6 +419,9 @@ def _verified_bytes(manifest: Manifest, block: str) -> bytes:
 
 def load_block(manifest: Manifest, block: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """(params, optimizer state) of one block, both keyed by full parameter names; verified, weights_only."""
+    if manifest.format != FORMAT:
+        raise MmplanError(f"checkpoint {manifest.path} is in format {manifest.format} (sharded, "
+                          "runtime/checkpoint_dcp.py), which has no block files")
     data = _verified_bytes(manifest, block)
     path = Path(manifest.path) / manifest.files[block].file
     try:

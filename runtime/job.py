@@ -24,6 +24,8 @@ class Job:
     prefetch: bool = True  # bring offloaded activations / parameters back ahead of use
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     checkpoint_dir: str | None = None
+    checkpoint_format: str = "dcp"  # "dcp": every rank writes its shards (format /2); "gather": one file per block (/1)
+    checkpoint_async: bool = False  # dcp only: write in a background thread while training goes on (dcp.async_save)
     resume: str | None = None  # checkpoint directory to resume from (its latest complete checkpoint)
     trace: bool = False  # return every rank's timeline of the last step (rank 0's results["trace"])
     lineage: str = ""  # the training run the checkpoints belong to (kept across resumptions; see checkpoint.py)

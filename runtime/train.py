@@ -61,6 +61,8 @@ class RankTrainer:
         self.dp_groups, self.tp_groups, self.stage_tp = rank.dp_groups, rank.tp_groups, rank.stage_tp
         self.zero_blocks, self.zero_replicated, self.last_backward = rank.zero_blocks, rank.zero_replicated, rank.last_backward
         self.tiers, self.buckets = rank.tiers, rank.buckets
+        self._pending_checkpoint: tuple | None = None  # a DCP save still to complete (runtime/checkpoint_dcp.py)
+        self.checkpoint_group = dist.new_group(backend="gloo") if job.checkpoint_async else None  # collective
         self.start_step = self._resume(job.resume) if job.resume else 0
         self.events: list[tuple[str, str, float, float]] = []  # the last step's (lane, name, start, end)
 
@@ -104,6 +106,7 @@ class RankTrainer:
                                 log = os.fdopen(os.open(self.job.log, flags, 0o666), "w")
                             log.write(json.dumps(metrics.__dict__, allow_nan=False) + "\n")
                             log.flush()
+            self.finish_checkpoint()
         finally:
             if log:
                 log.close()
@@ -277,7 +280,46 @@ class RankTrainer:
         return out
 
     def save_checkpoint(self, done: int) -> None:
-        """Every block once (dp replica 0, tp rank 0), unsharded and keyed by full names; rank 0 writes the
+        """Save the state after `done` steps: in DCP's format (every rank its own shards; asynchronously with
+        checkpoint_async, completed at the next save or the run's end) or gathered, one file per block."""
+        if self.job.checkpoint_format == "gather":
+            self._save_gathered(done)
+            return
+        from runtime import checkpoint_dcp
+        from runtime.checkpoint import rng_state
+
+        self.finish_checkpoint()  # one save in flight at most
+        d = checkpoint_dcp.prepare_step(self.job.checkpoint_dir, done, self.ctx.rank)
+        dist.barrier()
+        state = checkpoint_dcp.rank_state(self.stage_map.stages_on(self.ctx.rank), self.rm.local, self.tiers, self.ctx.rank)
+        future = checkpoint_dcp.save(state, d, group=self.checkpoint_group, asynchronous=self.job.checkpoint_async)
+        self._pending_checkpoint = (done, d, future, rng_state())
+        if future is None:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """Complete the DCP save in flight: wait for its writes, hash each rank's files, rank 0 writes the manifest."""
+        if self._pending_checkpoint is None:
+            return
+        from runtime import checkpoint_dcp
+        from runtime.checkpoint import FORMAT_DCP, write_manifest
+
+        done, d, future, rng = self._pending_checkpoint
+        self._pending_checkpoint = None
+        if future is not None:
+            checkpoint_dcp.wait(future, d)
+        gathered: list = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, (checkpoint_dcp.own_files(d, self.ctx.rank), rng))  # also the barrier before the manifest
+        if self.ctx.rank == 0:
+            write_manifest(self.job.checkpoint_dir, done, {n: f for fs, _ in gathered for n, f in fs.items()},
+                           rng={r: state for r, (_, state) in enumerate(gathered)}, data_position=done,
+                           model=self.plan.profile.model, fingerprint=self.plan.profile.fingerprint,
+                           lineage=self.job.lineage, format=FORMAT_DCP,
+                           extra={"blocks": [b for st in self.stage_map.stages.values() for b in st.blocks]})
+        dist.barrier()
+
+    def _save_gathered(self, done: int) -> None:
+        """Format /1: every block once (dp replica 0, tp rank 0), unsharded and keyed by full names; rank 0 writes the
         manifest last, after everyone's files are on disk."""
         from runtime.checkpoint import rng_state, write_block_files, write_manifest
         from runtime.zero import full, full_from_local
@@ -307,12 +349,24 @@ class RankTrainer:
     def _resume(self, directory: str) -> int:
         """Load the latest complete checkpoint into this rank's blocks, whatever plan wrote it; returns its step."""
         from plans.errors import MmplanError
-        from runtime.checkpoint import latest_checkpoint, load_block, set_rng_state
+        from runtime.checkpoint import FORMAT_DCP, latest_checkpoint, load_block, set_rng_state, verified_file
         from runtime.zero import local_of
 
-        manifest = latest_checkpoint(directory)
+        manifest = latest_checkpoint(directory, verify=False)
         if manifest is None:
             raise MmplanError(f"no complete checkpoint in {directory} to resume from")
+        if manifest.format == FORMAT_DCP:
+            from runtime import checkpoint_dcp
+
+            refusals: list = [None] * self.ctx.world_size  # each rank checks a share of the files' checksums
+            dist.all_gather_object(refusals, checkpoint_dcp.verify_share(manifest, self.ctx.rank, self.ctx.world_size))
+            if any(refusals):
+                raise MmplanError(next(r for r in refusals if r))
+            checkpoint_dcp.load(manifest, self.stage_map.stages_on(self.ctx.rank), self.rm.local, self.tiers, self.ctx.rank)
+            set_rng_state(manifest.rng_for(self.ctx.rank))
+            return manifest.step
+        for block in manifest.files:
+            verified_file(manifest, block)
         state: dict[str, dict[str, torch.Tensor]] = {}
         for st in self.stage_map.stages_on(self.ctx.rank):
             shards = self._shards(st)

@@ -105,7 +105,8 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
              prefetch: bool = True, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
              resume: Path | None = None, overwrite: bool = False, profile: Profile | None = None,
              trace: Path | None = None, monitor: MonitorOptions | None = None,
-             prepared: PreparedRun | None = None) -> RunResult:
+             prepared: PreparedRun | None = None, checkpoint_format: str = "dcp",
+             checkpoint_async: bool = False) -> RunResult:
     """Train up to step `steps` with the plan (from the checkpoint's step when resuming); rank 0's metrics.
 
     `timeout_s`: wall-clock limit of the whole run (None: none — a hang is caught by `op_timeout_s`, the bound on
@@ -115,7 +116,8 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     `overwrite`: let this run replace the checkpoints in `checkpoint_dir` and the log in `log` (see the module
     docstring for what is refused without it)."""
     check_options(steps=steps, lr=lr, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-                   device_budget=device_budget, timeout_s=timeout_s, op_timeout_s=op_timeout_s)
+                   device_budget=device_budget, timeout_s=timeout_s, op_timeout_s=op_timeout_s,
+                   checkpoint_format=checkpoint_format, checkpoint_async=checkpoint_async)
     launched = launched_world_size()
     monitor = monitor or MonitorOptions(show=False)
     check_monitor(monitor)
@@ -130,7 +132,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
               data=None if data in (None, "builtin") else data, log=str(log) if log else None,
               device_budget=device_budget, prefetch=prefetch, checkpoint_every=checkpoint_every,
               checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=str(resume) if resume else None,
-              trace=trace is not None)
+              trace=trace is not None, checkpoint_format=checkpoint_format, checkpoint_async=checkpoint_async)
     results = _train_owning(job, resume=resume, checkpoint_dir=checkpoint_dir, nvme_dir=nvme_dir, log=log,
                             overwrite=overwrite, monitor=monitor, timeout_s=timeout_s, op_timeout_s=op_timeout_s)
     rank = int(os.environ.get("RANK", 0))
@@ -140,8 +142,14 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
 
 
 def check_options(*, steps: int, lr: float, checkpoint_every: int, checkpoint_dir: Path | None,
-                   device_budget: float | None, timeout_s: float | None, op_timeout_s: float) -> None:
-    """The options of a run, refused in one line before anything is read."""
+                   device_budget: float | None, timeout_s: float | None, op_timeout_s: float,
+                   checkpoint_format: str = "dcp", checkpoint_async: bool = False) -> None:
+    """The options of a run, refused in one line before anything is read. `checkpoint_format`: dcp
+    (torch.distributed.checkpoint shards, runtime/checkpoint_dcp.py) or gather (one file per block, checkpoint.py)."""
+    if checkpoint_format not in ("dcp", "gather"):
+        raise MmplanError(f"--checkpoint-format must be dcp or gather, got {checkpoint_format!r}")
+    if checkpoint_async and checkpoint_format != "dcp":
+        raise MmplanError("--checkpoint-async needs --checkpoint-format dcp (a gathered checkpoint is written in the step)")
     if steps < 1:
         raise MmplanError(f"--steps must be >= 1, got {steps}")
     if not (lr > 0 and math.isfinite(lr)):
@@ -282,11 +290,16 @@ def _check_checkpoint_dir(checkpoint_dir: Path, resume: Path | None, overwrite: 
 
 def _resumable(resume: Path, plan: Plan):
     """The checkpoint a run resumes from: complete, verified, of the plan's model (its manifest says so)."""
-    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint import FORMAT, check_sizes, latest_checkpoint, verified_file
 
-    manifest = latest_checkpoint(resume)
+    manifest = latest_checkpoint(resume, verify=False)
     if manifest is None:
         raise MmplanError(f"--resume {resume}: no complete checkpoint to resume from")
+    if manifest.format == FORMAT:
+        for block in manifest.files:
+            verified_file(manifest, block)
+    else:  # DCP's shards: every rank checks the checksums of a share of the files (runtime/checkpoint_dcp.py)
+        check_sizes(manifest)
     if not manifest.fingerprint:
         raise MmplanError(f"checkpoint {manifest.path} records no model fingerprint (written by an older mmplan), so it "
                           f"cannot be checked against {plan.profile.model!r}; refusing to resume")

@@ -25,7 +25,8 @@ def _profile_and_solve(tmp_path, *freeze: str):
 
 def test_freezing_the_vision_tower_lowers_predicted_memory_and_keeps_its_weights(tmp_path):
     from plans.plan import load_plan
-    from runtime.checkpoint import latest_checkpoint, load_block
+    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint_dcp import read_blocks
     from runtime.rank import build_model
     from runtime.train import Job
 
@@ -42,11 +43,11 @@ def test_freezing_the_vision_tower_lowers_predicted_memory_and_keeps_its_weights
     res = runner.invoke(app, ["run", str(frozen_plan), "--steps", "3", "--checkpoint-every", "3", "--checkpoint-dir", str(ckpt)])
     assert res.exit_code == 0, res.output
     initial = dict(build_model(Job(plan=load_plan(frozen_plan), model="tiny-vlm", steps=1))[0].named_parameters())
-    manifest = latest_checkpoint(str(ckpt))
+    saved = read_blocks(latest_checkpoint(str(ckpt)))
     for block in vision:
-        params, _ = load_block(manifest, block)
+        params, _ = saved[block]
         assert all(t.equal(initial[n].detach()) for n, t in params.items()), block
-    params, _ = load_block(manifest, "vision_proj")
+    params, _ = saved["vision_proj"]
     assert any(not t.equal(initial[n].detach()) for n, t in params.items())
 
 

@@ -261,7 +261,7 @@ def test_a_save_that_fails_leaves_no_partial_checkpoint_and_names_the_file(ckpt,
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in res.stderr
-    assert "cannot write checkpoint file" in lines[0] and str(ck / "step-000005") in lines[0] and ".pt" in lines[0]
+    assert "cannot write checkpoint file" in lines[0] and str(ck / "step-000005") in lines[0] and ".distcp" in lines[0]
     assert snapshot(ck) == before  # no partial step directory, no temporary file
     assert [p.name for p in ck.iterdir()] and all(p.name.startswith("step-") for p in ck.iterdir())
 

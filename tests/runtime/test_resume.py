@@ -84,7 +84,7 @@ def test_a_dp2_checkpoint_resumes_under_a_pp2_plan_with_parity(tmp_path):
 def test_a_damaged_checkpoint_is_refused(pp2_plan, tmp_path):
     ckpt = tmp_path / "ckpt"
     assert mmplan("run", pp2_plan, "--steps", 2, "--checkpoint-every", 2, "--checkpoint-dir", ckpt, "--quiet").returncode == 0
-    victim = sorted(ckpt.glob("step-*/*.pt"))[0]
+    victim = sorted(ckpt.glob("step-*/*.distcp"))[0]  # a DCP shard file (the default --checkpoint-format)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -108,10 +108,13 @@ def test_a_bf16_run_resumes_bitwise_with_its_fp32_masters(tmp_path):
     assert res.returncode == 0, res.stderr
     want, got = losses(full), losses(resumed)
     assert sorted(got) == [4, 5, 6, 7] and got == {s: want[s] for s in got}
-    from runtime.checkpoint import latest_checkpoint, load_block
+    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint_dcp import read_full
 
-    params, state = load_block(latest_checkpoint(ckpt), "llm.layers.0")
-    masters = {n: s["master"] for n, s in state.items()}
+    saved = read_full(latest_checkpoint(ckpt))
+    params = {k[len("model."):]: t for k, t in saved.items() if k.startswith("model.llm.layers.0.")}
+    masters = {k[len("optim."):-len(".master")]: t for k, t in saved.items()
+               if k.startswith("optim.llm.layers.0.") and k.endswith(".master")}
     assert masters and all(m.dtype == torch.float32 for m in masters.values())
     assert all(params[n].dtype == torch.bfloat16 and torch.equal(params[n], m.to(torch.bfloat16)) for n, m in masters.items())
     assert any(not torch.equal(m, params[n].float()) for n, m in masters.items())  # the bits bf16 cannot hold

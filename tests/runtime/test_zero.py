@@ -110,12 +110,12 @@ def test_a_tied_embedding_and_head_train_as_one_parameter_under_zero(case):
 
 def _tied_checkpoint(directory, zero: int) -> dict:
     """block -> (params, optimizer state) of the checkpoint one dp2 step of tiny-vlm-tied at `zero` writes."""
-    from runtime.checkpoint import latest_checkpoint, load_block
+    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint_dcp import read_blocks
 
     launch(train_rank, 2, Job(plan=tied_plan(zero), model=TIED, steps=1, checkpoint_every=1, checkpoint_dir=str(directory)),
            timeout_s=240)
-    manifest = latest_checkpoint(directory)
-    return {b: load_block(manifest, b) for b in manifest.blocks}
+    return read_blocks(latest_checkpoint(directory))  # DCP's shards, read back per block
 
 
 @pytest.fixture(scope="module")
