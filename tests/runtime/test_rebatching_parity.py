@@ -48,3 +48,18 @@ def test_rebatched_plan_matches_the_reference_in_the_predicted_order(case):
         ran = [name for _, name, *_ in results[0]["trace"][0] if name[:4] in ("fwd ", "bwd ")]
         assert ran == ["fwd vision s0 mb0", "bwd vision s0 mb0"], ran
     check_parity(case, results, ref, loss_rtol=1e-5)
+
+
+def test_nvidias_layout_written_by_layout_trains_like_the_reference():
+    """The local analogue of NVIDIA's layout, written as `--layout` writes it: the encoder on dp 2 at one sample per
+    replica (4 micro-batches of 2), the LLM at tp 2 with one sample per micro-batch (8 micro-batches)."""
+    from planner.solver.group_layouts import group_layout_plan
+    from tests.runtime.plan_builder import local_cluster, profile
+
+    plan = group_layout_plan(profile("tiny-vlm"), local_cluster(4), 8, "vision:dp=2,micro-batch=1;llm:tp=2,micro-batch=1")
+    assert [(g.name, g.dp, g.tp, plan.micro_batches_of(g)) for g in plan.groups] == [("vision", 2, 1, 4), ("llm", 1, 2, 8)]
+    job = Job(plan=plan, model="tiny-vlm", steps=STEPS, seed=0, probe_grads=True, trace=True)
+    ref = reference("tiny-vlm", job)
+    results = launch(train_rank, plan.world_size, job, timeout_s=240)
+    assert_executed_order_is_predicted(plan, "tiny-vlm", results[0]["trace"])
+    check_parity("nvidia-analogue", results, ref, loss_rtol=1e-5)
