@@ -64,3 +64,13 @@ def test_solve_writes_a_per_group_layout_and_refuses_it_with_a_baseline(tmp_path
     res = runner.invoke(app, ["solve", str(prof), "--cluster", "4xlocal-cpu", "--global-batch", "8", "--layout", layout,
                               "--baseline", "homogeneous", "-o", str(tmp_path / "x.json")])
     assert res.exit_code == 2 and "without --baseline" in res.output
+
+
+def test_exporters_refuse_a_per_group_micro_batch_count_unless_lossy():
+    from planner.export import export_plan
+    from planner.export.common import Unsupported
+
+    plan = group_layout_plan(profile("tiny-vlm"), local_cluster(4), 8, "vision:dp=2,micro-batch=1;llm:tp=2,micro-batch=1")
+    with pytest.raises(Unsupported, match="group vision's own micro-batch count"):
+        export_plan(plan, "deepspeed")
+    assert any("own micro-batch count" in d for d in export_plan(plan, "deepspeed", lossy=True).dropped)
