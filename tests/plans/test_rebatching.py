@@ -134,3 +134,30 @@ def test_a_version_2_plan_is_read_as_version_3() -> None:
     assert plan_from_data(data) == plan
     assert "micro_batches" not in data["groups"][0]  # omitted while it is the plan's
     assert to_data(replace(plan, groups=(replace(plan.groups[0], micro_batches=2), plan.groups[1])))["groups"][0]["micro_batches"] == 2
+
+
+def _colocated(enc_m: int | None, llm_m: int | None, fill: bool) -> Plan:
+    enc = Group("enc", 2, 1, 1, (Stage(("enc.0", "enc.1"), (0, 1)),), micro_batches=enc_m, fill_bubbles=fill)
+    llm = Group("llm", 1, 1, 2, (Stage(("llm.0",), (0,)), Stage(("llm.1", "llm.2"), (1,))), colocated_with="enc",
+                micro_batches=llm_m)
+    prof = _profile()
+    return check_plan(Plan(ProfileRef(prof.model, prof.fingerprint), CLUSTER, Training(8, 4), (enc, llm), flow=flow_of(prof)))
+
+
+@pytest.mark.parametrize("enc_m,llm_m,fill", list(itertools.product([1, 2, 4], [2, 4, 8], [False, True])))
+def test_colocated_groups_of_different_counts_share_a_deadlock_free_order(enc_m, llm_m, fill) -> None:
+    from cost_models.pipeline import simulate
+
+    plan = _colocated(enc_m, llm_m, fill)
+    g = stage_graph(plan)
+    s = schedule(g, "1f1b")
+    done: set = set()
+    pending = [list(o) for o in s.orders]
+    while any(pending):
+        progressed = False
+        for o in pending:
+            while o and _ready(g, o[0], done):
+                done.add(o.pop(0))
+                progressed = True
+        assert progressed, [task_name(g, o[0]) for o in pending if o]
+    assert simulate(plan, _profile()).step_time_s > 0  # the simulator's DAG has no cycle either
