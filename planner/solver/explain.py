@@ -127,6 +127,8 @@ def mechanisms(fast: Plan, slow: Plan) -> list[str]:
             continue
         h, k = where[g.blocks[0]]
         diffs = [d for d in (_placement(fast, g, h, k), *_degrees(g, h, where)) if d]
+        if g.micro_batches is not None and fast.micro_batch_of(g) != slow.micro_batch_of(h):  # per-group step shape
+            diffs.append(f"a per-group micro-batch ({fast.micro_batches_of(g)} micro-batches of {fast.micro_batch_of(g)} samples)")
         if diffs:
             out.append(f"{g.name}: " + ", ".join(diffs))
     ta, tb = fast.training, slow.training

@@ -74,3 +74,13 @@ def test_exporters_refuse_a_per_group_micro_batch_count_unless_lossy():
     with pytest.raises(Unsupported, match="group vision's own micro-batch count"):
         export_plan(plan, "deepspeed")
     assert any("own micro-batch count" in d for d in export_plan(plan, "deepspeed", lossy=True).dropped)
+
+
+def test_why_names_the_per_group_micro_batch():
+    from planner.solver.baselines import homogeneous_plan
+    from planner.solver.explain import mechanisms
+
+    plan = group_layout_plan(profile("tiny-vlm"), local_cluster(4), 8, "vision:dp=2,micro-batch=1;llm:tp=2,micro-batch=1")
+    one = homogeneous_plan(profile("tiny-vlm"), local_cluster(4), 8, "tp=1,pp=1,dp=4,micro-batch=1")
+    named = mechanisms(plan, one)
+    assert any(m.startswith("vision:") and "a per-group micro-batch (4 micro-batches of 2 samples)" in m for m in named), named
