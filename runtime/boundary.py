@@ -2,8 +2,10 @@
 
 One mechanism serves pipeline hand-overs and group boundaries (fan-in, fan-out, disjoint or shared
 ranks, one encoder feeding several stages): a route's pieces say which samples of which producer
-replica go to which consumer replica. Remote pieces travel by isend/irecv with a unique tag per
-(route, piece, tensor, direction, micro-batch); pieces between stages on the same rank are handed over
+replica go to which consumer replica, and, where the route re-batches between groups of different micro-batch counts
+(plans/stage_graph.py), which of their micro-batches: a producer micro-batch feeding several consumer ones slices its
+output for each and sums their gradients before its one backward. Remote pieces travel by isend/irecv with a unique
+tag per (route, piece, tensor, direction, window: a micro-batch unless the route re-batches); pieces between stages on the same rank are handed over
 through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
 guarantees the matching send was issued first. With tensor parallelism a replica's tp ranks hold
 identical block outputs and input gradients. Between stages of equal tp > 1 on different ranks, Megatron's

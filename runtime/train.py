@@ -1,9 +1,10 @@
 """The per-rank training loop: data, the rank's tasks in schedule order, gradient reduction, optimizer, metrics.
 
 Loss scaling: the loss stage's replica r computes the model's loss over its samples of micro-batch j
-and back-propagates loss / (dp * m); every stage then sums its gradients over its dp replicas. For a
-loss that is a mean over samples this equals the single-process step over the global batch with m
-micro-batches of gradient accumulation (reference.py), which the parity tests check.
+and back-propagates loss / (dp * m), m the loss group's own micro-batch count (Group.micro_batches, else the plan's);
+every stage then sums its gradients over its dp replicas. For a loss that is a mean over samples this equals the
+single-process step over the global batch with the plan's micro-batches of gradient accumulation (reference.py),
+whatever each group's count, which the parity tests check.
 """
 from __future__ import annotations
 
