@@ -86,7 +86,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
         g = plan.group(sc.group)
         stage = g.stages[sc.index]
         tb = stage_memory(
-            [blocks[b] for b in stage.blocks], samples=training.micro_batch / g.dp, tp=g.tp, dp=g.dp,
+            [blocks[b] for b in stage.blocks], samples=plan.micro_batch_of(g) / g.dp, tp=g.tp, dp=g.dp,
             zero=g.zero, memory=stage.memory, in_flight_micro_batches=sc.in_flight, input_bytes=inputs,
             dtype=training.dtype, optimizer=training.optimizer, sequence_parallel=g.sequence_parallel,
             reshard_after_forward=g.reshard_after_forward, grad_buffer=grad_buffer,

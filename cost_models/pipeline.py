@@ -86,6 +86,7 @@ class StageCost:
     downstream: int  # pipeline stages after this one on the longest data path
     warmup: int  # forwards (chunk x micro-batch) before the first backward
     in_flight: float  # micro-batches of activations held at the peak (memory.in_flight)
+    micro_batches: int = 1  # the stage's micro-batches per step (its group's own count, Plan.micro_batches_of)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +198,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
             transfer_fwd_s=sum(costs[c].transfer_fwd for c in cs), transfer_bwd_s=sum(costs[c].transfer_bwd for c in cs),
             grad_sync_s=tail.grad_sync, optimizer_s=tail.optimizer, param_gather_s=tail.param_gather,
             downstream=max(graph.distance[cs[-1]], 0), warmup=sched.warmup[s], in_flight=sched.in_flight[s],
+            micro_batches=ch.micro_batches,
         ))
     return _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, optimizer, sync, gather, start, end, stage_of,
                    overhead=step_overhead(cluster))
@@ -231,7 +233,6 @@ def _task_ops(graph, sched, costs, lags) -> tuple[_Ops, dict, list, dict[tuple[T
     under fill_bubbles), in each class's order, with the routes' dependencies between the classes their transfers
     connect (StageGraph.class_pairs); also each chunk's stage, each stage's classes and the op of (task, class)."""
     ops = _Ops()
-    m = graph.micro_batches
     stage_of = {c: s for s, cs in enumerate(graph.stages) for c in cs}
     stage_classes = [sorted({graph.class_of[r] for r in graph.chunks[cs[0]].ranks}) for cs in graph.stages]
     task_op: dict[tuple[Task, int], int] = {}
@@ -247,12 +248,12 @@ def _task_ops(graph, sched, costs, lags) -> tuple[_Ops, dict, list, dict[tuple[T
             ops.then(2 * k, op)
     for i, r in enumerate(graph.routes):
         backward = graph.has_backward(r.dst) and graph.has_backward(r.src)
-        for j in range(m):
+        for a, b in r.pairs(graph.windows(r)):  # producer micro-batch a feeds consumer micro-batch b (re-batching)
             links = set()
             for ks, kd in graph.class_pairs[i]:
-                links.add((task_op[Task(r.src, j, False), ks], task_op[Task(r.dst, j, False), kd]))
+                links.add((task_op[Task(r.src, a, False), ks], task_op[Task(r.dst, b, False), kd]))
                 if backward:
-                    links.add((task_op[Task(r.dst, j, True), kd], task_op[Task(r.src, j, True), ks]))
+                    links.add((task_op[Task(r.dst, b, True), kd], task_op[Task(r.src, a, True), ks]))
             for a, b in sorted(links):
                 ops.depend(a, b, lags[i])
     return ops, stage_of, stage_classes, task_op
@@ -327,7 +328,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     training = plan.training
     mem = g.stages[ch.stage].memory
     cost = _Cost()
-    samples = training.micro_batch / g.dp  # samples of one micro-batch on one dp replica
+    samples = ch.micro_batch / g.dp  # samples of one of the group's micro-batches on one dp replica
     width = DTYPE_BYTES[training.dtype]
     time, tp_bytes, params = OpTime(), 0.0, 0.0
     added = 0.0  # trained parameters whose gradients are accumulated by a separate add (not inside a GEMM)
@@ -359,7 +360,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         added += 0.0 if b.frozen or (fused_grad_accumulation and b.fwd_matmul_flops > 0) else b.params / t
         cost.tensors += 0 if b.frozen else b.param_tensors
     # every backward but the first adds its weight gradients into the accumulated ones (compute.grad_accumulation_time)
-    extra_bwd = grad_accumulation_time(added, micro_batches=training.micro_batches, dp=g.dp, zero=g.zero,
+    extra_bwd = grad_accumulation_time(added, micro_batches=ch.micro_batches, dp=g.dp, zero=g.zero,
                                        grads_tier=mem.grads, cluster=cluster, dtype=training.dtype)
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster, param_bytes) / 2  # both ways
@@ -394,18 +395,25 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
 
 
 def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:
-    """Seconds to move a route's pieces of one micro-batch (and its gradients back), and the bytes sent.
+    """Seconds to move a route's pieces of one (producer micro-batch, consumer micro-batch) pair (and its gradients
+    back), and the bytes sent: one micro-batch when both groups count alike; re-batched, the pieces of the smaller
+    micro-batch (every pair moves as many samples; the slowest pair's time stands for all).
 
     Every message is a p2p transfer (alpha-beta on the link between its two ranks; a rank handing samples
     to itself costs nothing); a rank's sends and receives go one after another, ranks run in parallel, so
     the route takes as long as its busiest rank (Narayanan et al. 2021, section 2.2, for the pipeline case).
     """
+    pairs = {(p.src_mb, p.dst_mb) for p in route.pieces}
+    return max((_pair_time(graph, route, cluster, pair) for pair in sorted(pairs)), default=(0.0, 0.0))
+
+
+def _pair_time(graph: StageGraph, route: Route, cluster: Cluster, pair: tuple[int, int]) -> tuple[float, float]:
     load: dict[tuple[int, int], float] = defaultdict(float)  # (0 = send / 1 = recv, rank) -> seconds
     total = 0.0
     src, dst = graph.chunks[route.src], graph.chunks[route.dst]
     if src.tp == dst.tp > 1 and src.ranks != dst.ranks:
-        return _scatter_gather_time(graph, route, cluster)
-    for t in graph.transfers(route):
+        return _scatter_gather_time(graph, route, cluster, pair)
+    for t in graph.transfers(route, pair):
         if t.src_rank == t.dst_rank:
             continue
         nbytes = (t.stop - t.start) * route.bytes_per_sample
@@ -416,7 +424,8 @@ def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float
     return max(load.values(), default=0.0), total
 
 
-def _scatter_gather_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:
+def _scatter_gather_time(graph: StageGraph, route: Route, cluster: Cluster, pair: tuple[int, int] | None = None
+                         ) -> tuple[float, float]:
     """A route between stages of equal tp > 1 with Megatron's scatter/gather optimisation (Narayanan et al. 2021,
     section 4.1): every tp rank of the producer replica sends 1/tp of a piece to its counterpart, and the
     consumer's tp ranks all-gather the pieces over the TP link. Each tp rank's sends run in parallel; a
@@ -425,7 +434,7 @@ def _scatter_gather_time(graph: StageGraph, route: Route, cluster: Cluster) -> t
     tp = src.tp
     load: dict[tuple[int, int], float] = defaultdict(float)
     total = 0.0
-    for t in graph.transfers(route):
+    for t in graph.transfers(route, pair):
         if t.dst_rank != dst.tp_ranks(dst.replica_of(t.dst_rank))[0]:
             continue  # one message per piece and consumer replica: its tp-rank-0 counterpart stands for all
         nbytes = (t.stop - t.start) * route.bytes_per_sample
@@ -508,10 +517,11 @@ def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, 
             overhead: float = 0.0) -> Simulation:
     """Busy time, bubble, communication volume and bottleneck from the op times; the timeline lazily. `overhead`: the
     runtime's fixed per-step seconds (cost_models/overhead.step_overhead), added to the step."""
-    m, ncls = graph.micro_batches, len(graph.classes)
+    ncls = len(graph.classes)
     size = [len(ranks) for ranks in graph.classes]
     compute, comm, transfer, pipe_busy = [0.0] * ncls, [0.0] * ncls, [0.0] * ncls, [0.0] * ncls
-    comm_bytes = 2 * m * sum(sent)  # activations forward, gradients back
+    pairs = [len(r.pairs(graph.windows(r))) for r in graph.routes]  # (producer, consumer) micro-batch pairs per step
+    comm_bytes = 2 * sum(n * b for n, b in zip(pairs, sent))  # activations forward, gradients back
     pipeline_end = 0.0
     for k, order in enumerate(sched.orders):
         for t in order:
@@ -534,7 +544,7 @@ def _result(plan, graph, sched, costs, stage_costs, tails, lags, sent, task_op, 
             comm[k] += (end[sync[s]] - start[sync[s]]) + (end[gather[s]] - start[gather[s]])
     for i, r in enumerate(graph.routes):  # transfers, counted on the sender's class
         k = graph.class_of[graph.chunks[r.src].ranks[0]]
-        comm[k] += m * lags[i] * (2 if graph.has_backward(r.dst) else 1)
+        comm[k] += pairs[i] * lags[i] * (2 if graph.has_backward(r.dst) else 1)
     for s, tail in enumerate(tails):
         comm_bytes += len(graph.chunks[graph.stages[s][0]].ranks) * tail.bytes_sent
     total = sum(size)
@@ -591,8 +601,8 @@ def _timeline(graph, sched, costs, lags, task_op, optimizer, sync, gather, start
             continue
         src, dst = graph.chunks[route.src], graph.chunks[route.dst]
         k_src, k_dst = graph.class_of[src.ranks[0]], graph.class_of[dst.ranks[0]]
-        for j in range(graph.micro_batches):
-            op = task_op[Task(route.src, j, False), k_src]
+        for a, j in route.pairs(graph.windows(route)):  # producer micro-batch a -> consumer micro-batch j
+            op = task_op[Task(route.src, a, False), k_src]
             events.append(Event(rep[k_src], "comm", f"send act {route.block} -> {dst.label} mb{j}", end[op], end[op] + lags[i]))
             back = task_op.get((Task(route.dst, j, True), k_dst))
             if back is not None and graph.has_backward(route.src):

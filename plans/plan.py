@@ -11,7 +11,7 @@ from typing import Any
 from plans.errors import FormatError
 from plans.graph import Profile
 from plans.limits import MAX_BLOCKS
-from plans.plan_types import (PLAN_SCHEMA, ActivationTier, DType, Flow, FlowBlock, Group, Memory, Plan, Predicted,
+from plans.plan_types import (PLAN_SCHEMA, READABLE_SCHEMAS, ActivationTier, DType, Flow, FlowBlock, Group, Memory, Plan, Predicted,
                               ProfileRef, RankMemory, Schedule, SolverInfo, Stage, Tier, Training)
 from plans.serial import dumps, from_data, read_json, to_data, validate, write_atomic
 from plans.stage_graph import stage_graph
@@ -24,8 +24,10 @@ __all__ = ["PLAN_SCHEMA", "ActivationTier", "DType", "Flow", "FlowBlock", "Group
 
 
 def plan_from_data(data: Any, what: str = "plan", *, profile: Profile | None = None) -> Plan:
-    """Parsed JSON -> checked Plan; with a profile, a missing flow is taken from it."""
+    """Parsed JSON -> checked Plan; with a profile, a missing flow is taken from it. A mmplan.plan/2 plan is read as
+    the /3 plan it is (no group gives its own micro-batch count)."""
     _check_version(data.get("schema") if isinstance(data, dict) else None, what)
+    data = _upgraded(data)
     _precheck(data, what)
     validate(data, "plan", what, distinct=DISTINCT)
     return _check(from_data(Plan, data), profile, what)
@@ -58,6 +60,8 @@ def check_plan(plan: Plan, profile: Profile | None = None, what: str = "plan", *
     when a profile is given and the plan has none. Raises FormatError naming the first problem.
     schema=False skips the JSON Schema (the solver's candidates: typed in code, validated when saved)."""
     _check_version(plan.schema, what)
+    if plan.schema != PLAN_SCHEMA:
+        plan = replace(plan, schema=PLAN_SCHEMA)
     if schema:
         validate(to_data(plan), "plan", what, distinct=DISTINCT)
     return _check(plan, profile, what)
@@ -76,8 +80,13 @@ def _check(plan: Plan, profile: Profile | None, what: str) -> Plan:
     return _with_flow(plan, profile, what)
 
 
+def _upgraded(data: dict) -> dict:
+    """A readable older plan's data as the current schema's (only the version differs: /3 added optional fields)."""
+    return data if data.get("schema") == PLAN_SCHEMA else {**data, "schema": PLAN_SCHEMA}
+
+
 def _check_version(version: Any, what: str) -> None:
-    if version != PLAN_SCHEMA:
+    if version not in READABLE_SCHEMAS:
         got = "no 'schema' field" if version is None else f"schema {version!r}"
         raise FormatError(f"{what}: {got}, expected schema {PLAN_SCHEMA!r}; is this a plan.json of this mmplan version?")
 
@@ -114,10 +123,14 @@ def _check_group(g: Group, plan: Plan, what: str) -> None:
     if g.fill_bubbles and g.zero:
         raise FormatError(f"{what}: group {g.name!r}: fill_bubbles needs ZeRO 0, not {g.zero} (FSDP's collectives inside "
                           "the backward would make the replicas wait for each other); set zero to 0, or fill_bubbles to false")
-    if plan.training.micro_batch % g.dp:
+    if g.micro_batches is not None and (g.micro_batches < 1 or plan.training.global_batch % g.micro_batches):
+        raise FormatError(f"{what}: group {g.name!r}: micro_batches {g.micro_batches} does not divide global_batch "
+                          f"{plan.training.global_batch}; give the group a count that divides it, or drop the field")
+    if plan.micro_batch_of(g) % g.dp:
+        own = "its" if g.micro_batches is not None else "global_batch /"
         raise FormatError(
-            f"{what}: group {g.name!r}: a micro-batch of {plan.training.micro_batch} samples is not divisible by dp={g.dp}; "
-            "choose global_batch / micro_batches as a multiple of every group's dp"
+            f"{what}: group {g.name!r}: a micro-batch of {plan.micro_batch_of(g)} samples is not divisible by dp={g.dp}; "
+            f"choose {own} micro_batches so that every micro-batch is a multiple of the group's dp"
         )
 
 
@@ -211,6 +224,10 @@ def _check_profile(plan: Plan, profile: Profile, what: str) -> None:
         )
     reducing = {b.name for b in profile.blocks if b.reduces_batch}
     for g in plan.groups:
+        if reducing & set(g.blocks) and plan.micro_batches_of(g) != plan.training.micro_batches:
+            block = sorted(reducing & set(g.blocks))[0]
+            raise FormatError(f"{what}: block {block!r} reduces over the batch and must see the plan's micro-batches, but "
+                              f"group {g.name!r} gives its own micro_batches {g.micro_batches}; drop the group's count")
         if g.dp > 1 and reducing & set(g.blocks):
             block = sorted(reducing & set(g.blocks))[0]
             raise FormatError(f"{what}: block {block!r} reduces over the batch (e.g. a contrastive loss) and must see whole "

@@ -7,7 +7,8 @@ from typing import Literal
 from plans.cluster import Cluster
 from plans.serial import OMIT_DEFAULT
 
-PLAN_SCHEMA = "mmplan.plan/2"
+PLAN_SCHEMA = "mmplan.plan/3"
+READABLE_SCHEMAS = ("mmplan.plan/2", PLAN_SCHEMA)  # a /2 plan is a /3 plan whose groups all take Training.micro_batches
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Tier = Literal["gpu", "cpu", "nvme"]  # where params / grads / optimizer state live
@@ -26,10 +27,11 @@ class ProfileRef:
 
 @dataclass(frozen=True, slots=True)
 class Training:
-    """Step shape shared by all groups: every group processes the same micro-batches in the same order."""
+    """Step shape: the global batch shared by all groups, and the micro-batch count of every group that does not
+    give its own (Group.micro_batches)."""
 
     global_batch: int  # samples per optimizer step
-    micro_batches: int  # micro-batches per step (m); each group's dp replicas split each micro-batch
+    micro_batches: int  # micro-batches per step (m) of a group without its own; its dp replicas split each micro-batch
     schedule: Schedule = "1f1b"
     virtual_stages: int = 1  # model chunks per rank for the interleaved schedule
     dtype: DType = "bf16"  # compute dtype (mixed precision keeps fp32 master weights)
@@ -81,6 +83,9 @@ class Group:
     # colocated groups: each rank class runs its own replicas' share of a stage's tasks on its own, in its idle
     # slots (the LLM pipeline's bubbles), instead of all of the stage's ranks at once (ZeRO 0; tp inside a class)
     fill_bubbles: bool = field(default=False, metadata={OMIT_DEFAULT: True})
+    # the group's own micro-batch count within the shared global batch (None: Training.micro_batches); the counts of
+    # two groups a route connects divide one another (plans/stage_graph.py re-batches between them)
+    micro_batches: int | None = field(default=None, metadata={OMIT_DEFAULT: True})
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -161,6 +166,14 @@ class Plan:
     predicted: Predicted | None = None
     solver: SolverInfo | None = None
     schema: str = PLAN_SCHEMA
+
+    def micro_batches_of(self, group: Group) -> int:
+        """The group's micro-batches per step: its own count, else the plan's."""
+        return self.training.micro_batches if group.micro_batches is None else group.micro_batches
+
+    def micro_batch_of(self, group: Group) -> int:
+        """Samples in one of the group's micro-batches, all its data-parallel replicas together."""
+        return self.training.global_batch // self.micro_batches_of(group)
 
     @property
     def world_size(self) -> int:

@@ -96,7 +96,6 @@ class _ListScheduler:
 
     def __init__(self, graph: StageGraph, policy: str):
         self.g, self.policy = graph, policy
-        m = graph.micro_batches
         chunks = graph.chunks
         self.stages = graph.stages
         self.stage_of = {c: s for s, cs in enumerate(self.stages) for c in cs}
@@ -105,8 +104,10 @@ class _ListScheduler:
         pp = {}
         for c in chunks:
             pp[c.group] = max(pp.get(c.group, 0), c.stage + 1)
+        coarse = _coarsest_downstream(graph)
         for cs in self.stages:
             v = len(cs)
+            m = chunks[cs[0]].micro_batches  # the group's own count (Group.micro_batches)
             size = pp[chunks[cs[0]].group] if v > 1 else 1
             fwd, bwd = [], []
             for g0 in range(0, m, size):
@@ -117,12 +118,14 @@ class _ListScheduler:
             self.bwd_seq.append(bwd)
             d = max(graph.distance[cs[-1]], 0)
             ahead = chunks[cs[0]].lookahead  # Group.lookahead: the in-flight limit grows by k
+            # a stage feeding coarser micro-batches downstream holds k of its own per downstream one in flight
+            k = -(-m // min(coarse[c] for c in cs))
             if policy == "gpipe":
                 limit.append(len(fwd))
             elif v == 1:
-                limit.append(d + 1 + ahead)
+                limit.append((d + 1 + ahead) * k)
             else:
-                limit.append(2 * d + (v - 1) * pp[chunks[cs[0]].group] + 1 + ahead)
+                limit.append((2 * d + (v - 1) * pp[chunks[cs[0]].group] + 1 + ahead) * k)
             self.static.append(_static_order(fwd, bwd, limit[-1] - 1) if v > 1 and policy != "gpipe" else None)
         self.units = _units(graph, self.stages, self.stage_classes)
         self.limit = [limit[s] for s, _ in self.units]
@@ -131,8 +134,9 @@ class _ListScheduler:
         self.consumers = [sorted({graph.routes[i].dst for i in graph.routes_out_of[c]}) for c in range(len(chunks))]
         self.producers = [sorted({graph.routes[i].src for i in graph.routes_into[c]}) for c in range(len(chunks))]
         self.fneeds, self.bneeds = _needs(graph, self.units, self.stages)
-        self.fwd_end: list[list[dict[int, float]]] = [[{} for _ in range(m)] for _ in chunks]  # per class hosting it
-        self.bwd_end: list[list[dict[int, float]]] = [[{} for _ in range(m)] for _ in chunks]
+        # per chunk and micro-batch, per class hosting it
+        self.fwd_end: list[list[dict[int, float]]] = [[{} for _ in range(c.micro_batches)] for c in chunks]
+        self.bwd_end: list[list[dict[int, float]]] = [[{} for _ in range(c.micro_batches)] for c in chunks]
 
     def _inputs_ready(self, u: int, c: int, j: int, backward: bool, t: float) -> bool:
         ends, needs = (self.bwd_end, self.bneeds) if backward else (self.fwd_end, self.fneeds)
@@ -140,7 +144,9 @@ class _ListScheduler:
             own = self.fwd_end[c][j].get(self.units[u][1][0])
             if own is None or own > t:
                 return False
-        return all((x := ends[p][j].get(k)) is not None and x <= t for p, k in needs[u][c])
+        m = self.g.chunks[c].micro_batches  # the other chunk's micro-batches overlapping j (StageGraph re-batching)
+        return all((x := ends[p][i].get(k)) is not None and x <= t
+                   for p, k in needs[u][c] for i in overlapping(m, self.g.chunks[p].micro_batches, j))
 
     def _ready(self, u: int, t: float) -> tuple[Task | None, bool]:
         """The unit's best task that can start at t, and whether a forward waits only on the in-flight limit."""
@@ -202,7 +208,8 @@ class _ListScheduler:
                 task, waits = self._ready(u, t)
                 s = self.units[u][0]
                 if task is not None:
-                    rank = (0, task.mb, -s) if task.backward else (1, task.mb, s)
+                    first = task.mb * self.g.chunks[task.chunk].micro_batch  # its first sample: groups' counts differ
+                    rank = (0, first, -s) if task.backward else (1, first, s)
                     cands.append((rank, u, task))
                 elif waits:
                     limited.append(u)
@@ -244,6 +251,28 @@ class _ListScheduler:
             in_flight=tuple(p / len(cs) for p, cs in zip(peak, self.stages)),
             units=tuple(tuple(cls for _, cls in (self.units[u] for u in units)) for units in self.stage_units),
         )
+
+
+def overlapping(m_from: int, m_to: int, j: int) -> range:
+    """The micro-batches of a group of m_to micro-batches per step overlapping micro-batch j of one of m_from (one
+    count divides the other: plans/stage_graph.py)."""
+    if m_to >= m_from:
+        k = m_to // m_from
+        return range(j * k, (j + 1) * k)
+    k = m_from // m_to
+    return range(j // k, j // k + 1)
+
+
+def _coarsest_downstream(graph: StageGraph) -> list[int]:
+    """Per chunk, the fewest micro-batches of any chunk on its paths to the loss (itself included)."""
+    out = [c.micro_batches for c in graph.chunks]
+    changed = True  # relax along the routes until stable (a DAG: at most one pass per chunk)
+    while changed:
+        changed = False
+        for r in graph.routes:
+            if out[r.dst] < out[r.src]:
+                out[r.src], changed = out[r.dst], True
+    return out
 
 
 def _units(graph: StageGraph, stages, stage_classes) -> list[tuple[int, tuple[int, ...]]]:

@@ -2,8 +2,10 @@
 
 One mechanism serves pipeline hand-overs and group boundaries (fan-in, fan-out, disjoint or shared
 ranks, one encoder feeding several stages): a route's pieces say which samples of which producer
-replica go to which consumer replica. Remote pieces travel by isend/irecv with a unique tag per
-(route, piece, tensor, direction, micro-batch); pieces between stages on the same rank are handed over
+replica go to which consumer replica, and, where the route re-batches between groups of different micro-batch counts
+(plans/stage_graph.py), which of their micro-batches: a producer micro-batch feeding several consumer ones slices its
+output for each and sums their gradients before its one backward. Remote pieces travel by isend/irecv with a unique
+tag per (route, piece, tensor, direction, window: a micro-batch unless the route re-batches); pieces between stages on the same rank are handed over
 through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
 guarantees the matching send was issued first. With tensor parallelism a replica's tp ranks hold
 identical block outputs and input gradients. Between stages of equal tp > 1 on different ranks, Megatron's
@@ -45,8 +47,10 @@ class Exchange:
                     for direction in (0, 1):
                         self._tag[(i, k, leaf, direction)] = len(self._tag)
 
-    def tag(self, route: int, piece: int, leaf: int, direction: int, mb: int) -> int:
-        return self._tag[(route, piece, leaf, direction)] * self.stage_map.micro_batches + mb
+    def tag(self, route: int, piece: int, leaf: int, direction: int, window: int) -> int:
+        """Unique per route, piece (of a window), tensor leaf, direction and window (a micro-batch when the route's two
+        groups count micro-batches alike; plans/stage_graph.py)."""
+        return self._tag[(route, piece, leaf, direction)] * self.stage_map.most_micro_batches + window
 
     def _rank(self, stage: str, replica: int) -> int:
         return self.stage_map.stages[stage].leader(replica)
@@ -91,22 +95,21 @@ class Exchange:
         tp, stage = self._scattered(route), self.stage_map.stages[route.src]
         if not self._leads(route.src, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
-        start0, _ = self.stage_map.slice(route.src, replica)
-        spec = self.specs[route.block]
+        spec, graph, w = self.specs[route.block], self.stage_map.graph, self._window(route_idx, mb, True)
+        g_route = graph.routes[route_idx]
         leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
-        for k, p in enumerate(route.pieces):
-            if p.src_replica != replica:
-                continue
+        for k, p in self._pieces_of(route_idx, replica, mb, True):
+            off, n = graph.src_offset(g_route, p), p.stop - p.start
             for j, dst in enumerate(self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)):
                 for leaf, t in enumerate(leaves):
-                    key = (route_idx, k, leaf, 0, mb)
+                    key = (route_idx, k, leaf, 0, w)
                     r = spec.rows_of(leaf)
-                    piece = t[(p.start - start0) * r:(p.stop - start0) * r]
+                    piece = t[off * r:(off + n) * r]
                     if tp and piece.is_floating_point():
                         if stage.tp_index(self.rank) == j:
-                            self._put(dst, _part(piece, j, tp), key, self.tag(*key[:4], mb))
+                            self._put(dst, _part(piece, j, tp), key, self.tag(*key))
                     elif self._leads(route.src, replica):
-                        self._put(dst, piece, key, self.tag(*key[:4], mb))
+                        self._put(dst, piece, key, self.tag(*key))
 
     def recv_forward(self, route_idx: int, replica: int, mb: int, needs_grad: bool = True) -> tuple[Any, list[torch.Tensor]]:
         """The producer's output for this consumer replica's samples, as fresh leaves (requiring grad when
@@ -116,17 +119,17 @@ class Exchange:
         tp = self._scattered(route)
         j = self.stage_map.stages[route.dst].tp_index(self.rank) if tp else 0
         parts: list[list[torch.Tensor]] = [[] for _ in spec.leaves]
-        for k, p in self._pieces_into(route, replica):
+        w = self._window(route_idx, mb, False)
+        for k, p in self._pieces_of(route_idx, replica, mb, False):
             for leaf, (shape, dtype) in enumerate(spec.leaves):
-                key = (route_idx, k, leaf, 0, mb)
+                key = (route_idx, k, leaf, 0, w)
                 full = ((p.stop - p.start) * spec.rows_of(leaf), *shape)
                 if tp and dtype.is_floating_point:
                     src = self.stage_map.stages[route.src].tp_ranks(p.src_replica)[j]
-                    part = self._get(src, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
+                    part = self._get(src, (_part_len(full, tp),), dtype, key, self.tag(*key))
                     parts[leaf].append(self._gather(part, route.dst, full))
                 else:
-                    parts[leaf].append(self._get(self._rank(route.src, p.src_replica), full, dtype, key,
-                                                 self.tag(*key[:4], mb)))
+                    parts[leaf].append(self._get(self._rank(route.src, p.src_replica), full, dtype, key, self.tag(*key)))
         leaves = [torch.cat(chunks) if len(chunks) > 1 else chunks[0] for chunks in parts]
         leaves = [t.requires_grad_() if needs_grad and t.is_floating_point() else t for t in leaves]
         return tree_unflatten(leaves, spec.tree), leaves
@@ -137,9 +140,9 @@ class Exchange:
         tp, stage = self._scattered(route), self.stage_map.stages[route.dst]
         if not self._leads(route.dst, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
-        spec = self.specs[route.block]
-        start0, _ = self.stage_map.slice(route.dst, replica)
-        for k, p in self._pieces_into(route, replica):
+        spec, graph, w = self.specs[route.block], self.stage_map.graph, self._window(route_idx, mb, False)
+        for k, p in self._pieces_of(route_idx, replica, mb, False):
+            off, n = graph.dst_offset(graph.routes[route_idx], p), p.stop - p.start
             for j, src in enumerate(self.stage_map.stages[route.src].tp_ranks(p.src_replica)):
                 if tp and stage.tp_index(self.rank) != j:
                     continue  # scatter/gather: tp-rank j sends the j-th part to its counterpart only
@@ -147,40 +150,51 @@ class Exchange:
                     if not t.is_floating_point():
                         continue
                     grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                    key = (route_idx, k, leaf, 1, mb)
+                    key = (route_idx, k, leaf, 1, w)
                     r = spec.rows_of(leaf)
-                    piece = grad[(p.start - start0) * r:(p.stop - start0) * r]
-                    self._put(src, _part(piece, j, tp) if tp else piece, key, self.tag(*key[:4], mb))
+                    piece = grad[off * r:(off + n) * r]
+                    self._put(src, _part(piece, j, tp) if tp else piece, key, self.tag(*key))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
         """Add the gradients of this producer replica's output that the route's consumers send back."""
         route = self.stage_map.routes[route_idx]
-        spec = self.specs[route.block]
-        start0, _ = self.stage_map.slice(route.src, replica)
+        spec, graph, w = self.specs[route.block], self.stage_map.graph, self._window(route_idx, mb, True)
         tp = self._scattered(route)
         j = self.stage_map.stages[route.src].tp_index(self.rank) if tp else 0
-        for k, p in enumerate(route.pieces):
-            if p.src_replica != replica:
-                continue
+        for k, p in self._pieces_of(route_idx, replica, mb, True):  # every consumer micro-batch of this one's samples
+            off = graph.src_offset(graph.routes[route_idx], p)
             dst = self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)[j] if tp else self._rank(route.dst, p.dst_replica)
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 if not dtype.is_floating_point:
                     continue
-                key = (route_idx, k, leaf, 1, mb)
+                key = (route_idx, k, leaf, 1, w)
                 r = spec.rows_of(leaf)
                 full = ((p.stop - p.start) * r, *shape)
                 if tp:
-                    part = self._get(dst, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
+                    part = self._get(dst, (_part_len(full, tp),), dtype, key, self.tag(*key))
                     piece = self._gather(part, route.src, full)
                 else:
-                    piece = self._get(dst, full, dtype, key, self.tag(*key[:4], mb))
+                    piece = self._get(dst, full, dtype, key, self.tag(*key))
                 if grads[leaf] is None:
                     n = self.stage_map.slice(route.src, replica)
                     grads[leaf] = torch.zeros(((n[1] - n[0]) * r, *shape), dtype=dtype, device=self.device)
-                grads[leaf][(p.start - start0) * r:(p.stop - start0) * r] += piece
+                grads[leaf][off * r:(off + p.stop - p.start) * r] += piece
 
-    def _pieces_into(self, route: Route, replica: int):
-        return sorted(((k, p) for k, p in enumerate(route.pieces) if p.dst_replica == replica), key=lambda kp: kp[1].start)
+    def _window(self, route_idx: int, mb: int, producer: bool) -> int:
+        """The route's window holding this producer (or consumer) micro-batch."""
+        route = self.stage_map.graph.routes[route_idx]
+        return mb // (route.src_per if producer else route.dst_per)
+
+    def _pieces_of(self, route_idx: int, replica: int, mb: int, producer: bool) -> list:
+        """(index, piece) of the route's window pieces of this producer (or consumer) replica and micro-batch, by start."""
+        route = self.stage_map.graph.routes[route_idx]
+        if producer:
+            a = mb % route.src_per
+            got = [(k, p) for k, p in enumerate(route.pieces) if p.src_replica == replica and p.src_mb == a]
+        else:
+            b = mb % route.dst_per
+            got = [(k, p) for k, p in enumerate(route.pieces) if p.dst_replica == replica and p.dst_mb == b]
+        return sorted(got, key=lambda kp: kp[1].start)
 
     def finish(self) -> None:
         """Wait for every send of the step (bounded by the process group's timeout)."""

@@ -33,8 +33,8 @@ class StageMap:
     stages: dict[str, Chunk]  # every chunk by its key (chunk_key), in the stage graph's order
     routes: tuple[Route, ...]  # aligned with graph.routes
     loss_stage: str
-    micro_batch: int  # samples per micro-batch (all replicas together)
-    micro_batches: int
+    micro_batch: int  # samples per micro-batch (all replicas together) of a group without its own count
+    micro_batches: int  # the plan's count; a chunk's own: micro_batches_of (Group.micro_batches)
     distance: dict[str, int]  # stage key -> most routes on a path to the loss stage (-1: none, or it runs no backward)
 
     def stages_on(self, rank: int) -> list[Chunk]:
@@ -49,7 +49,17 @@ class StageMap:
         return tuple(b for c in self.stages.values() if c.key == stage for b in c.blocks)
 
     def slice(self, stage: str, replica: int) -> tuple[int, int]:
-        return slice_of(replica, self.stages[stage].dp, self.micro_batch)
+        """The replica's samples [start, stop) of each of the chunk's micro-batches."""
+        st = self.stages[stage]
+        return slice_of(replica, st.dp, st.micro_batch)
+
+    def micro_batches_of(self, stage: str) -> int:
+        return self.stages[stage].micro_batches
+
+    @property
+    def most_micro_batches(self) -> int:
+        """The most micro-batches of any chunk (bounds a route's windows: Exchange's tags)."""
+        return max(c.micro_batches for c in self.stages.values())
 
     def routes_into(self, stage: str) -> list[Route]:
         return [r for r in self.routes if r.dst == stage]

@@ -1,9 +1,10 @@
 """The per-rank training loop: data, the rank's tasks in schedule order, gradient reduction, optimizer, metrics.
 
 Loss scaling: the loss stage's replica r computes the model's loss over its samples of micro-batch j
-and back-propagates loss / (dp * m); every stage then sums its gradients over its dp replicas. For a
-loss that is a mean over samples this equals the single-process step over the global batch with m
-micro-batches of gradient accumulation (reference.py), which the parity tests check.
+and back-propagates loss / (dp * m), m the loss group's own micro-batch count (Group.micro_batches, else the plan's);
+every stage then sums its gradients over its dp replicas. For a loss that is a mean over samples this equals the
+single-process step over the global batch with the plan's micro-batches of gradient accumulation (reference.py),
+whatever each group's count, which the parity tests check.
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ class StepMetrics:
     peak_memory_bytes: list[float] = field(default_factory=list)
 
 
-def step_samples(step: int, plan: Plan, mb: int, start: int, stop: int) -> range:
-    base = step * plan.training.global_batch + mb * plan.training.micro_batch
+def step_samples(step: int, plan: Plan, mb: int, start: int, stop: int, micro_batch: int | None = None) -> range:
+    """Global sample indices [start, stop) of micro-batch mb of a step, micro-batches of `micro_batch` samples (a group's
+    own size, Plan.micro_batch_of; default the plan's)."""
+    base = step * plan.training.global_batch + mb * (plan.training.micro_batch if micro_batch is None else micro_batch)
     return range(base + start, base + stop)
 
 
@@ -75,8 +78,10 @@ class RankTrainer:
                 continue
             r = self.stage_map.stages[key].replica_of(self.ctx.rank)
             s0, s1 = self.stage_map.slice(key, r)
-            for j in range(self.stage_map.micro_batches):
-                batch = cast_inputs(self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1)), self.dtype)
+            st = self.stage_map.stages[key]
+            for j in range(st.micro_batches):  # the group's own micro-batches (Group.micro_batches)
+                batch = cast_inputs(self.dataset.sample_batch(step_samples(step, self.plan, j, s0, s1, st.micro_batch)),
+                                    self.dtype)
                 out[(key, r, j)] = {k: batch[k].to(self.ctx.device) for k in keys}
         return out
 
@@ -197,7 +202,7 @@ class RankTrainer:
                     evaluate(rm.program.blocks[b], env, fetch, mine)
                 loss = evaluate(rm.program.output, env, fetch, mine) if task.stage == lay.loss_stage else None
             if loss is not None:
-                loss = model_loss(loss) / (st.dp * lay.micro_batches)
+                loss = model_loss(loss) / (st.dp * st.micro_batches)
         outputs = {}
         for route in lay.routes_out_of(task.stage):
             value = env[rm.program.blocks[route.block]]

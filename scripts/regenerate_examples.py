@@ -1,7 +1,9 @@
 """Regenerates the solved example plans: python scripts/regenerate_examples.py [--out DIR] [--only NAME ...].
 
 Tiny zoo models on 2-4 local CPU ranks (run them: mmplan run plans/examples/<file>), and real-size models for
-reading. The hand-written tiny-vlm-dp2.json and tiny-vlm-pp2.json are not touched. Solving is deterministic
+reading. The hand-written tiny-vlm-dp2.json and tiny-vlm-pp2.json, and tiny-vlm-per-group-micro-batch-4xlocal-cpu.json
+(written by `mmplan solve --layout 'vision:dp=2,micro-batch=1;llm:tp=2,micro-batch=1'` at global batch 8: NVIDIA's layout
+in small), are not touched. Solving is deterministic
 (no time limit), so a regeneration reproduces the files except for the solver's time_s.
 """
 from __future__ import annotations

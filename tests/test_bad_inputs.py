@@ -101,7 +101,7 @@ CASES: dict[str, Callable[[Inputs], Case]] = {
     "show: truncated profile": lambda x: Case(["show", x.write("p.json", x.profile.read_text()[:300])], "not valid JSON"),
     "show: profile of another schema version": lambda x: Case(
         ["show", x.write("p.json", x.profile.read_text().replace("mmplan.profile/2", "mmplan.profile/3"))], "schema"),
-    "show: a plan given as profile": lambda x: Case(["show", x.plan], "mmplan.plan/2"),
+    "show: a plan given as profile": lambda x: Case(["show", x.plan], "mmplan.plan/3"),
     "show: profile whose blocks were edited": lambda x: Case(["show", x.write("p.json", _edit_params(x.profile.read_text()))],
                                                              "fingerprint"),
     "show: binary file": lambda x: Case(["show", x.write("p.json", b"\xff\xfe\x00\x81garbage")], "UTF-8"),

@@ -85,7 +85,7 @@ def only_our_errors(load: Callable[[], Any]) -> None:
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from([0, -1, 1, 2**63, 10**30])
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-           | st.sampled_from(["", "gpu", "nvme", "1f1b", "interleaved", "fp32", "vision", "llm", "llm.head", "mmplan.plan/2",
+           | st.sampled_from(["", "gpu", "nvme", "1f1b", "interleaved", "fp32", "vision", "llm", "llm.head", "mmplan.plan/3",
                               "mmplan.profile/1", "0ad80f2dc6049a5a", "\x00", "\ud800"]))
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                            max_leaves=12)

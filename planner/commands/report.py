@@ -77,7 +77,7 @@ def solution_json(solution: Solution, output: str | os.PathLike, profile: Profil
         "micro_batches": plan.training.micro_batches,
         "schedule": plan.training.schedule,
         "groups": [{"name": g.name, "gpus": len(g.ranks), "dp": g.dp, "tp": g.tp, "pp": g.pp, "zero": g.zero,
-                    "colocated_with": g.colocated_with, "cuts": [s.blocks[0] for s in g.stages[1:]]} for g in plan.groups],
+                    "micro_batches": plan.micro_batches_of(g), "colocated_with": g.colocated_with, "cuts": [s.blocks[0] for s in g.stages[1:]]} for g in plan.groups],
         "peak_gpu_bytes": max((m.gpu for m in p.memory), default=0.0),
         "mfu": p.mfu,
         "why": why_solved(solution, profile) if profile is not None else {},
@@ -118,7 +118,7 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
     total = sum(flops.values()) or 1.0
     world = plan.world_size
     title = (f"{plan.profile.model} on {plan.cluster.world_size} x {plan.cluster.device.name}: {plan.training.global_batch} samples "
-             f"per step in {plural(plan.training.micro_batches, 'micro-batch', 'micro-batches')}, {plan.training.schedule}")
+             f"per step in {micro_batches_text(plan)}, {plan.training.schedule}")
     table = Table(title=title, title_justify="left", header_style="bold")
     for col in ("group", "GPUs", "dp·tp·pp", "ZeRO", "placement", "blocks per stage (cuts before)", "params/grads/optim; activations"):
         table.add_column(col, justify="right" if col in ("GPUs", "ZeRO") else "left", overflow="fold")
@@ -274,7 +274,15 @@ def compare_table(items: Sequence[Compared]) -> Table:
 def _schedule_text(plan: Plan) -> str:
     t = plan.training
     name = f"interleaved:{t.virtual_stages}" if t.schedule == "interleaved" else t.schedule
-    return f"{name}, {t.micro_batches} x {t.micro_batch} samples"
+    own = "".join(f", {g.name} {plan.micro_batches_of(g)} x {plan.micro_batch_of(g)}" for g in plan.groups
+                  if g.micro_batches is not None)
+    return f"{name}, {t.micro_batches} x {t.micro_batch} samples{own}"
+
+
+def micro_batches_text(plan: Plan) -> str:
+    """"8 micro-batches", with the groups counting their own: "8 micro-batches (vision: 4)"."""
+    own = ", ".join(f"{g.name}: {g.micro_batches}" for g in plan.groups if g.micro_batches is not None)
+    return plural(plan.training.micro_batches, 'micro-batch', 'micro-batches') + (f" ({own})" if own else "")
 
 
 def _memory_cell(c: Compared) -> Text:
@@ -339,7 +347,7 @@ def plan_table(plans: list[tuple[str, Plan]]) -> Table:
             stages = "; ".join(f"{len(s.blocks)} blocks @ rank {','.join(map(str, s.ranks))}" for s in g.stages)
             table.add_row(name, g.name, f"{g.dp} x {g.tp} x {g.pp}", stages, placement_text(g, len(plan.groups)), tiers_text(g))
             name = ""
-        table.add_row("", "", "", Text(f"{plural(plan.training.micro_batches, 'micro-batch', 'micro-batches')}, {plan.training.schedule}", style="dim"), "", "")
+        table.add_row("", "", "", Text(f"{micro_batches_text(plan)}, {plan.training.schedule}", style="dim"), "", "")
     return table
 
 

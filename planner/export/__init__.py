@@ -36,6 +36,10 @@ def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str 
     if target not in modules:
         raise MmplanError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
     drops = Drops(target, lossy)
+    for g in plan.groups:  # per-group step shapes (Group.micro_batches): the exporters write one micro-batch count
+        if g.micro_batches is not None and g.micro_batches != plan.training.micro_batches:
+            drops.cannot(f"group {g.name}'s own micro-batch count ({g.micro_batches}, the plan's {plan.training.micro_batches})",
+                         f"{g.name} at {plan.training.micro_batches} micro-batches")
     text = modules[target].export(plan, drops, source, profile)
     drops.check()
     return Export(target, text, tuple(drops.dropped))

@@ -32,6 +32,7 @@ class GroupLayout:
     fill_bubbles: bool = False  # Group.fill_bubbles
     chunks: int = 1  # interleaved schedule: model chunks per stage; cuts then split pp * chunks chunks, stage k holding k, k + pp, ...
     reshard_after_forward: bool = True  # ZeRO-3: FSDP2's reshard_after_forward (Group's field)
+    micro_batches: int | None = None  # Group.micro_batches: the group's own count (None: the plan's)
 
     @property
     def pp(self) -> int:
@@ -55,7 +56,7 @@ def to_group(layout: GroupLayout) -> Group:
     return Group(name=layout.name, dp=layout.dp, tp=layout.tp, pp=layout.pp, stages=stages, zero=layout.zero,
                  colocated_with=layout.colocated_with, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
                  reshard_after_forward=layout.reshard_after_forward or layout.zero != 3,
-                 lookahead=layout.lookahead, fill_bubbles=layout.fill_bubbles)
+                 lookahead=layout.lookahead, fill_bubbles=layout.fill_bubbles, micro_batches=layout.micro_batches)
 
 
 def build_plan(profile: Profile, cluster: Cluster, training: Training, layouts: list[GroupLayout] | tuple[GroupLayout, ...],

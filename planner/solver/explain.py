@@ -52,7 +52,6 @@ def breakdown(plan: Plan, evaluation: Evaluation) -> tuple[StageTime, ...]:
     """Per group and stage, where one step goes on its ranks (a rank hosting stages of several groups, as in
     colocated plans, counts all its work in each of them; its bubble is what is left of the step)."""
     step = evaluation.simulation.step_time_s
-    m = plan.training.micro_batches
     fixed = evaluation.simulation.overhead_s  # the runtime's per-step cost: compute on every rank
     per_rank: dict[int, list[float]] = defaultdict(lambda: [fixed, 0.0, 0.0])
     stage_ranks = {}
@@ -61,7 +60,7 @@ def breakdown(plan: Plan, evaluation: Evaluation) -> tuple[StageTime, ...]:
         ranks = plan.group(sc.group).stages[sc.index].ranks
         stage_ranks[sc.group, sc.index] = ranks
         for r in ranks:
-            for i, v in enumerate(_work(sc, m, hides)):
+            for i, v in enumerate(_work(sc, sc.micro_batches, hides)):
                 per_rank[r][i] += v
     out = []
     for sc in evaluation.stages:
@@ -74,13 +73,12 @@ def breakdown(plan: Plan, evaluation: Evaluation) -> tuple[StageTime, ...]:
 def per_gpu(plan: Plan, evaluation: Evaluation) -> dict[str, float]:
     """The breakdown averaged over every rank of the plan: the four parts, which add up to the step time."""
     step = evaluation.simulation.step_time_s
-    m = plan.training.micro_batches
     fixed = evaluation.simulation.overhead_s  # the runtime's per-step cost: compute on every rank
     per_rank: dict[int, list[float]] = defaultdict(lambda: [fixed, 0.0, 0.0])
     hides = overlaps_compute(plan.cluster)
     for sc in evaluation.stages:
         for r in plan.group(sc.group).stages[sc.index].ranks:
-            for i, v in enumerate(_work(sc, m, hides)):
+            for i, v in enumerate(_work(sc, sc.micro_batches, hides)):
                 per_rank[r][i] += v
     n = max(len(per_rank), 1)
     parts = {p: sum(w[i] for w in per_rank.values()) / n for i, p in enumerate(PARTS[:3])}
@@ -129,6 +127,8 @@ def mechanisms(fast: Plan, slow: Plan) -> list[str]:
             continue
         h, k = where[g.blocks[0]]
         diffs = [d for d in (_placement(fast, g, h, k), *_degrees(g, h, where)) if d]
+        if g.micro_batches is not None and fast.micro_batch_of(g) != slow.micro_batch_of(h):  # per-group step shape
+            diffs.append(f"a per-group micro-batch ({fast.micro_batches_of(g)} micro-batches of {fast.micro_batch_of(g)} samples)")
         if diffs:
             out.append(f"{g.name}: " + ", ".join(diffs))
     ta, tb = fast.training, slow.training

@@ -469,12 +469,24 @@ def run_solve(
     from plans.graph import load_profile
     from plans.plan import save_plan
 
-    if layout is not None and baseline is None:
+    from planner.solver.group_layouts import group_layout_plan, is_group_layout
+
+    per_group = layout is not None and is_group_layout(layout)
+    if per_group and (baseline is not None or micro_batch is not None):
+        raise MmplanError("a per-group --layout (GROUP:key=value,...;GROUP:...) writes exactly that heterogeneous plan: "
+                          "use it without --baseline and --micro-batch (write micro-batch=N per group)")
+    if layout is not None and baseline is None and not per_group:
         raise MmplanError("--layout describes a one-layout plan: use it with --baseline homogeneous (exactly that layout) "
-                          "or --baseline megatron (the best Megatron-style plan with what it writes fixed)")
+                          "or --baseline megatron (the best Megatron-style plan with what it writes fixed), or name "
+                          "each group's layout (vision:dp=4;llm:tp=2,dp=2)")
     profile = load_profile(profile_path)
     spec = parse_cluster(cluster, gpus_per_node)
-    if baseline in ("homogeneous", "megatron") and layout is None:
+    if per_group:
+        plan = group_layout_plan(profile, usable_cluster(spec, memory_reserve), global_batch, layout)
+        elapsed = time.perf_counter() - started
+        plan = replace(plan, cluster=spec, solver=replace(plan.solver, time_s=elapsed, memory_reserve=memory_reserve))
+        solution = Solution(plan, None, elapsed, "layout", 1, 1, False, False, 0.0)
+    elif baseline in ("homogeneous", "megatron") and layout is None:
         solution = solve(profile, spec, global_batch, placement=placement, schedule=schedule, micro_batch=micro_batch,
                          time_limit=time_limit, solver=solver, memory_tiers=memory_tiers, progress=progress,
                          memory_reserve=memory_reserve, started=started, emit=baseline, sequence_parallel=sequence_parallel,

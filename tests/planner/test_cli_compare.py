@@ -107,7 +107,7 @@ def test_bad_inputs_exit_2_with_one_line(files, tmp_path, case):
     args, needle = {
         "missing": ([tmp_path / "nope.json"], "cannot read plan"),
         "not-json": ([_write(tmp_path / "x.json", "{oops")], "is not valid JSON"),
-        "schema": ([_write(tmp_path / "v9.json", plan.read_text().replace('"mmplan.plan/2"', '"mmplan.plan/9"'))],
+        "schema": ([_write(tmp_path / "v9.json", plan.read_text().replace('"mmplan.plan/3"', '"mmplan.plan/9"'))],
                    "schema 'mmplan.plan/9'"),
         "bad-measured": ([plan, "--measured", _write(tmp_path / "r.jsonl", '{"step": 0}\n')], "lacks field"),
         "two-with-measured": ([plan, plan, "--measured", _write(tmp_path / "empty.jsonl", "")], "one plan"),

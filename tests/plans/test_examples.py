@@ -26,7 +26,7 @@ SOLVED = {stem: (model, cluster) for stem, model, cluster, _, _ in REGEN.EXAMPLE
 def test_every_solved_example_is_there_and_the_hand_written_ones_are_kept():
     names = {p.stem for p in EXAMPLES_DIR.glob("*.json")}
     assert set(SOLVED) <= names
-    assert {"tiny-vlm-dp2", "tiny-vlm-pp2"} <= names
+    assert {"tiny-vlm-dp2", "tiny-vlm-pp2", "tiny-vlm-per-group-micro-batch-4xlocal-cpu"} <= names
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def test_load_reports_bad_json(tmp_path: Path) -> None:
 
 def test_hand_written_plan_loads_and_gets_the_profiles_flow() -> None:
     data = {
-        "schema": "mmplan.plan/2",
+        "schema": "mmplan.plan/3",
         "profile": {"model": PROFILE.model, "fingerprint": PROFILE.fingerprint},
         "cluster": to_data(make_cluster(1)),
         "training": {"global_batch": 4, "micro_batches": 2},
@@ -171,7 +171,7 @@ MALFORMED = {
     "wrong type": ([_set(f"{VISION}.dp", "2")], ["groups/0/dp", "not of type"]),
     "missing field": ([_set("training.global_batch", DELETE)], ["global_batch", "required"]),
     "unknown field": ([_set(f"{VISION}.colour", "red")], ["colour", "unexpected"]),
-    "wrong schema version": ([_set("schema", "mmplan.plan/0")], ["'mmplan.plan/0'", "expected", "'mmplan.plan/2'"]),
+    "wrong schema version": ([_set("schema", "mmplan.plan/0")], ["'mmplan.plan/0'", "expected", "'mmplan.plan/3'"]),
     "missing schema version": ([_set("schema", DELETE)], ["no 'schema' field", "expected"]),
     "missing block": ([_set(f"{LLM}.stages.0.blocks", LLM_BLOCKS[:3])], ["'llm.head'", "missing"]),
     "block placed twice": ([_set(f"{VISION}.stages.0.blocks", ["vision.patch", "vision.layers.0", "vision.layers.1", "projector"])], ["'projector'", "placed twice"]),

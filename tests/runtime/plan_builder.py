@@ -25,7 +25,7 @@ def local_cluster(world: int):
 def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_batches: int = 2,
               schedule: str = "1f1b", freeze: tuple[str, ...] = (), virtual_stages: int = 1, dtype: str = "fp32") -> Plan:
     """groups: [{"name", "dp", "tp", "zero", "stages": [(block prefixes or names, ranks[, Memory])], "colocated_with",
-    "lookahead", "fill_bubbles"}] —
+    "lookahead", "fill_bubbles", "micro_batches"}] —
     a block belongs to the first stage whose patterns match it (prefix match); a Memory's activation tier
     given for the key "*" applies to every block of the stage; `freeze`: profile --freeze patterns."""
     prof = profile(model, tuple(freeze))
@@ -48,7 +48,7 @@ def make_plan(model: str, groups: list[dict], *, global_batch: int = 8, micro_ba
         built.append(Group(name=g["name"], dp=g.get("dp", 1), tp=g.get("tp", 1), pp=len(stages), stages=stages,
                            zero=g.get("zero", 0), colocated_with=g.get("colocated_with"),
                            reshard_after_forward=g.get("reshard_after_forward", True), lookahead=g.get("lookahead", 0),
-                           fill_bubbles=g.get("fill_bubbles", False)))
+                           fill_bubbles=g.get("fill_bubbles", False), micro_batches=g.get("micro_batches")))
     world = len({r for g in built for r in g.ranks})
     plan = Plan(profile=ProfileRef(prof.model, prof.fingerprint), cluster=local_cluster(world),
                 training=Training(global_batch=global_batch, micro_batches=micro_batches, schedule=schedule, dtype=dtype,
