@@ -19,7 +19,7 @@ from cost_models.memory import (
     block_input_bytes,
     state_residency,
 )
-from cost_models.offload import state_streaming, transfer_time
+from cost_models.offload import overlaps_compute, state_streaming, transfer_time
 from cost_models.tail import tail_over
 from planner.solver.allocate import Solver, _solver, pick_solver
 from plans.errors import MmplanError
@@ -35,7 +35,8 @@ from plans.units import short_by
 #   a[s,b,x] in {0,1}  block b keeps its activations (x = keep), recomputes them, or offloads them to cpu/nvme
 #   o[s,t] in {0,1}    stage s offloads some activations to tier t (the transfer's latency is paid once)
 #   h[s] >= 0          the transient GPU buffer: the recomputed block, or two blocks being offloaded / prefetched
-#   ef[s], eb[s] >= 0  transfer time of the forward / backward that does not hide behind its compute
+#   ef[s], eb[s] >= 0  transfer time of the forward / backward that does not hide behind its compute (on CPU
+#                      ranks, offload.overlaps_compute False, nothing hides: the (expose) rows without "- F_s", "- B[s]")
 #   T >= 0             the slowest rank class: its stages' m (forward + backward) + optimizer steps
 # (one)       sum_k z[s,k] = 1;   sum_x a[s,b,x] = 1                          every stage s, block b of s
 # (latency)   o[s,t] >= a[s,b,offload-t]
@@ -205,10 +206,14 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
         bwd = st.bwd + pulp.lpSum(st.recompute_fwd[b] * av[b]["recompute"] for b in st.blocks)
         bcomm = st.bwd_comm + pulp.lpSum(st.recompute_comm[b] * av[b]["recompute"] for b in st.blocks)
         ef, eb = prob.add_variable(f"ef_{n}", lowBound=0), prob.add_variable(f"eb_{n}", lowBound=0)
-        prob += ef >= out + pin - st.fwd, f"expose_f_{n}"
-        prob += ef >= st.gather - st.fwd, f"expose_fz_{n}"
-        prob += eb >= out + pin + gout - bwd, f"expose_b_{n}"
-        prob += eb >= st.gather + st.scatter - bwd, f"expose_bz_{n}"
+        if overlaps_compute(cluster):  # GPUs: transfers and ZeRO collectives hide behind the pass's compute
+            prob += ef >= out + pin - st.fwd, f"expose_f_{n}"
+            prob += ef >= st.gather - st.fwd, f"expose_fz_{n}"
+            prob += eb >= out + pin + gout - bwd, f"expose_b_{n}"
+            prob += eb >= st.gather + st.scatter - bwd, f"expose_bz_{n}"
+        else:  # CPU ranks: they take the compute's core, one after another (pipeline._cost_chunk's CPU branch)
+            prob += ef >= out + pin + st.gather, f"expose_f_{n}"
+            prob += eb >= out + pin + gout + st.gather + st.scatter, f"expose_b_{n}"
         opt = pulp.lpSum(st.state[k][5] * zs[k] for k in st.state)
         terms[st.key] = m * (st.fwd + st.fwd_comm + ef + bwd + bcomm + eb) + opt
         def resident(tier: str):  # activation bytes per micro-batch in flight on `tier` (activation_residency)
