@@ -7,22 +7,24 @@ from cost_models.memory import DTYPE_BYTES, StateTiers, optimizer_bytes_per_para
 from plans.cluster import Cluster
 
 
-def transfer_time(nbytes: float, tier: str, cluster: Cluster) -> float:
-    """Seconds for one rank to move `nbytes` between its GPU and `tier` ("gpu" | "cpu" | "nvme").
+def transfer_time(nbytes: float, tier: str, cluster: Cluster, *, copies: float = 1) -> float:
+    """Seconds for one rank to move `nbytes` between its GPU and `tier` ("gpu" | "cpu" | "nvme") in `copies`
+    separate copies (the runtime moves tensor by tensor: runtime/param_tiers.py one copy per parameter tensor,
+    runtime/activations.py one per saved storage, and one file per storage on NVMe).
 
-    cpu: the rank's host<->device link (PCIe), alpha + bytes / bandwidth. nvme: the data crosses PCIe
+    cpu: the rank's host<->device link (PCIe), alpha per copy + bytes / bandwidth. nvme: the data crosses PCIe
     and the node's NVMe, which all gpus_per_node ranks of the node stream to at once, so the rank gets
     nvme.bandwidth / gpus_per_node (ZeRO-Infinity's bandwidth-centric partitioning, Rajbhandari et al.
-    2021, section 6.1); the slower of the two bounds it.
+    2021, section 6.1); the slower of the two bounds it, the higher latency is paid per copy.
     """
     if nbytes <= 0 or tier == "gpu":
         return 0.0
-    pcie = cluster.host_to_device
+    pcie, calls = cluster.host_to_device, max(1.0, copies)
     if tier == "cpu":
-        return pcie.latency_s + nbytes / pcie.bandwidth
+        return calls * pcie.latency_s + nbytes / pcie.bandwidth
     if tier == "nvme":
         nvme_share = cluster.nvme.bandwidth / cluster.gpus_per_node
-        return max(pcie.latency_s, cluster.nvme.latency_s) + nbytes / min(pcie.bandwidth, nvme_share)
+        return calls * max(pcie.latency_s, cluster.nvme.latency_s) + nbytes / min(pcie.bandwidth, nvme_share)
     raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'cpu' or 'nvme'")
 
 
@@ -54,14 +56,25 @@ class Streaming(NamedTuple):
     grads_out: float  # after every backward
 
 
-def state_streaming(param_bytes: float, *, dp: int, zero: int, memory: StateTiers, cluster: Cluster) -> Streaming:
-    """Streaming of a stage holding `param_bytes` of parameters per rank: parameters living off the GPU are
-    streamed in, their ZeRO share, before every forward and backward; gradients living off the GPU are streamed
-    out, their ZeRO share, after every backward (ZeRO-Infinity, Rajbhandari et al. 2021, sections 5-6;
-    zero_divisors). 0 for a state on the GPU."""
+def state_streaming(param_bytes: float, *, dp: int, zero: int, memory: StateTiers, cluster: Cluster,
+                    tensors: float = 1, trained_tensors: float | None = None) -> Streaming:
+    """Streaming of a stage holding `param_bytes` of parameters per rank in `tensors` tensors (`trained_tensors`
+    of them with gradients; default: all): parameters living off the GPU are streamed in, their ZeRO share,
+    before every forward and backward, one copy per tensor; gradients living off the GPU are streamed out, their
+    ZeRO share, after every backward, one copy per trained tensor (ZeRO-Infinity, Rajbhandari et al. 2021,
+    sections 5-6; zero_divisors). 0 for a state on the GPU."""
     share = zero_divisors(zero, dp)
-    return Streaming(transfer_time(param_bytes / share.params, memory.params, cluster),
-                     transfer_time(param_bytes / share.grads, memory.grads, cluster))
+    grads = tensors if trained_tensors is None else trained_tensors
+    return Streaming(transfer_time(param_bytes / share.params, memory.params, cluster, copies=tensors),
+                     transfer_time(param_bytes / share.grads, memory.grads, cluster, copies=grads))
+
+
+def offload_accounting(storages: float, cluster: Cluster) -> float:
+    """The host's extra work, per micro-batch, for `storages` activation storages offloaded and brought back,
+    beyond the saved-tensor hook every storage pays (overhead.host_time): the copy brought back for the
+    backward is accounted in the device tier and released once more (runtime/activations.py _Copy), the work
+    Cluster.saved_tensor_s and released_tensor_s measure per storage (planner/profiler/host_probe.py)."""
+    return storages * (cluster.saved_tensor_s + cluster.released_tensor_s)
 
 
 def optimizer_step_time(params: float, memory: StateTiers, cluster: Cluster, *, dtype: str = "bf16", optimizer: str = "adam") -> float:

@@ -12,7 +12,7 @@ from cost_models.comm import (all_gather_time, dp_link, hand_over_time, link_for
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
 from cost_models.fsdp import chunk_passes
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
-from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
+from cost_models.offload import exposed, offload_accounting, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
 from cost_models.tail import stage_tail
 from plans.cluster import Cluster
@@ -333,6 +333,8 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     time, tp_bytes, params = OpTime(), 0.0, 0.0
     added = 0.0  # trained parameters whose gradients are accumulated by a separate add (not inside a GEMM)
     out_bytes = {"cpu": 0.0, "nvme": 0.0}  # activation bytes offloaded per micro-batch, by tier
+    out_copies = {"cpu": 0, "nvme": 0}  # their storages (copies, and files on nvme)
+    tensors = trained_tensors = 0  # parameter tensors of the chunk, and those with gradients
     per_block = []  # (forward, backward compute, parameter bytes, trained parameter bytes) of each block
     for name in ch.blocks:
         b = blocks[name]
@@ -354,7 +356,10 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
             tp_bytes += ((6 if tier == "recompute" else 4) + g.sequence_parallel) * ring_bytes_sent(b.output_bytes * samples, t, all_reduce=True)
         if tier.startswith("offload-"):
             out_bytes[tier.removeprefix("offload-")] += kept_activation_bytes(b, g.tp, sequence_parallel=g.sequence_parallel) * samples
+            out_copies[tier.removeprefix("offload-")] += b.saved_tensors  # one copy each way per storage
         params += b.params / t
+        tensors += b.param_tensors
+        trained_tensors += 0 if b.frozen else b.param_tensors
         cost.trained += 0.0 if b.frozen else b.params / t
         # fused: a block with GEMMs counts as GEMM weights (a transformer layer's norm parameters are < 0.1 % of it)
         added += 0.0 if b.frozen or (fused_grad_accumulation and b.fwd_matmul_flops > 0) else b.params / t
@@ -364,11 +369,12 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
                                        grads_tier=mem.grads, cluster=cluster, dtype=training.dtype)
     param_bytes = params * width  # this rank's tp shard of the chunk's parameters, compute dtype
     sharded = zero_block_time(sum(1 for n in ch.blocks if blocks[n].params), g.zero, cluster, param_bytes) / 2  # both ways
-    act = sum(transfer_time(v, tier, cluster) for tier, v in out_bytes.items())  # out in fwd, back in before bwd
-    params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster)  # per op
+    act = sum(transfer_time(v, tier, cluster, copies=out_copies[tier]) for tier, v in out_bytes.items())  # out in fwd, back in bwd
+    params_in, grads_out = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=mem, cluster=cluster,
+                                           tensors=max(1, tensors), trained_tensors=max(1, trained_tensors))  # per op
     cost.params = params
     cost.transfer_fwd = act + params_in
-    cost.transfer_bwd = act + params_in + grads_out
+    cost.transfer_bwd = act + params_in + grads_out + offload_accounting(sum(out_copies.values()), cluster)
     link = dp_link(cluster, ch.ranks, g.tp)
     if overlaps_compute(cluster):  # GPUs: FSDP2 per block (cost_models/fsdp.py)
         zf, zb, gathers, scatters, copies = chunk_passes(per_block, g.zero, g.dp, g.reshard_after_forward, link, cluster,

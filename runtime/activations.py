@@ -60,6 +60,7 @@ class _Copy:
 
     __slots__ = (
         "__weakref__",
+        "counted",
         "device_copy",
         "host",
         "loading",
@@ -74,7 +75,7 @@ class _Copy:
     )
 
     def __init__(self, tiers: ActivationTiers, tier: OffTier, storage: torch.UntypedStorage) -> None:
-        self.tiers, self.tier, self.nbytes = tiers, tier, storage.nbytes()
+        self.tiers, self.tier, self.nbytes, self.counted = tiers, tier, storage.nbytes(), False
         self.host: torch.Tensor | None = None
         self.path: str | None = None
         self.written: Any = None
@@ -104,7 +105,11 @@ class _Copy:
             self.written = io.submit(_offload_to_file, self.path, host, copied)
             weakref.finalize(self, io.unlink_later, self.path)
         tiers.budget.add_host(tier, self.nbytes)
-        weakref.finalize(self, tiers.budget.remove_host, tier, self.nbytes)
+        self.counted = True
+
+    def __del__(self) -> None:  # the host copy / file goes with this (a weakref.finalize costs ~4x more per storage)
+        if getattr(self, "counted", False):
+            self.tiers.budget.remove_host(self.tier, self.nbytes)
 
     def prefetch(self) -> None:
         if self.device_copy is not None or self.loading is not None:
@@ -112,8 +117,8 @@ class _Copy:
         if self.tiers.io.stream is not None and self.path is None:
             self.loading = Future()
             self.loading.set_result(self._to_device(self.host))  # queued on the side stream already
-        else:
-            self.loading = self.tiers.io.submit(self._load)
+        else:  # a host copy on a CPU rank is copied back here and now (TierIO.submit's inline); files on the I/O thread
+            self.loading = self.tiers.io.submit(self._load, inline=self.path is None)
 
     def take(self) -> torch.Tensor:
         """The device copy for one unpack (waiting for its prefetch, or loading it now)."""

@@ -68,6 +68,7 @@ class ParamStore:
                     raise MmplanError(f"parameter {b}.{name} is a view of a larger storage; a ParamStore needs parameters that own their storage")
         self.nbytes = {b: sum(p.untyped_storage().nbytes() for _, p in named) for b, named in self.params.items()}
         self.io = TierIO("params", nvme_dir, budget.device)
+        self._inline = tier == "cpu" and self.io.stream is None  # host memory to host memory: a plain copy, here
         self._host: dict[int, torch.Tensor] = {}
         self._file: dict[str, tuple[str, dict[int, int]]] = {}  # block -> (path, id(param) -> offset)
         self._users = {b: 0 for b in self.order}
@@ -79,6 +80,9 @@ class ParamStore:
             if nvme_dir is None:
                 raise MmplanError("parameters on the NVMe tier need a directory; pass --nvme-dir")
             check_nvme_space(nvme_dir, sum(self.nbytes.values()))
+        # a uint8 view over each parameter's storage, made while it is full: it stays valid across the storage's
+        # resizes (a view reads the storage's data pointer at each use), so the streaming makes no tensor per copy
+        self._bytes = {id(p): bytes_of(p.untyped_storage()) for named in self.params.values() for _, p in named}
         for b in self.order:
             self._store(b, initial=True)
             budget.add_host(tier, self.nbytes[b])
@@ -92,7 +96,7 @@ class ParamStore:
         """Copy the block's current values to its host copies / file."""
         if self.tier == "cpu":
             for _, p in self.params[block]:
-                src = bytes_of(p.untyped_storage())
+                src = self._bytes[id(p)]
                 if initial:
                     self._host[id(p)] = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self.io.stream is not None)
                 self._host[id(p)].copy_(src)
@@ -107,14 +111,13 @@ class ParamStore:
                 f.truncate(at)
         path, offsets = self._file[block]
         for _, p in self.params[block]:
-            write_file(path, bytes_of(p.untyped_storage()).cpu(), offsets[id(p)])
+            write_file(path, self._bytes[id(p)].cpu(), offsets[id(p)])
 
     def _materialise(self, block: str) -> None:
         for _, p in self.params[block]:
-            st = p.untyped_storage()
-            n = p.numel() * p.element_size()
-            st.resize_(n)
-            dst = bytes_of(st)
+            dst = self._bytes[id(p)]
+            n = dst.numel()
+            p.untyped_storage().resize_(n)
             if self.tier == "cpu":
                 dst.copy_(self._host[id(p)], non_blocking=self.io.stream is not None)
             elif dst.device.type == "cpu":
@@ -137,7 +140,7 @@ class ParamStore:
         if block is None or block in self._resident or block in self._loading:
             return
         self.budget.add("params", self.nbytes[block])
-        self._loading[block] = self.io.submit(self._materialise, block)
+        self._loading[block] = self.io.submit(self._materialise, block, inline=self._inline)
 
     def acquire(self, block: str) -> None:
         """Make `block`'s parameters resident (waiting for its prefetch, or loading them now) and hold them."""

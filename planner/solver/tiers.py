@@ -19,7 +19,7 @@ from cost_models.memory import (
     block_input_bytes,
     state_residency,
 )
-from cost_models.offload import state_streaming, transfer_time
+from cost_models.offload import offload_accounting, overlaps_compute, state_streaming, transfer_time
 from cost_models.tail import tail_over
 from planner.solver.allocate import Solver, _solver, pick_solver
 from plans.errors import MmplanError
@@ -35,14 +35,16 @@ from plans.units import short_by
 #   a[s,b,x] in {0,1}  block b keeps its activations (x = keep), recomputes them, or offloads them to cpu/nvme
 #   o[s,t] in {0,1}    stage s offloads some activations to tier t (the transfer's latency is paid once)
 #   h[s] >= 0          the transient GPU buffer: the recomputed block, or two blocks being offloaded / prefetched
-#   ef[s], eb[s] >= 0  transfer time of the forward / backward that does not hide behind its compute
+#   ef[s], eb[s] >= 0  transfer time of the forward / backward that does not hide behind its compute (on CPU
+#                      ranks, offload.overlaps_compute False, nothing hides: the (expose) rows without "- F_s", "- B[s]")
 #   T >= 0             the slowest rank class: its stages' m (forward + backward) + optimizer steps
 # (one)       sum_k z[s,k] = 1;   sum_x a[s,b,x] = 1                          every stage s, block b of s
 # (latency)   o[s,t] >= a[s,b,offload-t]
 # (transient) h[s] >= transient(x, act_b) a[s,b,x]    (memory.activation_transient: act_b recomputed, 2 act_b offloaded)
 # (expose)    ef[s] >= out[s] + pin[s] - F_s;             ef[s] >= gather_s - F_s
 #             eb[s] >= out[s] + pin[s] + gout[s] - B[s];  eb[s] >= gather_s + scatter_s - B[s]
-#             out[s] = sum_t (o[s,t] alpha_t + sum_b act_b a[s,b,offload-t] / beta_t): activations out and back
+#             out[s] = sum_t (o[s,t] alpha_t + sum_b (act_b / beta_t + (n_b - 1) alpha_t) a[s,b,offload-t]): activations
+#             out and back, one copy per storage (n_b: Block.saved_tensors); eb adds offload.offload_accounting
 #             pin[s], gout[s] = sum_k z[s,k] (params / grads streamed from k's tiers: offload.state_streaming)
 #             B[s] = B_s + sum_b f_b a[s,b,recompute];  gather_s, scatter_s: comm.zero_collectives
 # (gpu)       sum_{s on class c} gpu[s] <= device memory                      every rank class c (colocated: several s)
@@ -80,6 +82,7 @@ class _Stage:
     transient: dict[str, dict[str, float]]  # block -> tier x -> GPU bytes while it runs (activation_transient)
     gather: float
     scatter: float
+    storages: dict[str, int]  # block -> activation storages one forward saves (one copy each way when offloaded)
     state: dict[tuple[str, str, str], tuple[float, float, float, float, float, float]]  # k -> gpu, cpu, nvme bytes, pin, gout, opt
 
 
@@ -122,6 +125,7 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
             f = fc = b = bc = 0.0
             rf, rc, act, ckpt = {}, {}, {}, {}
             params = largest = trained = 0.0
+            tensors = trained_tensors = 0
             for name in s.blocks:
                 blk = blocks[name]
                 t = tp_shard(blk, g.tp)
@@ -131,6 +135,8 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                 act[name] = kept_activation_bytes(blk, g.tp, sequence_parallel=g.sequence_parallel) * samples
                 ckpt[name] = inputs.get(name, 0.0) * samples / (t if g.sequence_parallel else 1)
                 params += blk.params / t
+                tensors += blk.param_tensors
+                trained_tensors += 0 if blk.frozen else blk.param_tensors
                 trained += 0.0 if blk.frozen else blk.params / t  # frozen: no grads, optimizer state or update
                 largest = max(largest, blk.params / t)
             param_bytes = params * width
@@ -144,7 +150,8 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                 tiers = state_residency(params, largest, dp=g.dp, zero=g.zero, memory=memory, dtype=training.dtype,
                                         optimizer=training.optimizer, trained=trained,
                                         reshard_after_forward=g.reshard_after_forward)
-                pin, gout = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=memory, cluster=cluster)
+                pin, gout = state_streaming(param_bytes, dp=g.dp, zero=g.zero, memory=memory, cluster=cluster,
+                                            tensors=max(1, tensors), trained_tensors=max(1, trained_tensors))
                 opt = tail_over(trained, dp=g.dp, zero=g.zero, memory=memory, link=link, cluster=cluster,
                                 dtype=training.dtype, optimizer=training.optimizer).optimizer
                 state[k] = (tiers.gpu, tiers.cpu, tiers.nvme, pin, gout, opt)
@@ -152,7 +159,7 @@ def _stages(plan: Plan, profile: Profile) -> tuple[list[_Stage], int]:
                          for name in s.blocks}
             transient = {name: {x: activation_transient(x, act[name]) for x in ACTIVATION_TIERS} for name in s.blocks}
             out.append(_Stage((gi, si), s.blocks, s.ranks, in_flight[g.name, si], f, fc, b, bc, rf, rc, act, residency,
-                              transient, gather, scatter, state))
+                              transient, gather, scatter, {name: blocks[name].saved_tensors for name in s.blocks}, state))
     return out, training.micro_batches
 
 
@@ -198,17 +205,25 @@ def _model(plan: Plan, stages: list[_Stage], m: int):
                 prob += o[t] >= av[b][f"offload-{t}"], f"latency_{n}_{i}_{t}"
                 prob += h >= st.transient[b][f"offload-{t}"] * av[b][f"offload-{t}"], f"transient_{n}_{i}_{t}"
             prob += h >= st.transient[b]["recompute"] * av[b]["recompute"], f"transient_{n}_{i}_rc"
-        out = pulp.lpSum(o[t] * costs[t][0] + pulp.lpSum(st.act[b] * costs[t][1] * av[b][f"offload-{t}"] for b in st.blocks)
+        # one copy (alpha) per offloaded storage, at least one per tier used (offload.transfer_time's copies)
+        out = pulp.lpSum(o[t] * costs[t][0] + pulp.lpSum((st.act[b] * costs[t][1] + max(0, st.storages[b] - 1) * costs[t][0])
+                                                         * av[b][f"offload-{t}"] for b in st.blocks)
                          for t in ("cpu", "nvme"))
+        accounting = pulp.lpSum(offload_accounting(st.storages[b], cluster) * (av[b]["offload-cpu"] + av[b]["offload-nvme"])
+                                for b in st.blocks)
         pin = pulp.lpSum(st.state[k][3] * zs[k] for k in st.state)
         gout = pulp.lpSum(st.state[k][4] * zs[k] for k in st.state)
         bwd = st.bwd + pulp.lpSum(st.recompute_fwd[b] * av[b]["recompute"] for b in st.blocks)
         bcomm = st.bwd_comm + pulp.lpSum(st.recompute_comm[b] * av[b]["recompute"] for b in st.blocks)
         ef, eb = prob.add_variable(f"ef_{n}", lowBound=0), prob.add_variable(f"eb_{n}", lowBound=0)
-        prob += ef >= out + pin - st.fwd, f"expose_f_{n}"
-        prob += ef >= st.gather - st.fwd, f"expose_fz_{n}"
-        prob += eb >= out + pin + gout - bwd, f"expose_b_{n}"
-        prob += eb >= st.gather + st.scatter - bwd, f"expose_bz_{n}"
+        if overlaps_compute(cluster):  # GPUs: transfers and ZeRO collectives hide behind the pass's compute
+            prob += ef >= out + pin - st.fwd, f"expose_f_{n}"
+            prob += ef >= st.gather - st.fwd, f"expose_fz_{n}"
+            prob += eb >= out + pin + gout + accounting - bwd, f"expose_b_{n}"
+            prob += eb >= st.gather + st.scatter - bwd, f"expose_bz_{n}"
+        else:  # CPU ranks: they take the compute's core, one after another (pipeline._cost_chunk's CPU branch)
+            prob += ef >= out + pin + st.gather, f"expose_f_{n}"
+            prob += eb >= out + pin + gout + accounting + st.gather + st.scatter, f"expose_b_{n}"
         opt = pulp.lpSum(st.state[k][5] * zs[k] for k in st.state)
         terms[st.key] = m * (st.fwd + st.fwd_comm + ef + bwd + bcomm + eb) + opt
         def resident(tier: str):  # activation bytes per micro-batch in flight on `tier` (activation_residency)

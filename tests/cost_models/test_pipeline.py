@@ -329,3 +329,22 @@ def test_a_cycle_between_groups_is_reported():
     with pytest.raises(MmplanError, match="cycle|acyclic"):
         profile = make_profile([("a", 1, 1e9), ("b", 1, 1e9)], cross=(("a.0", "b.0"), ("b.0", "a.0")))
         simulate(make_plan(profile, [make_group("a", [["a.0"]]), make_group("b", [["b.0"]], first_rank=1)], P.Training(1, 1)), profile)
+
+def test_tier_copies_pay_the_link_alpha_each():
+    """The runtime moves a tier's bytes tensor by tensor: n copies of the same bytes cost (n - 1) alphas more, on the
+    host link and on NVMe (one file per storage there); parameters stream one copy per tensor, gradients per trained one."""
+    from cost_models.catalog import CATALOG
+    from cost_models.offload import offload_accounting, state_streaming, transfer_time
+
+    cluster = CATALOG["local-cpu"]
+    alpha = cluster.host_to_device.latency_s
+    one, many = transfer_time(1e6, "cpu", cluster), transfer_time(1e6, "cpu", cluster, copies=50)
+    assert many - one == pytest.approx(49 * alpha)
+    nvme_alpha = max(alpha, cluster.nvme.latency_s)
+    assert transfer_time(1e6, "nvme", cluster, copies=10) - transfer_time(1e6, "nvme", cluster) == pytest.approx(9 * nvme_alpha)
+    assert transfer_time(1e6, "gpu", cluster, copies=10) == 0.0
+    memory = P.Memory(params="cpu", grads="cpu", optimizer="cpu")
+    streamed = state_streaming(1e6, dp=1, zero=0, memory=memory, cluster=cluster, tensors=20, trained_tensors=5)
+    assert streamed.params_in == pytest.approx(transfer_time(1e6, "cpu", cluster, copies=20))
+    assert streamed.grads_out == pytest.approx(transfer_time(1e6, "cpu", cluster, copies=5))
+    assert offload_accounting(10, cluster) == pytest.approx(10 * (cluster.saved_tensor_s + cluster.released_tensor_s))
