@@ -4,7 +4,7 @@
 - Tensor parallelism (runtime/tensor_parallel.py): the block kinds it shards, the regions inside them (an attention or
   an MLP) with each linear's style, the sizes tp must divide in each region kind, the modules allowed to hold
   replicated parameters; sequence parallelism's block kinds. A block kind is its class name (`Block.kind`).
-- Tied parameters (runtime/stage.py, runtime/rank_tiers.py, runtime/tp_stage.py): where a parameter shared by blocks
+- Tied parameters (runtime/ties.py, runtime/stage.py, runtime/rank_tiers.py, runtime/tp_stage.py): where a parameter shared by blocks
   may sit.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ from runtime.schedule import Task, rank_tasks
 from runtime.source import call_factory, resolve
 from runtime.stage import RankModel, build_rank_model
 from runtime.stage_map import StageMap, build_stage_map
-from runtime.ties import TiedCopy, find_ties, tied_copies
+from runtime.ties import TiedCopy, check_copies, find_ties, tied_copies
 from runtime.tp_stage import parallelize_stage
 
 
@@ -93,6 +93,7 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
     tied = tied_copies(stage_map, ties, ctx.rank)
     stage_tp = apply_tensor_parallel(plan, stage_map, rm, tp_groups, ctx.rank)  # 5
     zero_blocks, zero_replicated = apply_zero_stages(plan, stage_map, rm, dp_groups, ctx)  # 6
+    check_copies(tied, rm.local)  # the copies of a tie alike after 5 and 6 (collective over each tie's group)
     mine = stage_map.stages_on(ctx.rank)  # 7
     tiers = RankTiers([(st.blocks, plan.group(st.group).stages[st.stage].memory) for st in mine], rm.local,
                       limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device, lr=job.lr, prefetch=job.prefetch)

@@ -95,6 +95,23 @@ def tied_copies(stage_map: Any, ties: Sequence[tuple[Holder, ...]], rank: int) -
     return mine
 
 
+def check_copies(copies: Sequence[TiedCopy], modules: Mapping[str, nn.Module]) -> None:
+    """Every copy of a tie has the same local shape as the others in its group (collective over each group): a copy
+    sharded otherwise than its counterparts (a vocabulary-parallel embedding whose tied head stays whole) is refused
+    in one line on every rank of the group, instead of an all-reduce of unequal tensors."""
+    from runtime.zero import local_view
+
+    for c in copies:
+        shape = tuple(local_view(modules[c.block].get_parameter(c.local)).shape)
+        mine = torch.tensor([len(shape), *shape, *[0] * (8 - len(shape))], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(c.group))]
+        dist.all_gather(every, mine, group=c.group)
+        if any(not torch.equal(x, every[0]) for x in every):
+            shapes = sorted({tuple(x[1:1 + int(x[0])].tolist()) for x in every})
+            raise MmplanError(f"the copies of {c.parameter} (tied across stages) have the shapes {shapes} on the ranks "
+                              "holding them; under tensor parallelism both tied blocks must be vocabulary-parallel (or tp 1)")
+
+
 def sync_tied_grads(copies: Sequence[TiedCopy], modules: Mapping[str, nn.Module]) -> None:
     """Sum each copy's gradient (this rank's shard of it under ZeRO) with the other copies' over its group."""
     from runtime.zero import local_grad

@@ -1,6 +1,6 @@
 """A parameter tied across pipeline stages (tiny-vlm-tied's llm.embed and llm.head on two stages; runtime/ties.py):
 a copy on each stage, the copies' gradients all-reduced between them, 20 steps of the single-process reference's
-losses at pp2 and pp2 x dp2 (ZeRO 0 and 1), and a checkpoint holding the tie once that resumes under either layout."""
+losses at pp2 and pp2 x dp2 (ZeRO 0 and 1), tp2 x pp2, and a checkpoint holding the tie once that resumes under either layout."""
 from __future__ import annotations
 
 import pytest
@@ -19,10 +19,10 @@ SECOND = ["llm.layers.1", "llm.norm", "llm.head"]
 STEPS = 20
 
 
-def tied_pp_plan(dp: int = 1, zero: int = 0):
-    ranks = list(range(2 * dp))
-    return make_plan(TIED, [{"name": "all", "dp": dp, "zero": zero,
-                             "stages": [(FIRST, ranks[:dp]), (SECOND, ranks[dp:])]}], micro_batches=4)
+def tied_pp_plan(dp: int = 1, zero: int = 0, tp: int = 1):
+    ranks, per = list(range(2 * dp * tp)), dp * tp
+    return make_plan(TIED, [{"name": "all", "dp": dp, "tp": tp, "zero": zero,
+                             "stages": [(FIRST, ranks[:per]), (SECOND, ranks[per:])]}], micro_batches=4)
 
 
 def _losses(results) -> list[float]:
@@ -35,10 +35,12 @@ def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
         assert abs(g - w) <= rtol * abs(w), (step, g, w)
 
 
-@pytest.mark.parametrize(("dp", "zero"), [(1, 0), (2, 0), (2, 1)], ids=["pp2", "pp2-dp2", "pp2-dp2-zero1"])
-def test_a_tie_across_stages_trains_as_the_single_process_reference(dp, zero):
+# pp2 and pp2 x dp2 over 20 steps; under ZeRO 6 steps (as tests/runtime/test_zero.py), the FSDP2 shards of the copies
+@pytest.mark.parametrize(("dp", "zero", "steps"), [(1, 0, STEPS), (2, 0, STEPS), (2, 1, 6), (2, 3, 6)],
+                         ids=["pp2", "pp2-dp2", "pp2-dp2-zero1", "pp2-dp2-zero3"])
+def test_a_tie_across_stages_trains_as_the_single_process_reference(dp, zero, steps):
     plan = tied_pp_plan(dp, zero)
-    job = Job(plan=plan, model=TIED, steps=STEPS, seed=0, probe_grads=True)
+    job = Job(plan=plan, model=TIED, steps=steps, seed=0, probe_grads=True)
     ref = reference_run(job)
     results = launch(train_rank, plan.world_size, job, timeout_s=300)
     _close(_losses(results), ref["losses"])
@@ -48,6 +50,14 @@ def test_a_tie_across_stages_trains_as_the_single_process_reference(dp, zero):
     for c in copies:  # each stage's copy holds the whole tie's gradient (the reference probes it under the owner's name)
         torch.testing.assert_close(c, owners[0], rtol=1e-6, atol=1e-9)
     check_parity(f"tied-across-stages-dp{dp}-zero{zero}", results, ref)
+
+
+def test_a_tie_across_stages_under_tensor_parallelism_meets_its_vocabulary_shards():
+    """tp2 x pp2: the embedding and the head are both vocabulary-parallel, so tp rank k of each stage holds the same
+    rows of the tie and their copies are summed position by position."""
+    plan = tied_pp_plan(tp=2)
+    job = Job(plan=plan, model=TIED, steps=8, seed=0)
+    _close(_losses(launch(train_rank, plan.world_size, job, timeout_s=300)), reference_run(job)["losses"])
 
 
 def test_a_checkpoint_of_a_tie_across_stages_holds_it_once_and_resumes_under_any_layout(tmp_path):
