@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from cost_models.hardware import peak_flops
 from cost_models.memory import TierBytes, block_input_bytes, stage_memory
-from cost_models.pipeline import Busy, Event, Simulation, StageCost, plan_stages, simulate
-from cost_models.ties import with_copies
+from cost_models.pipeline import Busy, Event, Simulation, StageCost, simulate
+from cost_models.ties import plan_stages, with_copies
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction
 from plans.graph import Profile

@@ -14,8 +14,8 @@ from cost_models.fsdp import chunk_passes
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
-from cost_models.tail import stage_tail, tie_sync_time
-from cost_models.ties import tie_syncs, with_copies
+from cost_models.tail import stage_tail
+from cost_models.ties import plan_stages, with_copies, with_tie_syncs
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Profile
@@ -277,36 +277,7 @@ def _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_
             updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
             tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
                                 + optimizer_extra_bytes * updated / cluster.device.memory_bandwidth)
-    return _with_tie_syncs(plan, graph, profile_ties, tails, cluster, grad_sync_bytes)
-
-
-def plan_stages(plan: Plan) -> list[tuple[str, ...]]:
-    """Every stage's blocks, group by group (the stages cost_models/ties.py reads)."""
-    return [st.blocks for g in plan.groups for st in g.stages]
-
-
-def _with_tie_syncs(plan, graph, profile, tails, cluster, grad_bytes) -> list:
-    """Each tail's gradient sync plus, for every parameter tied across its stage and others, the all-reduce of the
-    copies' gradients over the holders (tail.tie_sync_time; after the dp sync, as the runtime's reduce_gradients)."""
-    if profile is None or not profile.ties:
-        return tails
-    where = [(g, i) for g in plan.groups for i in range(len(g.stages))]
-    index = {(g.name, i): k for k, (g, i) in enumerate(where)}
-    blocks = {b.name: b for b in profile.blocks}
-    for sync in tie_syncs(profile, plan_stages(plan)):
-        ranks = [where[k][0].stages[where[k][1]].ranks[0] for k in sync.stages]
-        for s, cs in enumerate(graph.stages):
-            ch = graph.chunks[cs[0]]
-            k = index[(ch.group, ch.stage)]
-            if k not in sync.stages or blocks[sync.tie.blocks[0]].frozen:
-                continue
-            g = where[k][0]
-            held = next(b for b in sync.tie.blocks if b in g.stages[ch.stage].blocks)
-            elements = sync.tie.params / tp_shard(blocks[held], g.tp) / (g.dp if g.zero else 1)
-            t = tie_sync_time(elements, len(sync.stages), link_for(cluster, ranks), dtype=plan.training.dtype,
-                              grad_bytes=grad_bytes)
-            tails[s] = replace(tails[s], grad_sync=tails[s].grad_sync + t)
-    return tails
+    return with_tie_syncs(plan, graph, profile_ties, tails, cluster, grad_sync_bytes)
 
 
 def _tail_ops(ops: _Ops, graph, tails, stage_of, stage_classes) -> tuple[list[int], list[int], dict[tuple[int, int], int]]:

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
+from cost_models.comm import link_for
+from cost_models.compute import tp_shard
+from cost_models.tail import tie_sync_time
+from plans.cluster import Cluster
 from plans.graph import Block, Profile, Tie
+from plans.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +62,33 @@ def with_copies(profile: Profile, stages: Sequence[Iterable[str]]) -> dict[str, 
         blocks[name] = replace(b, params=b.params + t.params, param_bytes=b.param_bytes + t.param_bytes,
                                param_tensors=b.param_tensors + (0 if b.frozen else 1))
     return blocks
+
+
+def plan_stages(plan: Plan) -> list[tuple[str, ...]]:
+    """Every stage's blocks, group by group (the stages cost_models/ties.py reads)."""
+    return [st.blocks for g in plan.groups for st in g.stages]
+
+
+def with_tie_syncs(plan: Plan, graph: Any, profile: Profile | None, tails: list, cluster: Cluster,
+                   grad_bytes: int | None = None) -> list:
+    """Each tail's gradient sync plus, for every parameter tied across its stage and others, the all-reduce of the
+    copies' gradients over the holders (tail.tie_sync_time; after the dp sync, as the runtime's reduce_gradients)."""
+    if profile is None or not profile.ties:
+        return tails
+    where = [(g, i) for g in plan.groups for i in range(len(g.stages))]
+    index = {(g.name, i): k for k, (g, i) in enumerate(where)}
+    blocks = {b.name: b for b in profile.blocks}
+    for sync in tie_syncs(profile, plan_stages(plan)):
+        ranks = [where[k][0].stages[where[k][1]].ranks[0] for k in sync.stages]
+        for s, cs in enumerate(graph.stages):
+            ch = graph.chunks[cs[0]]
+            k = index[(ch.group, ch.stage)]
+            if k not in sync.stages or blocks[sync.tie.blocks[0]].frozen:
+                continue
+            g = where[k][0]
+            held = next(b for b in sync.tie.blocks if b in g.stages[ch.stage].blocks)
+            elements = sync.tie.params / tp_shard(blocks[held], g.tp) / (g.dp if g.zero else 1)
+            t = tie_sync_time(elements, len(sync.stages), link_for(cluster, ranks), dtype=plan.training.dtype,
+                              grad_bytes=grad_bytes)
+            tails[s] = replace(tails[s], grad_sync=tails[s].grad_sync + t)
+    return tails
