@@ -78,3 +78,14 @@ def test_a_checkpoint_of_a_tie_across_stages_holds_it_once_and_resumes_under_any
     for plan in (pp2, one_stage):
         resumed = launch(train_rank, 2, Job(plan=plan, model=TIED, steps=4, resume=str(ckpt)), timeout_s=300)
         _close(_losses(resumed), whole[2:])
+
+
+def test_a_tie_across_stages_whose_copies_sit_in_host_and_nvme_tiers(tmp_path):
+    """The copies live in their own stages' tiers (parameters on NVMe and gradients on the host on one, parameters on
+    the host and Adam state on NVMe on the other): still the reference's losses."""
+    from plans.plan import Memory
+
+    plan = make_plan(TIED, [{"name": "all", "stages": [(FIRST, [0], Memory(params="nvme", grads="cpu")),
+                                                       (SECOND, [1], Memory(params="cpu", optimizer="nvme"))]}])
+    job = Job(plan=plan, model=TIED, steps=4, seed=0, nvme_dir=str(tmp_path))
+    _close(_losses(launch(train_rank, 2, job, timeout_s=300)), reference_run(job)["losses"])
