@@ -8,6 +8,7 @@ from cost_models.hardware import peak_flops
 from cost_models.memory import GradBuffer, TierBytes, block_input_bytes, stage_memory
 from cost_models.workspace import GpuOverhead, Seen, gpu_overhead
 from cost_models.pipeline import Busy, Event, Simulation, StageCost, simulate
+from cost_models.ties import plan_stages, with_copies
 from plans.cluster import Cluster
 from plans.errors import ImpossiblePrediction
 from plans.graph import Profile
@@ -78,7 +79,7 @@ def evaluate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
                    cross_entropy_bytes=cross_entropy_bytes, selective=selective, attention=attention)
     inputs = block_input_bytes(profile)
 
-    blocks = {b.name: b for b in profile.blocks}
+    blocks = with_copies(profile, plan_stages(plan))  # a stage holding a tied copy counts it (cost_models/ties.py)
     per_stage: list[TierBytes] = []
     per_rank: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # rank -> bytes in gpu, cpu, nvme
     layouts: dict[int, set] = defaultdict(set)  # rank -> (group, tp, dp, pp) of the groups it runs

@@ -15,6 +15,7 @@ from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_b
 from cost_models.offload import exposed, offload_accounting, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
 from cost_models.tail import stage_tail
+from cost_models.ties import plan_stages, with_copies, with_tie_syncs
 from plans.cluster import Cluster
 from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Profile
@@ -182,7 +183,7 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster | None = None, *, gr
     # the DAG: task ops (joint over the classes hosting their stage), then each class's tail ops
     ops, stage_of, stage_classes, task_op = _task_ops(graph, sched, costs, lags)
     tails = _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_sync_bytes,
-                         overlapped_param_gather, optimizer_extra_bytes)
+                         overlapped_param_gather, optimizer_extra_bytes, profile)
     sync, gather, optimizer = _tail_ops(ops, graph, tails, stage_of, stage_classes)
     try:
         start, end = ops.run()
@@ -208,7 +209,7 @@ def _chunk_costs(plan, profile, cluster, graph, group_of, blocking_p2p, fused_gr
                  ) -> tuple[list, tuple, tuple]:
     """simulate's per-chunk costs and its routes' (lag, bytes sent); under `blocking_p2p` the sends become part of
     the tasks (see simulate's docstring) and the lags 0."""
-    blocks = {b.name: b for b in profile.blocks}
+    blocks = with_copies(profile, plan_stages(plan))  # a stage holding a tied copy counts it (cost_models/ties.py)
     for ch in graph.chunks:
         for b in ch.blocks:
             if b not in blocks:
@@ -260,7 +261,7 @@ def _task_ops(graph, sched, costs, lags) -> tuple[_Ops, dict, list, dict[tuple[T
 
 
 def _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_sync_bytes, overlapped_param_gather,
-                 optimizer_extra_bytes) -> list:
+                 optimizer_extra_bytes, profile_ties=None) -> list:
     """Each stage's tail (gradient sync, optimizer step, parameter all-gather; simulate's switches applied)."""
     tails = []
     for s, cs in enumerate(graph.stages):
@@ -277,7 +278,7 @@ def _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_
             updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
             tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
                                 + optimizer_extra_bytes * updated / cluster.device.memory_bandwidth)
-    return tails
+    return with_tie_syncs(plan, graph, profile_ties, tails, cluster, grad_sync_bytes)
 
 
 def _tail_ops(ops: _Ops, graph, tails, stage_of, stage_classes) -> tuple[list[int], list[int], dict[tuple[int, int], int]]:

@@ -97,3 +97,13 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors) \
         + zero_optimizer_time(tensors, zero, cluster)
     return StageTail(sync, opt, gather, sent)
+
+
+def tie_sync_time(params_per_rank: float, holders: int, link: Link, *, dtype: str = "bf16",
+                  grad_bytes: int | None = None) -> float:
+    """The all-reduce of a parameter tied across `holders` pipeline stages (cost_models/ties.py): each holder's
+    gradient of its copy (`params_per_rank` elements on one rank: its tp and, under ZeRO, its dp share) summed over
+    the stages holding it after their data-parallel sync, Megatron-LM's embedding-group all-reduce (Narayanan et al.
+    2021, section 3); a ring over `link` (comm.all_reduce_time)."""
+    width = DTYPE_BYTES[dtype] if grad_bytes is None else grad_bytes
+    return all_reduce_time(params_per_rank * width, holders, link)

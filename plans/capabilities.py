@@ -4,7 +4,7 @@
 - Tensor parallelism (runtime/tensor_parallel.py): the block kinds it shards, the regions inside them (an attention or
   an MLP) with each linear's style, the sizes tp must divide in each region kind, the modules allowed to hold
   replicated parameters; sequence parallelism's block kinds. A block kind is its class name (`Block.kind`).
-- Tied parameters (runtime/stage.py, runtime/rank_tiers.py, runtime/tp_stage.py): where a parameter shared by blocks
+- Tied parameters (runtime/ties.py, runtime/stage.py, runtime/rank_tiers.py, runtime/tp_stage.py): where a parameter shared by blocks
   may sit.
 """
 from __future__ import annotations
@@ -61,5 +61,22 @@ SEQUENCE_PARALLEL_KINDS: tuple[str, ...] = ("TransformerLayer",)
 # ----------------------------------------------------------------------------------------------- tied parameters
 # A parameter shared by several blocks (tied embeddings) belongs to the first block that holds it. Supported: all its
 # blocks on the same stage, whose memory tiers agree; under tensor parallelism, tied to a vocabulary-parallel weight
-# only when it shards with it. Refused: tied across stages (a local and a remote block).
-TIED_ACROSS_STAGES = False
+# only when it shards with it. Across the stages of one group (any dp, tp, ZeRO stage and tiers): a copy on each stage
+# holding a tied block, the copies' gradients all-reduced between those stages after the data-parallel sync
+# (runtime/ties.py, Megatron-LM's embedding group; priced by cost_models/ties.py). Refused: tied across groups (the
+# copies of a tie meet position by position, so their stages must share dp and tp -- and colocated groups would put
+# two of them on one rank); the solver never cuts a tie between groups (planner/solver/structure.profile_units).
+TIED_ACROSS_STAGES = True
+TIED_ACROSS_GROUPS = False
+
+
+def tied_across_stages_refusal(blocks: tuple[str, ...] | list[str], holders: list[tuple[str, int, int]]) -> str:
+    """Why the runtime cannot hold a parameter tied between `blocks` whose stages are `holders` ((group, dp, tp) of
+    each stage holding some of them), or "" when it can."""
+    groups = list(dict.fromkeys(g for g, _, _ in holders))
+    if len(holders) > 1 and not TIED_ACROSS_STAGES:
+        return f"blocks {', '.join(blocks)} share a parameter but are on different stages; tied weights across stages are not supported"
+    if len(groups) > 1 and not TIED_ACROSS_GROUPS:
+        return (f"blocks {', '.join(blocks)} share a parameter but are in groups {', '.join(groups)}; the runtime keeps the "
+                "copies of a tied parameter on the stages of one group: put those blocks in one group")
+    return ""

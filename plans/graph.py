@@ -137,6 +137,18 @@ class ModelShape:
 
 
 @dataclass(frozen=True, slots=True)
+class Tie:
+    """One parameter held by several blocks (a token embedding tied to the LM head): its name in its owner, the blocks
+    holding it (the owner, the first in execution order, first: the owner's `params` count it, the others' do not),
+    its elements and bytes. A stage holding some of `blocks` but not the owner holds a copy (cost_models/ties.py)."""
+
+    parameter: str  # "owner block.local name", the name checkpoints and the reference run give it
+    blocks: tuple[str, ...]
+    params: int
+    param_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class ProfileOptions:
     """How a profile was made: what `mmplan profile` was given beyond the model, dtype and micro-batch."""
 
@@ -170,6 +182,8 @@ class Profile:
     # which kernels the layers' saved activations are counted for: "eager" as the saved-tensor hooks measured them;
     # "fused" (TransformerEngine / flash attention) by cost_models/fused.py's per-op count (written only when fused)
     kernels: str = field(default="eager", metadata={OMIT_DEFAULT: True})
+    # parameters held by several blocks (Tie); empty when none, or in profiles made before ties were recorded
+    ties: tuple[Tie, ...] = field(default=(), metadata={OMIT_DEFAULT: True})
 
     def shape(self, group: str) -> ModelShape | None:
         return next((s for s in self.shapes if s.group == group), None)
@@ -247,6 +261,11 @@ def check(profile: Profile, what: str = "profile") -> Profile:
     for b in profile.loss:
         if b not in seen:
             raise FormatError(f"{what}: the loss reads unknown block {b!r}")
+    for t in profile.ties:
+        unknown = [b for b in t.blocks if b not in seen]
+        if unknown or len(t.blocks) < 2:
+            raise FormatError(f"{what}: tied parameter {t.parameter!r} names " + (f"unknown block {unknown[0]!r}" if unknown
+                              else "one block; a tie has two or more"))
     _check_acyclic([(e.src, e.dst) for e in profile.edges], what)
     expected = profile_fingerprint(profile)
     if profile.fingerprint != expected:

@@ -38,6 +38,7 @@ from runtime.source import model_loss
 
 LOSS = "(loss)"  # the node name of the forward's loss
 PARAM = "param:"  # provenance of a parameter outside every block
+BATCH = "batch:"  # provenance of a batch input (what tells a block's output batch-dependent from a fixed one)
 
 
 class _Stop(Exception):
@@ -84,8 +85,8 @@ class ForwardProgram:
         self.vocab_heads = heads & loss
         self.vocab_loss: dict[str, Any] = {}  # head -> (its vocabulary-parallel cross-entropy, full vocab, tp)
         self.blocks: dict[str, str] = {b: b for b in order}  # block name -> its node (the name itself)
-        self._reads = {b: {s for s in r if not s.startswith(PARAM)} for b, r in reads.items()}
-        self._loss = {s for s in loss if not s.startswith(PARAM)}
+        self._reads = {b: {s for s in r if not s.startswith((PARAM, BATCH))} for b, r in reads.items()}
+        self._loss = {s for s in loss if not s.startswith((PARAM, BATCH))}
         # parameters outside every block (CLIP's logit_scale): consumers from the data flow, owner block
         consumers: dict[str, set[str]] = defaultdict(set)
         for node, srcs in [*reads.items(), (LOSS, loss)]:
@@ -96,8 +97,14 @@ class ForwardProgram:
         self.free_owner = {p: self._owner(c) for p, c in consumers.items()}
         self.output = LOSS
         n = batch_samples(batch)  # a leaf of k·n rows is packed, k rows per sample (runtime/samples.py)
+        batched: set[str] = set()  # blocks whose output depends on the batch: they read it, or a block that does
+        for b in order:
+            if any(s.startswith(BATCH) or s in batched for s in reads[b]):
+                batched.add(b)
         self.specs = {b: OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves),
-                                    tuple(_rows(b, s[0], n) for s, _ in leaves)) for b, (tree, leaves) in specs.items()}
+                                    tuple(_rows(b, s[0], n) if b in batched else s[0] for s, _ in leaves),
+                                    fixed=b not in batched)
+                      for b, (tree, leaves) in specs.items()}
 
     def _owner(self, consumers: set[str]) -> str:
         """The block a free parameter joins: its consumer latest in execution order (the loss: the block the
@@ -162,6 +169,7 @@ class ForwardProgram:
 
     def zeros(self, name: str, samples: int, device: torch.device) -> Any:
         spec = self.specs[name]
+        samples = 1 if spec.fixed else samples  # a batch-independent output keeps its whole shape
         leaves = [torch.zeros((samples * spec.rows_of(i), *shape), dtype=dtype, device=device)
                   for i, (shape, dtype) in enumerate(spec.leaves)]
         return tree_unflatten(leaves, spec.tree)
@@ -261,6 +269,10 @@ def _record(model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module
     flow, heads = _Flow(prov, alive, inside), HeadPaths()
     try:
         fb = fake_batch(batch, mode)
+        for k, v in fb.items():  # batch inputs: their readers' outputs depend on the batch (ForwardProgram.specs)
+            if isinstance(v, torch.Tensor):
+                prov[id(v)] = prov.get(id(v), frozenset()) | {BATCH + k}
+                alive.append(v)
         for name, m in blocks.items():
             def pre(module, args, kwargs, name=name):
                 if not inside:

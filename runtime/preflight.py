@@ -86,6 +86,23 @@ def check_runs(checked: CheckedModel, plan_path: Path) -> None:
     check_precision(checked.plan, plan_path)
     check_rank_numbering(checked.plan, plan_path)
     check_tensor_parallel(checked.plan, checked.model, checked.example, plan_path)
+    check_ties(checked.plan, checked.model, plan_path)
+
+
+def check_ties(plan: Plan, model: nn.Module, plan_path: Path) -> None:
+    """A parameter tied between blocks on different stages must sit where the runtime keeps its copies
+    (plans/capabilities.tied_across_stages_refusal: the stages of one group; runtime/ties.py)."""
+    from plans.capabilities import tied_across_stages_refusal
+    from runtime.blocks import block_modules
+    from runtime.ties import find_ties
+
+    order = [b.name for b in plan.flow.blocks] if plan.flow is not None else []
+    for tie in find_ties(block_modules(model), order):
+        names = [b for b, _ in tie]
+        holders = [(g.name, g.dp, g.tp) for g in plan.groups for st in g.stages if set(names).intersection(st.blocks)]
+        why = tied_across_stages_refusal(names, holders)
+        if why:
+            raise MmplanError(f"plan {plan_path}: {why}")
 
 
 def check_precision(plan: Plan, plan_path: Path) -> None:

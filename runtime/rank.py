@@ -25,6 +25,7 @@ from runtime.schedule import Task, rank_tasks
 from runtime.source import call_factory, resolve
 from runtime.stage import RankModel, build_rank_model
 from runtime.stage_map import StageMap, build_stage_map
+from runtime.ties import TiedCopy, check_copies, find_ties, tied_copies
 from runtime.tp_stage import parallelize_stage
 
 
@@ -48,6 +49,12 @@ class Rank:
     last_backward: dict[str, int]  # chunk key -> index of its last backward task (ZeRO syncs, buckets armed there)
     tiers: RankTiers
     buckets: dict[str, GradBuckets]  # chunk key -> its bucketed dp all-reduce
+    tied: list[TiedCopy]  # this rank's copies of parameters tied across stages (runtime/ties.py)
+
+    def tie_names(self) -> dict[str, str]:
+        """'block.local name' of each copy this rank holds of a tie owned by a block of another stage -> the tie's
+        name (its owner's, under which checkpoints keep its optimizer state)."""
+        return {f"{c.block}.{c.local}": c.parameter for c in self.tied if c.block != c.owner}
 
     def stage(self, key: str):
         """The first chunk of the stage "group/index" (what its chunks share: group, stage, dp, tp, ranks)."""
@@ -61,7 +68,8 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
        every rank and in the reference run: `build_model`);
     2. program — the forward traced once (fx, or the model's own forward); the plan's stage map checked against it;
     3. this rank's blocks (the others dropped to the meta device), its tasks in the plan's schedule, its route ends;
-    4. process groups — every stage's dp and tp groups; collective: every rank creates every group, in one order;
+    4. process groups — every stage's dp and tp groups, then the groups of the copies of each parameter tied across
+       stages (runtime/ties.py); collective: every rank creates every group, in one order;
     5. tensor parallelism (vocabulary, sequence parallelism) — it replaces the sharded parameters, so it comes
        before anything holds references to them;
     6. ZeRO (FSDP2) — it shards the tp-local tensors, so after 5, and before the tiers, whose optimizer runs on
@@ -76,13 +84,16 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
     program = trace_program(model, example)  # 2
     stage_map = build_stage_map(plan, program)
     local = {b for st in stage_map.stages_on(ctx.rank) for b in st.blocks}  # 3
+    ties = find_ties(block_modules(model), [b.name for b in plan.flow.blocks] if plan.flow is not None else [])
     rm = build_rank_model(model, example, local, ctx.device, program)
     tasks = rank_tasks(stage_map, plan.training.schedule, ctx.rank)
     exchange = Exchange(stage_map, ctx.rank, rm.specs, ctx.device)
     dp_groups, tp_groups = process_groups(plan, stage_map, ctx.rank)  # 4
     exchange.tp_groups = tp_groups
+    tied = tied_copies(stage_map, ties, ctx.rank)
     stage_tp = apply_tensor_parallel(plan, stage_map, rm, tp_groups, ctx.rank)  # 5
     zero_blocks, zero_replicated = apply_zero_stages(plan, stage_map, rm, dp_groups, ctx)  # 6
+    check_copies(tied, rm.local)  # the copies of a tie alike after 5 and 6 (collective over each tie's group)
     mine = stage_map.stages_on(ctx.rank)  # 7
     tiers = RankTiers([(st.blocks, plan.group(st.group).stages[st.stage].memory) for st in mine], rm.local,
                       limit=job.device_budget, nvme_dir=job.nvme_dir, device=ctx.device, lr=job.lr, prefetch=job.prefetch)
@@ -90,7 +101,7 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
     return Rank(stage_map, rm, dataset, {key: _stage_inputs(rm, st.blocks, key == stage_map.loss_stage)
                                          for key, st in stage_map.stages.items()},
                 tasks, exchange, {id(r): i for i, r in enumerate(stage_map.routes)}, dp_groups, tp_groups, stage_tp,
-                zero_blocks, zero_replicated, {t.stage: i for i, t in enumerate(tasks) if t.kind != "F"}, tiers, buckets)
+                zero_blocks, zero_replicated, {t.stage: i for i, t in enumerate(tasks) if t.kind != "F"}, tiers, buckets, tied)
 
 
 def build_model(job: Job, micro_batch: int = 1) -> tuple[nn.Module, dict[str, Any]]:

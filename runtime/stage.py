@@ -9,11 +9,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from plans.capabilities import TIED_ACROSS_STAGES
 from runtime.blocks import block_modules
 from runtime.output_spec import OutputSpec
 from runtime.program import Program, trace_program
 from runtime.samples import rows_per_sample
+from runtime.ties import untie_remote
 
 
 @dataclass
@@ -63,9 +63,7 @@ def build_rank_model(model: nn.Module, example: dict[str, Any], local_blocks: se
     specs = program.specs if own_forward else output_specs(model, example)
     blocks = block_modules(model)
     aliases = adopt_free_parameters(model, blocks, getattr(program, "free_owner", {}))
-    shared = _shared_across(blocks, local_blocks)
-    if shared and not TIED_ACROSS_STAGES:
-        raise ValueError(f"parameter shared between a local and a remote block ({shared}); tied weights across stages are not supported")
+    untie_remote(blocks, local_blocks)  # a parameter tied across stages: each stage keeps its copy (runtime/ties.py)
     for name, m in blocks.items():
         if name in local_blocks:
             m.to(device)
@@ -105,13 +103,3 @@ def _hollow(module: nn.Module, device: torch.device) -> None:
                     if t is not None:
                         empty = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
                         store[name] = nn.Parameter(empty, requires_grad=False) if isinstance(t, nn.Parameter) else empty
-
-
-def _shared_across(blocks: dict[str, nn.Module], local: set[str]) -> str:
-    owner: dict[int, str] = {}
-    for name, m in blocks.items():
-        for p in m.parameters():
-            other = owner.setdefault(id(p), name)
-            if other != name and (other in local) != (name in local):
-                return f"{other} and {name}"
-    return ""

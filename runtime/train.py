@@ -147,6 +147,7 @@ class RankTrainer:
         c0 = time.perf_counter()
         self.reduce_gradients(events, t0)
         self.sync_sequence_parallel()  # after: a bucket's write-back would overwrite it (sums commute)
+        self.sync_ties(events, t0)  # after each stage's dp sync: the copies of a tie summed (runtime/ties.py)
         comm = self.exchange.wait_s + time.perf_counter() - c0
         if step == 0 and self.job.probe_grads:
             results["grads"] = self.full_tensors(lambda p: p.grad)
@@ -331,6 +332,7 @@ class RankTrainer:
 
         optimizer = self.tiers.state_by_name()
         sharded = self.tiers.sharded  # ZeRO: parameters gathered, optimizer state gathered from the local shards
+        copies = self.rank.tie_names()  # a tie's copy: its state is the owner's (saved by the owner's stage)
         blocks, states = {}, {}
         for st in self.stage_map.stages_on(self.ctx.rank):
             shards = self._shards(st)
@@ -338,7 +340,7 @@ class RankTrainer:
             for b in st.blocks:
                 params = {n: self._unshard(st, shards, n, full(t)) for n, t in self.tiers.block_params(b, self.rm.local[b]).items()}
                 opt = {n: {k: self._unshard(st, shards, n, full_from_local(t, sharded[n]) if n in sharded else t)
-                           for k, t in optimizer.get(n, {}).items()} for n in params}
+                           for k, t in optimizer.get(n, {}).items()} if n not in copies else {} for n in params}
                 if writes:
                     blocks[b] = params
                     states.update(opt)
@@ -373,10 +375,14 @@ class RankTrainer:
         for block in manifest.files:
             verified_file(manifest, block)
         state: dict[str, dict[str, torch.Tensor]] = {}
+        copies = [c for c in self.rank.tied if c.block != c.owner]
         for st in self.stage_map.stages_on(self.ctx.rank):
             shards = self._shards(st)
             for b in st.blocks:
                 params, opt = load_block(manifest, b)
+                for c in copies:  # a tie's copy starts from its owner's state (runtime/ties.py)
+                    if c.block == b:
+                        opt[f"{b}.{c.local}"] = load_block(manifest, c.owner)[1].get(c.parameter, {})
                 self.tiers.load_block_params(b, self.rm.local[b], {n: self._reshard(shards, n, t) for n, t in params.items()})
                 state.update({n: {k: local_of(self._reshard(shards, n, t), self.tiers.sharded[n]) if n in self.tiers.sharded
                                   else self._reshard(shards, n, t) for k, t in s.items()} for n, s in opt.items()})
@@ -390,6 +396,15 @@ class RankTrainer:
 
         for key, done in self.stage_tp.items():
             sync_sequence_parallel_grads(done.partial_params, self.tp_groups[key])
+
+    def sync_ties(self, events: list, t0: float) -> None:
+        """All-reduce the gradients of this rank's copies of parameters tied across stages over their holders."""
+        if self.rank.tied:
+            from runtime.ties import sync_tied_grads
+
+            c0 = time.perf_counter()
+            sync_tied_grads(self.rank.tied, self.rm.local)
+            events.append(("comm", "sync tied", c0 - t0, time.perf_counter() - t0))
 
     def reduce_gradients(self, events: list, t0: float) -> None:
         """Sum each stage's gradients over its data-parallel replicas (one flat all-reduce per stage, in stage

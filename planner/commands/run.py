@@ -70,7 +70,15 @@ def prepare_run(plan_path: Path, model: str | None = None, profile: Profile | No
                 predict: bool = True) -> PreparedRun:
     """Load the plan (its flow taken from `profile` when given), check it against its model, find the cluster it
     runs on and evaluate it there once with `profile`. Without `profile`, a plan solved for another kind of cluster
-    is predicted with the model's profile on the meta device (FLOPs, bytes: no measured times) when `predict`."""
+    is predicted with the model's profile on the meta device (FLOPs, bytes: no measured times) when `predict`.
+    It owns nothing yet: a signal ends it at once (runtime/signals.exit_at_once)."""
+    from runtime.signals import exit_at_once
+
+    with exit_at_once():
+        return _prepare_run(plan_path, model, profile, predict)
+
+
+def _prepare_run(plan_path: Path, model: str | None, profile: Profile | None, predict: bool) -> PreparedRun:
     plan = load_plan(plan_path)
     if profile is not None:
         plan = check_plan(plan, profile, f"plan {plan_path}")
@@ -124,10 +132,13 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
     check_files(log=log, resume=resume, checkpoint_dir=checkpoint_dir, overwrite=overwrite)
     prepared = prepared or prepare_run(plan_path, model, profile, predict=False)
     plan = prepared.plan
-    check_zero(plan, plan_path)
-    if launched is None:
-        memory = prepared.evaluation.memory if prepared.evaluation is not None else (plan.predicted.memory if plan.predicted else ())
-        check_host_memory(prepared.checked, plan_path, sum(m.gpu + m.cpu for m in memory))
+    from runtime.signals import exit_at_once
+
+    with exit_at_once():  # the pre-check owns nothing yet
+        check_zero(plan, plan_path)
+        if launched is None:
+            memory = prepared.evaluation.memory if prepared.evaluation is not None else (plan.predicted.memory if plan.predicted else ())
+            check_host_memory(prepared.checked, plan_path, sum(m.gpu + m.cpu for m in memory))
     job = Job(plan=plan, model=prepared.checked.spec, steps=steps, seed=seed, lr=lr,
               data=None if data in (None, "builtin") else data, log=str(log) if log else None,
               device_budget=device_budget, prefetch=prefetch, checkpoint_every=checkpoint_every,

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from runtime.program import is_frozen, module_structure
 from runtime.tensor_parallel import supports_tp, tp_divisor
 from plans.errors import MmplanError
-from plans.graph import Block, Edge, InputEdge, Profile, profile_fingerprint
+from plans.graph import Block, Edge, InputEdge, Profile, Tie, profile_fingerprint
 from planner.profiler.blocks import default_group
 from planner.profiler.records import BlockRecord, TensorSpec, Trace
 
@@ -136,9 +136,23 @@ def assemble(name, dtype, mb, records, trace, overrides, timings, measured_on, o
     profile = Profile(
         model=name, fingerprint="", dtype=dtype, micro_batch=mb,
         blocks=tuple(blocks), edges=edges, inputs=inputs, measured_on=measured_on,
-        attention=", ".join(attention) or "none", loss=trace.loss, options=options,
+        attention=", ".join(attention) or "none", loss=trace.loss, options=options, ties=ties_of(records),
     )
     return replace(profile, fingerprint=profile_fingerprint(profile))
+
+
+def ties_of(records: list[BlockRecord]) -> tuple[Tie, ...]:
+    """The parameters several blocks hold (tied embeddings), each under its first block in execution order (the one
+    whose `params` count it, as the loop above counts)."""
+    holders: dict[int, list[tuple[str, str, nn.Parameter]]] = {}
+    for rec in records:
+        for local, p in rec.module.named_parameters():
+            found = holders.setdefault(id(p), [])
+            if all(b != rec.name for b, _, _ in found):
+                found.append((rec.name, local, p))
+    return tuple(Tie(f"{held[0][0]}.{held[0][1]}", tuple(b for b, _, _ in held), held[0][2].numel(),
+                     held[0][2].numel() * held[0][2].element_size())
+                 for held in holders.values() if len(held) > 1)
 
 
 def token_vocab(records: list[BlockRecord]) -> int | None:

@@ -73,6 +73,25 @@ def _range_max(values: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return out
 
 
+def _tie_copies(unit: Unit, tp: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """C[a, b]: elements on one tp rank of the tied copies a stage of blocks [pos[a], pos[b]) holds (a tie's other block
+    but not its owner: cost_models/ties.with_copies), and T[a, b] their trained tensors. The tie's gradient all-reduce
+    between the holders is left to the full simulation (it needs the other holder's ranks): a lower bound here."""
+    k = len(pos)
+    copies, tensors = np.zeros((k, k)), np.zeros((k, k))
+    for owner, others, params in unit.ties:
+        def holds(i: int) -> np.ndarray:
+            return (pos[:, None] <= i) & (i < pos[None, :])
+        other = np.zeros((k, k), dtype=bool)
+        for i in others:
+            other |= holds(i)
+        held = other & ~holds(owner)
+        first = unit.blocks[others[0]]
+        copies += np.where(held, params / tp_shard(first, tp), 0.0)
+        tensors += np.where(held & (not first.frozen), 1.0, 0.0)
+    return copies, tensors
+
+
 class BlockTimes:
     """Per-block op times of a unit at (tp, samples), cached for one search (block_time is the costly call)."""
 
@@ -109,6 +128,7 @@ class BlockTimes:
             trained = params * np.array([not b.frozen for b in blocks], dtype=float)  # frozen: no grads / optimizer / sync
             pos = cut_positions(len(blocks))
             k = len(pos)
+            copies, copy_tensors = _tie_copies(unit, tp, pos)
 
             def span(values: np.ndarray) -> np.ndarray:
                 return _span(values, pos)
@@ -120,10 +140,11 @@ class BlockTimes:
                 fwd=span(np.array([o.fwd for o in ops])), fwd_comm=span(np.array([o.fwd_comm for o in ops])),
                 bwd=span(np.array([o.bwd for o in ops])), bwd_comm=span(np.array([o.bwd_comm for o in ops])),
                 core=span(core_time), act_sel=span(act_sel), core_max=largest(core_bytes),
-                params=span(params), trained=span(trained), largest=largest(params), act=span(act), act_max=largest(act),
+                params=span(params) + copies, trained=span(trained) + copies * (copy_tensors > 0), largest=largest(params),
+                act=span(act), act_max=largest(act),
                 # trained parameter tensors (the optimizer's per-tensor cost) and blocks with parameters (ZeRO's
                 # fully_shard units): cost_models/overhead.py's measured terms, as the simulator applies them
-                tensors=span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)),
+                tensors=span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)) + copy_tensors,
                 sharded=span(np.array([1.0 if b.params else 0.0 for b in blocks])),
                 # per block (not per segment): cost_models/fsdp.py's ZeRO timing per block
                 block_fwd=np.array([o.fwd for o in ops]), block_bwd=np.array([o.bwd for o in ops]), block_core=core_time,

@@ -80,6 +80,9 @@ class Unit:
     input_bytes: tuple[float, ...] = ()  # per block: bytes per sample of its inputs (its recompute checkpoint)
     cross_bytes: tuple[float, ...] = ()  # per cut j = 1..L-1 (index j): per-sample bytes of the largest route a cut before block j needs
     reads: tuple[tuple[int, ...], ...] = ()  # per block: the earlier blocks of the unit whose outputs it reads
+    # parameters tied between the unit's blocks (plans/graph.Tie): (owner index, the other blocks' indices, elements); a
+    # stage holding another but not the owner holds a copy (cost_models/ties.py; segments.py counts it)
+    ties: tuple[tuple[int, tuple[int, ...], int], ...] = ()
 
     @property
     def supports_tp(self) -> bool:

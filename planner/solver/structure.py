@@ -52,6 +52,8 @@ def profile_units(profile: Profile, structure: Structure) -> tuple[Unit, ...] | 
     if any(p != list(range(p[0], p[-1] + 1)) for p in parts):
         return None
     unit_of = {i: u for u, p in enumerate(parts) for i in p}
+    if any(len({unit_of[index[b]] for b in t.blocks if b in index}) > 1 for t in profile.ties):
+        return None  # a parameter tied across units: the runtime holds a tie within one group (plans/capabilities.py)
     sink = unit_of[len(blocks) - 1]
     cross = [(unit_of[index[e.src]], unit_of[index[e.dst]], e) for e in profile.edges if unit_of[index[e.src]] != unit_of[index[e.dst]]]
     if len(parts) < 2 or any(d != sink or s == sink for s, d, _ in cross):
@@ -103,5 +105,7 @@ def _unit(name: str, indices: list[int], profile: Profile, index: dict[str, int]
         if 0 <= a < b < n:
             cross[b] = max(cross[b], blocks[a].output_bytes)
             reads[b].add(a)
+    ties = tuple((index[t.blocks[0]] - first, tuple(index[b] - first for b in t.blocks[1:]), t.params)
+                 for t in profile.ties if all(0 <= index.get(b, -1) - first < n for b in t.blocks))
     return Unit(name, blocks, feeds, out_bytes, tuple(inputs[b.name] for b in blocks), tuple(cross),
-                tuple(tuple(sorted(r)) for r in reads))
+                tuple(tuple(sorted(r)) for r in reads), ties)

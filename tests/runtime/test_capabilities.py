@@ -91,8 +91,26 @@ class _Tied(nn.Module):
         return self.blocks[1](self.blocks[0](x)).sum()
 
 
-def test_tied_parameters_across_stages_are_refused_as_listed():
-    assert capabilities.TIED_ACROSS_STAGES is False
-    with pytest.raises(ValueError, match="tied weights across stages are not supported"):
-        build_rank_model(_Tied(), {"x": torch.ones(2, 4)}, {"blocks.0"}, torch.device("cpu"))
+def test_tied_parameters_across_stages_are_held_as_listed():
+    """Across stages: each stage keeps its own whole copy (runtime/ties.py sums their gradients); across groups: refused
+    before launch, in the capabilities' words."""
+    from runtime.preflight import check_ties
+
+    assert capabilities.TIED_ACROSS_STAGES is True and capabilities.TIED_ACROSS_GROUPS is False
+    model = _Tied()
+    weight = model.blocks[0].weight.detach().clone()
+    rm = build_rank_model(model, {"x": torch.ones(2, 4)}, {"blocks.0"}, torch.device("cpu"))
+    assert torch.equal(rm.local["blocks.0"].weight, weight)
+    assert model.blocks[1].weight.device.type == "meta" and model.blocks[1].weight is not rm.local["blocks.0"].weight
     build_rank_model(_Tied(), {"x": torch.ones(2, 4)}, {"blocks.0", "blocks.1"}, torch.device("cpu"))
+    from runtime.source import call_factory, resolve
+    from tests.runtime.plan_builder import make_plan
+
+    one_group = make_plan("tiny-vlm-tied", [{"name": "all", "stages": [(["vision", "vision_proj", "llm.embed"], [0]),
+                                                                      (["llm"], [1])]}])
+    two_groups = make_plan("tiny-vlm-tied", [{"name": "enc", "stages": [(["vision", "vision_proj", "llm.embed"], [0])]},
+                                             {"name": "dec", "stages": [(["llm"], [1])]}])
+    module, _ = call_factory(resolve("tiny-vlm-tied"), 1)
+    check_ties(one_group, module, Path("plan.json"))
+    with pytest.raises(MmplanError, match="share a parameter but are in groups enc, dec"):
+        check_ties(two_groups, module, Path("plan.json"))
