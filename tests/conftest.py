@@ -1,0 +1,43 @@
+"""Tests kept out of the default run for time only: each repeats, at several times the cost, what a cheaper test of
+the default run already checks (the cheaper one named beside it). They are marked `slow` here, in one list, so the
+default suite stays near ten minutes on 2 cores. They are also marked `ci_slow`: CI runs them after the default
+run (`python -m pytest -m ci_slow`, .ci/run); `python -m pytest -m slow` runs every slow test."""
+from __future__ import annotations
+
+import pytest
+
+# node id (without the "tests/" prefix) -> the default-run test that covers the same behaviour more cheaply.
+# Durations are from a full default run on this 2-core machine at load 12-15 (2026-12-03).
+CI_SLOW = {
+    # 340 s: every README Guide command; the Quickstart's `mmplan demo` stays in the default run
+    "test_readme.py::test_every_guide_command_runs_in_order": "test_readme.py::test_quickstart_main_command_verbatim",
+    # 72 s each: three groups on four ranks; clip-disjoint-towers and flamingo-xattn-2-stages cover non-colocated
+    # towers, tests/runtime/test_mechanisms_parity.py colocated groups
+    "runtime/test_parity.py::test_plan_matches_single_process_reference[avlm-non-colocated]":
+        "runtime/test_parity.py::test_plan_matches_single_process_reference[clip-disjoint-towers]",
+    "runtime/test_parity.py::test_plan_matches_single_process_reference[avlm-colocated]":
+        "runtime/test_mechanisms_parity.py (colocated-fills-bubbles)",
+    # 72 s / 34 s: parameters and gradients on NVMe; the other case covers the optimizer and activation tiers, and
+    # tests/runtime/test_memory_tiers.py every tier's bytes
+    "runtime/test_tiers.py::test_tier_options_keep_loss_parity[params-nvme+grads-cpu+offload-nvme | params-cpu+grads-nvme+optimizer-nvme]":
+        "runtime/test_tiers.py::test_tier_options_keep_loss_parity[optimizer-cpu+offload-cpu | optimizer-nvme+recompute]",
+    "runtime/test_tiers.py::test_a_bf16_plans_tiers_hold_its_fp32_masters_and_keep_parity[params-nvme+grads-cpu+offload-nvme | params-cpu+grads-nvme+optimizer-nvme]":
+        "runtime/test_tiers.py::test_a_bf16_plans_tiers_hold_its_fp32_masters_and_keep_parity[optimizer-cpu+offload-cpu | optimizer-nvme+recompute]",
+    # 57 s: ZeRO-3 kept gathered with a pipeline; the dp2 case runs the same option
+    "runtime/test_zero.py::test_zero3_without_reshard_after_forward_matches_reference[pp2-dp2-zero3-kept]":
+        "runtime/test_zero.py::test_zero3_without_reshard_after_forward_matches_reference[dp2-zero3-kept]",
+    # 46 s: a dp2 checkpoint resumed under pp2; tests/runtime/test_dcp_checkpoint.py resumes across plans (dp2 -> pp2
+    # among them) in the default format
+    "runtime/test_resume.py::test_a_dp2_checkpoint_resumes_under_a_pp2_plan_with_parity":
+        "runtime/test_dcp_checkpoint.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the CI_SLOW tests slow before `-m 'not slow'` deselects."""
+    for item in items:
+        nodeid = item.nodeid.removeprefix("tests/")
+        if nodeid in CI_SLOW:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.ci_slow)
