@@ -109,28 +109,8 @@ def megatron_args(path: Path, hidden: int = 4096, heads: int = 32) -> list[str]:
                    "--max-position-embeddings", "2048"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_megatron_lm_validates_every_kind_and_runs_its_zero_sp_and_recompute(kind, kinds, megatron_lm, tmp_path, monkeypatch):
-    plan = kinds[kind]
-    path, dropped = write(tmp_path, plan, "megatron", kind)
-    text = path.read_text()
-    launch_env(path, monkeypatch)
-    mimo = "--encoder-tp" in text
-    world = plan.cluster.world_size
-    extra = megatron_lm.mimo.add_hetero_grid_args if mimo else None
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr("sys.argv", ["pretrain", *megatron_args(path, *((8192, 64) if mimo else (4096, 32)))])
-    args = megatron_lm.arguments.parse_args(extra)
-    if mimo:
-        assert "Megatron-LM main at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553" in text  # W8: the code it needs
-        assert "d98e8a64ddf34856e74b24714e3bedb2f5a39553" in (FIXTURES / "README.md").read_text()
-        _, llm_n = megatron_lm.mimo.validate_hetero_grid_args(args, world)
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size = args.llm_tp, args.llm_pp, llm_n
-        megatron_lm.arguments.validate_args(args, {"dataloader_type": "external"})
-    else:
-        assert "Megatron-LM core_v0.16.1" in text and "pretrain_vlm.py" in text
-        megatron_lm.arguments.validate_args(args)
+def check_megatron_semantics(kind, plan, args, dropped, megatron_lm, mimo: bool) -> None:
+    """The ZeRO stage, sequence parallelism, recomputation and optimizer offload Megatron-LM runs are the plan's."""
     dp, tp, pp, zero = layout(plan)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     ran_zero = (2 if args.data_parallel_sharding_strategy == "optim_grads" else 3) if args.use_megatron_fsdp else int(args.use_distributed_optimizer)
@@ -141,11 +121,64 @@ def test_megatron_lm_validates_every_kind_and_runs_its_zero_sp_and_recompute(kin
         assert any("sequence parallelism" in d for d in dropped)
     assert config.recompute_granularity == {"sp-selective": "selective", "full-recompute": "full"}.get(kind)
     assert bool(args.optimizer_cpu_offload) == (kind == "cpu-optimizer")
-    if kind == "colocated":  # W7: the vision group's ZeRO stage changes, said in the file
-        assert any("ZeRO-2 in group 'vision' -> ZeRO-3" in d for d in dropped)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_megatron_lm_validates_every_kind_and_runs_its_zero_sp_and_recompute(kind, kinds, megatron_lm, tmp_path, monkeypatch):
+    plan = kinds[kind]
+    path, dropped = write(tmp_path, plan, "megatron", kind)
+    text = path.read_text()
+    launch_env(path, monkeypatch)
+    assert "--encoder-tp" not in text and "for Megatron-LM core_v0.16.1" in text and "pretrain_vlm.py" in text
+    from planner.export.common import Drops, nearest_chain
+
+    chain = nearest_chain(plan, Drops("megatron", True))  # one layout: the plan's, or the LLM's (the lossy list says how)
+    assert f"torchrun --nnodes {-(-chain.world // 8)} --nproc-per-node 8 " in text  # the ranks the file runs
+    monkeypatch.setenv("WORLD_SIZE", str(chain.world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain", *megatron_args(path)])
+    args = megatron_lm.arguments.parse_args()
+    megatron_lm.arguments.validate_args(args)
+    if kind in ("colocated", "encoder-apart"):
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (chain.tp, chain.pp, chain.dp)
         with pytest.raises(Unsupported) as e:
             export_plan(plan, "megatron")
-        assert all(d.split(" -> ")[0] in str(e.value) for d in dropped)
+        assert all(d.split(" -> ")[0] in str(e.value) for d in dropped)  # the strict error names every change
+        assert ("`--to megatron-mimo`" in str(e.value)) == (kind == "encoder-apart")
+    if kind == "colocated":  # W7: the vision group's ZeRO stage changes, said in the file
+        assert any("ZeRO-2 in group 'vision' -> ZeRO-3" in d for d in dropped)
+    check_megatron_semantics(kind, plan, args, dropped, megatron_lm, mimo=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_megatron_mimo_validates_the_encoder_apart_and_refuses_the_rest(kind, kinds, megatron_lm, tmp_path, monkeypatch):
+    """Megatron-LM main's MIMO flags (pinned copy of examples/mimo at d98e8a64dd): the encoder-apart plan through its
+    own validate_hetero_grid_args + the stock validate_args on the language grid; every other kind is refused in one
+    line naming the target that expresses it."""
+    plan = kinds[kind]
+    if kind != "encoder-apart":
+        with pytest.raises(Unsupported, match="megatron-mimo \\(Megatron-LM main d98e8a64dd") as e:
+            export_plan(plan, "megatron-mimo", lossy=True)
+        assert ("`--to megatron --lossy`" if kind == "colocated" else "`--to megatron`") in str(e.value)
+        return
+    path, dropped = write(tmp_path, plan, "megatron-mimo", kind)
+    text = path.read_text()
+    assert "for Megatron-LM main at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553" in text and "pretrain_mimo" in text
+    assert "d98e8a64ddf34856e74b24714e3bedb2f5a39553" in (FIXTURES / "README.md").read_text()  # the pinned copy's commit
+    launch_env(path, monkeypatch)
+    world = plan.cluster.world_size
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("sys.argv", ["pretrain", *megatron_args(path, 8192, 64)])
+    args = megatron_lm.arguments.parse_args(megatron_lm.mimo.add_hetero_grid_args)
+    _, llm_n = megatron_lm.mimo.validate_hetero_grid_args(args, world)
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size = args.llm_tp, args.llm_pp, llm_n
+    megatron_lm.arguments.validate_args(args, {"dataloader_type": "external"})
+    check_megatron_semantics(kind, plan, args, dropped, megatron_lm, mimo=True)
+
+
+def kinds_apart():
+    return load_plan(EXAMPLES / f"{KINDS['encoder-apart']}.json")
 
 
 def test_megatron_text_only_plan_launches_pretrain_gpt():
@@ -153,11 +186,9 @@ def test_megatron_text_only_plan_launches_pretrain_gpt():
         return next(line for line in export_plan(plan, "megatron", lossy=True).text.splitlines() if line.startswith("# use: torchrun"))
 
     plan = load_plan(EXAMPLES / "tiny-vlm-pp2.json")
-    assert "pretrain_mimo" in launch(plan)  # its encoder on ranks of its own: Megatron-LM's MIMO example
-    plan = replace(plan, groups=(replace(plan.groups[-1], stages=tuple(replace(s, blocks=tuple(b for g in plan.groups for b in g.blocks)
-                                                                                  if i == 0 else s.blocks)
-                                                                      for i, s in enumerate(plan.groups[-1].stages))),))
-    assert "pretrain_vlm.py" in launch(plan)
+    assert "pretrain_vlm.py" in launch(plan)  # its encoder feeds the LLM as its first stage: one layout
+    mimo = next(line for line in export_plan(kinds_apart(), "megatron-mimo", lossy=True).text.splitlines() if line.startswith("# use: torchrun"))
+    assert "-m examples.mimo.pretrain_mimo" in mimo  # an encoder on ranks of its own: Megatron-LM main's MIMO example
     llm = replace(plan.groups[-1], stages=tuple(replace(s, blocks=tuple(b for b in s.blocks if b.startswith("llm."))) for s in plan.groups[-1].stages))
     text_only = replace(plan, groups=(llm,))  # only the LLM's blocks (the launch line reads the blocks, nothing else)
     assert "pretrain_gpt.py" in launch(text_only)

@@ -199,7 +199,7 @@ def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, megatron_
 @pytest.mark.parametrize("name", MIMO)
 def test_megatron_lm_mimo_flags_agree_on_grids_and_rank_offsets(name, megatron_lm, plans, tmp_path, monkeypatch):
     # the solved plan has ZeRO 0: hetero MIMO training requires the distributed optimizer, the one thing --lossy drops
-    path = export(plans[name], "megatron", tmp_path, lossy=load_plan(plans[name]).groups[0].zero == 0)
+    path = export(plans[name], "megatron-mimo", tmp_path, lossy=load_plan(plans[name]).groups[0].zero == 0)
     assert "--use-distributed-optimizer" in path.read_text()
     enc, llm = pipeline(plans[name])
     world = sum(len(r) for g in (enc, llm) for r in g["ranks"])
