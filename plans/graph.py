@@ -133,6 +133,7 @@ class ModelShape:
     mlp: str = _omit("")  # "swiglu" (gated, SiLU) | "gelu" (two linears, GELU)
     position: str = _omit("")  # "rope" | "learned"
     bias: str = _omit("")  # "yes" | "no": whether the layers' linears have biases
+    rope_base: float = _omit(0.0)  # RoPE's base (theta) with position "rope" and no frequency scaling; 0: not known
 
 
 @dataclass(frozen=True, slots=True)
