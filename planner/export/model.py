@@ -223,3 +223,49 @@ def titan_model(model: Model, notes: list[str]) -> tuple[str, str]:
         notes.append(f"model: {describe(s)} is not torchtitan's Llama3Model (RMSNorm, SwiGLU, RoPE, no biases): set "
                      "config.model_spec to your model's with these values, training.seq_len, hf_assets_path and the dataset")
     return "", ""
+
+
+# --- Megatron-Bridge's GPT model provider -------------------------------------------------------------------------------
+
+
+class Code(str):
+    """A value written into a Python export as code, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+ACTIVATION = {"swiglu": (True, Code("torch.nn.functional.silu")), "gelu": (False, Code("torch.nn.functional.gelu"))}
+
+
+def bridge_model_fields(model: Model, num_layers: int, tp: int, notes: list[str]) -> tuple[dict, dict]:
+    """The LLM's shape as Megatron-Bridge's GPTModelProvider takes it: (its megatron.core TransformerConfig fields, its
+    GPT fields: vocabulary, sequence, tied head, positions -- GPTModel's own arguments but for the padding divisor).
+    Every field is written, so that apply() replaces a recipe's model; what the profile does not know is FILL_ME, which
+    TransformerConfig's checks and GPTModel's embedding refuse until it is filled. `num_layers` is the plan's."""
+    s = model.llm
+    if s is None:
+        notes.append(f"model: not known ({model.why}): every {FILL} in model_overrides is the model's shape to fill")
+        s = ModelShape(group="")
+
+    def known(v):
+        return v if v else FILL
+
+    gated, activation = ACTIVATION.get(s.mlp, (FILL, FILL))
+    core = {"num_layers": num_layers, "hidden_size": known(s.hidden), "ffn_hidden_size": known(s.ffn),
+            "num_attention_heads": known(s.heads), "num_query_groups": known(s.kv_heads or s.heads),
+            "normalization": {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}.get(s.norm, FILL),
+            "gated_linear_unit": gated, "activation_func": activation,
+            "add_bias_linear": {"yes": True, "no": False}.get(s.bias, FILL)}
+    gpt = {"vocab_size": known(s.vocab), "seq_length": known(s.sequence),
+           "share_embeddings_and_output_weights": s.tied if model.llm is not None else FILL,
+           "position_embedding_type": {"rope": "rope", "learned": "learned_absolute"}.get(s.position, FILL)}
+    if s.position == "rope" or not s.position:
+        gpt["rotary_base"] = int(rope_base(s)) if rope_base(s) else FILL
+    d = vocab_divisor(s.vocab, tp) if s.vocab else None
+    gpt["make_vocab_size_divisible_by"] = d or 128  # d keeps the model's vocabulary as it is (Bridge pads to a multiple of d x tp)
+    missing = [k for k, v in {**core, **gpt}.items() if v == FILL]
+    if missing and model.llm is not None:
+        notes.append(f"model: {', '.join(missing)} not in the profile: {FILL} in model_overrides")
+    notes += [f"encoder shape (set in your provider): {describe(e)}" for e in model.encoders]
+    return core, gpt
