@@ -48,6 +48,15 @@ KINDS = {  # plan kind: a homogeneous layout of llava-1.5-7b on 64 H100s (tiers 
 
 @pytest.fixture(scope="module")
 def profiles():
+    return build_profiles()
+
+
+@pytest.fixture(scope="module")
+def kinds(profiles):
+    return build_kinds(profiles)
+
+
+def build_profiles() -> dict:
     """The profiles of the eleven kinds' models, by fingerprint (their model shapes go into the Bridge exports)."""
     from planner.profiler.profile import profile_model
     from runtime.source import resolve
@@ -55,8 +64,8 @@ def profiles():
     return {p.fingerprint: p for p in (profile_model(resolve(m)) for m in ("llava-1.5-7b", "llava-1.5-13b", "vit22b-llama70b"))}
 
 
-@pytest.fixture(scope="module")
-def kinds(profiles):
+def build_kinds(profiles: dict) -> dict:
+    """Each kind's plan (bench/export_matrix.py prints the matrix of these kinds x the targets)."""
     from cost_models.cluster_spec import parse_cluster
     from planner.solver.baselines import homogeneous_plan
 
@@ -437,3 +446,46 @@ def test_deepspeed_config_as_initialize_builds_it(kind, kinds, deepspeed_config,
     assert ds.zero_optimization_stage == max(zero, 0) or dropped
     if pp > 1:
         assert any(f"num_stages={pp}" in c for c in data["comment"])
+
+
+# --- every target: the lossy list is complete, and the strict error names all of it -----------------------------------
+
+TARGETS = ("megatron", "megatron-mimo", "megatron-bridge", "torchtitan", "deepspeed")
+
+
+def expected_changes(plan, target: str) -> list[str]:
+    """The semantic changes a one-layout export must list, derived here from the plan (not with the exporter's code):
+    for each group that is not the LLM's, its ZeRO stage and sequence parallelism where they differ from the LLM's."""
+    main = plan.groups[-1]
+    while main.colocated_with is not None:
+        main = plan.group(main.colocated_with)
+    out = []
+    for g in (g for g in plan.groups if g is not main):
+        if g.zero != main.zero:
+            out.append(f"ZeRO-{g.zero} in group {g.name!r}")
+        if (g.tp > 1 and g.sequence_parallel) != (main.tp > 1 and main.sequence_parallel):
+            out.append(f"in group {g.name!r}")  # "sequence parallelism on|off in [encoder ]group 'x'"
+    return out
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_lossy_list_is_complete_and_the_strict_error_names_all_of_it(kind, target, kinds):
+    plan = kinds[kind]
+    try:
+        result = export_plan(plan, target, lossy=True)
+    except Unsupported as e:  # megatron-mimo: a plan its flags cannot hold, refused whatever --lossy says
+        assert target == "megatron-mimo" and kind != "encoder-apart" and "\n" not in str(e)
+        return
+    mimo = target == "megatron-mimo" or (target == "megatron-bridge" and kind == "encoder-apart")
+    want = expected_changes(plan, target) if not mimo else (
+        ["different ZeRO stages per group"] if len({g.zero for g in plan.groups}) > 1 else [])
+    for change in want:
+        assert any(change in d for d in result.dropped), (change, result.dropped)
+    if result.dropped:
+        with pytest.raises(Unsupported) as e:
+            export_plan(plan, target)
+        assert "\n" not in str(e.value) and all(d.split(" -> ")[0] in str(e.value) for d in result.dropped)
+        assert all(d in result.text or json.dumps(d)[1:-1] in result.text for d in result.dropped)  # and the file says so
+    else:
+        assert export_plan(plan, target).text == result.text  # exact: the strict export is the same file
