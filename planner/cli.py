@@ -276,7 +276,7 @@ def _refuse_unfit(plan, output: Path, allow: bool) -> None:
 @user_errors
 def export(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json from [cyan]mmplan solve[/] (or written by hand).")],
-    to: Annotated[str, typer.Option("--to", help="[cyan]megatron[/] (argument list; Megatron-LM core_v0.16.1, an encoder on its own ranks: Megatron-LM main d98e8a64dd), [cyan]megatron-bridge[/] (Python config; Megatron-Bridge main 0.7.0, commit 067f987df0) or [cyan]torchtitan[/] (Python config; torchtitan 0.3.0), [cyan]deepspeed[/] (ds_config.json; DeepSpeed 0.19.8).")],
+    to: Annotated[str, typer.Option("--to", help="[cyan]megatron[/] (argument list; Megatron-LM core_v0.16.1: one layout), [cyan]megatron-mimo[/] (argument list; Megatron-LM main at commit d98e8a64dd: an encoder and the LLM on their own ranks, its heterogeneous MIMO flags), [cyan]megatron-bridge[/] (Python config; Megatron-Bridge main 0.7.0, commit 067f987df0) or [cyan]torchtitan[/] (Python config; torchtitan 0.3.0), [cyan]deepspeed[/] (ds_config.json; DeepSpeed 0.19.8).")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write it (default: print it).")] = None,
     lossy: Annotated[bool, typer.Option(help="Export the nearest plan the target can express and list what was dropped, instead of exit 2.")] = False,
     profile: Annotated[Optional[Path], typer.Option("--profile", help="The plan's profile.json: its model shape (layers, hidden size, heads, ...) goes into the file; without it those values are placeholders the target refuses until filled.")] = None,

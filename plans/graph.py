@@ -134,6 +134,7 @@ class ModelShape:
     position: str = _omit("")  # "rope" | "learned"
     bias: str = _omit("")  # "yes" | "no": whether the layers' linears have biases
     dropout: bool = _omit(False)  # the layers apply dropout (nn.Dropout or a dropout rate > 0): its masks are saved
+    rope_base: float = _omit(0.0)  # RoPE's base (theta) with position "rope" and no frequency scaling; 0: not known
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,10 @@ from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
 
-Target = Literal["megatron", "megatron-bridge", "torchtitan", "deepspeed"]
+Target = Literal["megatron", "megatron-mimo", "megatron-bridge", "torchtitan", "deepspeed"]
 TARGETS: tuple[str, ...] = get_args(Target)
 # What each target's file is, for the default output name and the help text.
-SUFFIX = {"megatron": ".args", "megatron-bridge": ".py", "torchtitan": ".py", "deepspeed": ".json"}
+SUFFIX = {"megatron": ".args", "megatron-mimo": ".args", "megatron-bridge": ".py", "torchtitan": ".py", "deepspeed": ".json"}
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,11 @@ def export_plan(plan: Plan, target: Target, *, lossy: bool = False, source: str 
     """The plan as `target`'s configuration. A feature the target cannot express raises Unsupported (an
     MmplanError naming it) unless `lossy`, when the nearest plan is exported and the export lists what it dropped.
     With the plan's `profile`, the model's shape it records is written too (else placeholders the target refuses)."""
-    from planner.export import deepspeed, megatron, megatron_bridge, torchtitan
+    from planner.export import deepspeed, megatron, megatron_bridge, megatron_mimo, torchtitan
     from planner.export.common import Drops
 
-    modules = {"megatron": megatron, "megatron-bridge": megatron_bridge, "torchtitan": torchtitan, "deepspeed": deepspeed}
+    modules = {"megatron": megatron, "megatron-mimo": megatron_mimo, "megatron-bridge": megatron_bridge,
+               "torchtitan": torchtitan, "deepspeed": deepspeed}
     if target not in modules:
         raise MmplanError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
     drops = Drops(target, lossy)

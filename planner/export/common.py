@@ -25,7 +25,9 @@ _LAYER = re.compile(r"\.\d+$")
 # The version of each target the exports are written for and checked with (tests/planner/test_export_targets.py;
 # pinned copies in tests/fixtures/README.md); every export's header and `mmplan export --to`'s help name it.
 VERSIONS = {
-    "megatron": "Megatron-LM core_v0.16.1 (megatron-core 0.16.1); an encoder on its own ranks: Megatron-LM main d98e8a64dd",
+    "megatron": "Megatron-LM core_v0.16.1 (megatron-core 0.16.1)",
+    "megatron-mimo": ("Megatron-LM main at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22): its heterogeneous MIMO "
+                      "flags, examples.mimo.pretrain_mimo and ModuleGridSpec are not in core_v0.16.1 / megatron-core 0.16.1"),
     "megatron-bridge": "Megatron-Bridge main 0.7.0 (commit 067f987df0) on megatron-core 0.16.1",
     "torchtitan": "torchtitan 0.3.0",
     "deepspeed": "DeepSpeed 0.19.8",
@@ -312,7 +314,7 @@ def offloaded_as_recomputed(stage: Stage) -> Stage:
 # --- the opening comment ------------------------------------------------------------------------------------------
 
 
-def header(plan: Plan, source: str, target: str, dropped: list[str], notes: list[str] = (), version: str = "") -> list[str]:
+def header(plan: Plan, source: str, target: str, dropped: list[str], notes: list[str] = ()) -> list[str]:
     """Comment lines (without the comment marker) naming the plan, its predicted figures, the target's version the
     file is written for and what was dropped."""
     t = plan.training
@@ -332,7 +334,7 @@ def header(plan: Plan, source: str, target: str, dropped: list[str], notes: list
         lines.append(f"group {g.name}: dp={g.dp} tp={g.tp} pp={g.pp} zero={g.zero}, "
                      + (f"colocated with {g.colocated_with}" if g.colocated_with else f"ranks {span(g.ranks)}")
                      + f", cuts before {', '.join(s.blocks[0] for s in g.stages[1:]) or '-'}")
-    lines.append(f"exported by `mmplan export --to {target}`" + (" --lossy" if dropped else "") + f" for {version or VERSIONS[target]}")
+    lines.append(f"exported by `mmplan export --to {target}`" + (" --lossy" if dropped else "") + f" for {VERSIONS[target]}")
     lines += [f"note: {n}" for n in notes]
     if dropped:
         lines += ["LOSSY: this is the nearest plan the target can express; dropped:"] + [f"  - {d}" for d in dropped]

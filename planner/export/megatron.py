@@ -1,6 +1,6 @@
-"""Plan -> Megatron-LM command-line arguments: the stock parallelism flags with --pipeline-model-parallel-layout for
-uneven cut points, or the heterogeneous MIMO flags (--encoder-tp --encoder-dp --llm-offset --llm-tp --llm-pp --llm-dp)
-of Megatron-LM's examples/mimo for an encoder on its own ranks."""
+"""Plan -> Megatron-LM core_v0.16.1 command-line arguments: the stock parallelism flags, with
+--pipeline-model-parallel-layout for uneven cut points (one layout for the whole model; an encoder on its own ranks is
+`--to megatron-mimo`, planner/export/megatron_mimo.py), and the flags and launch lines both targets share."""
 from __future__ import annotations
 
 import shlex
@@ -15,17 +15,14 @@ from planner.export.common import (
     chain_sequence_parallel,
     collapsed,
     header,
-    is_megatron_order,
     nearest_chain,
     offloaded_as_recomputed,
     recompute_of,
-    sequence_parallel,
-    span,
     uniform_tier,
 )
 from planner.export.model import megatron_data_flags, megatron_model_flags, model_of, torchrun
 from plans.graph import Profile
-from plans.plan import Group, Plan, Stage
+from plans.plan import Plan, Stage
 
 # Megatron's names: "E" the LLM's embedding, "t" a decoder (transformer) layer, "L" the loss (final norm + head),
 # "|" between pipeline stages; with v model chunks per rank the layout lists pp*v stages, chunk-major
@@ -37,12 +34,6 @@ ZERO_FLAGS = {
     3: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"],
 }
 DTYPE_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
-# The code the files are checked with (tests/fixtures/README.md): the stock flags are Megatron-LM core_v0.16.1's; the
-# heterogeneous MIMO flags and examples.mimo.pretrain_mimo exist only on Megatron-LM main (this commit).
-MEGATRON_LM = "Megatron-LM core_v0.16.1 (megatron-core 0.16.1)"
-MIMO_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
-MEGATRON_LM_MIMO = (f"Megatron-LM main at commit {MIMO_COMMIT} (2026-08-22): the MIMO flags, examples.mimo.pretrain_mimo and "
-                    "ModuleGridSpec are not in core_v0.16.1 / megatron-core 0.16.1")
 
 
 def export(plan: Plan, drops: Drops, source: str, profile: Profile | None = None) -> str:
@@ -50,17 +41,19 @@ def export(plan: Plan, drops: Drops, source: str, profile: Profile | None = None
     shape from the profile, and placeholders Megatron-LM refuses for what mmplan cannot know (data, tokenizer)."""
     roles = Roles.of(plan)
     notes: list[str] = []
-    hetero = _hetero_groups(plan, drops)
-    if hetero is None:
-        args, world = _stock(plan, roles, drops, notes)
-    else:
-        args, world = _mimo(plan, roles, drops, notes, *hetero)
+    args, world = _stock(plan, roles, drops, notes)
+    return args_file(plan, roles, args, world, drops, notes, profile, source, "megatron")
+
+
+def args_file(plan: Plan, roles: Roles, args: list[list[str]], world: int, drops: Drops, notes: list[str],
+              profile: Profile | None, source: str, target: str) -> str:
+    """The file both Megatron-LM targets write: the header, the `# use:` launch lines, the layout flags, the model's
+    shape and the data placeholders."""
     text_only = all(roles.is_llm(b) for g in plan.groups for b in g.blocks)
     tp = max(int(flag[1]) for flag in args if flag[0] in ("--tensor-model-parallel-size", "--llm-tp"))
-    args += megatron_model_flags(model_of(plan, profile), tp, not text_only, notes) + megatron_data_flags()
-    version = MEGATRON_LM if hetero is None else MEGATRON_LM_MIMO
-    lines = [f"# {line}" for line in header(plan, source, "megatron", drops.dropped, notes, version)]
-    lines += [f"# use: {line}" for line in usage(plan, args, hetero is not None, text_only, world)]
+    args = args + megatron_model_flags(model_of(plan, profile), tp, not text_only, notes) + megatron_data_flags()
+    lines = [f"# {line}" for line in header(plan, source, target, drops.dropped, notes)]
+    lines += [f"# use: {line}" for line in usage(plan, args, target == "megatron-mimo", text_only, world)]
     lines += [flag[0] if flag[0].startswith("#") else " ".join(shlex.quote(a) for a in flag) for flag in args]
     return "\n".join(lines) + "\n"
 
@@ -82,22 +75,19 @@ def usage(plan: Plan, args: list[list[str]], mimo: bool, text_only: bool, world:
     return lines
 
 
-def _hetero_groups(plan: Plan, drops: Drops) -> tuple[Group, Group] | None:
-    """(encoder group, LLM group) when the plan has per-group layouts Megatron's MIMO flags can hold; None for one
-    layout. The flags hold one encoder grid on its own ranks: other multi-group plans become the nearest chain."""
+def _one_layout_why(plan: Plan) -> str:
+    """Why a plan that is not one pipeline needs the nearest one layout in Megatron-LM core_v0.16.1 (which runs one
+    layout), naming `--to megatron-mimo` where Megatron-LM main's heterogeneous MIMO flags express the plan."""
     groups = collapsed(plan)
-    if groups is not None and len(groups) == 1:
-        return None  # one layout (colocated groups sharing one layout are one)
-    if groups is not None and len(groups) == 2:
-        return groups[0], groups[1]
-    why = ("colocated groups with their own layouts (Megatron-LM's heterogeneous MIMO flags place module grids on "
-           "disjoint ranks)" if groups is None else
-           f"{len(groups) - 1} encoder groups on their own ranks (Megatron-LM's heterogeneous MIMO flags hold one encoder grid)")
-    drops.cannot(why, "one layout for the whole model")
-    return None
+    if groups is None:
+        return "colocated groups with their own layouts (Megatron-LM core_v0.16.1 runs one layout for the whole model)"
+    if len(groups) == 2:
+        return ("an encoder group on its own ranks with its own layout (Megatron-LM core_v0.16.1 runs one layout; "
+                "`--to megatron-mimo` writes Megatron-LM main's heterogeneous MIMO flags for it)")
+    return f"{len(groups) - 1} encoder groups on their own ranks (Megatron-LM core_v0.16.1 runs one layout for the whole model)"
 
 
-def _pipeline_flags(plan: Plan, pp: int, dp: int, blocks, chunks, roles: Roles, drops: Drops) -> list[list[str]]:
+def pipeline_flags(plan: Plan, pp: int, dp: int, blocks, chunks, roles: Roles, drops: Drops) -> list[list[str]]:
     """The LLM pipeline's layout string (uneven cut points), its layer count and the batch flags."""
     args = []
     if pp > 1:
@@ -105,27 +95,26 @@ def _pipeline_flags(plan: Plan, pp: int, dp: int, blocks, chunks, roles: Roles, 
         if plan.training.schedule == "gpipe":
             drops.cannot("the GPipe schedule", "1F1B, Megatron's pipeline schedule (it holds fewer micro-batches in flight)")
     args.append(["--num-layers", str(len(roles.llm_layers(blocks)))])
-    return args + _batch_flags(plan, dp)
+    return args + batch_flags(plan, dp)
 
 
 # --- one layout: stock Megatron-LM flags ----------------------------------------------------------------------------
 
 
 def _stock(plan: Plan, roles: Roles, drops: Drops, notes: list[str]) -> tuple[list[list[str]], int]:
-    already = bool(drops.dropped)  # _hetero_groups said why the plan becomes one layout: do not say it twice
-    chain = nearest_chain(plan, drops, headline=not already)
+    chain = nearest_chain(plan, drops, why=_one_layout_why(plan))
     notes += [chain.note] if chain.note else []
     chain = encoders_first(chain, roles, drops)
     stages = no_activation_offload(chain.stages, drops)
     chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
     args = [["--tensor-model-parallel-size", str(chain.tp)], ["--pipeline-model-parallel-size", str(chain.pp)]]
-    args += _pipeline_flags(plan, chain.pp, chain.dp, chain.blocks, chunks, roles, drops)
+    args += pipeline_flags(plan, chain.pp, chain.dp, chain.blocks, chunks, roles, drops)
     if chain_sequence_parallel(chain, plan, drops):
         args.append(["--sequence-parallel"])
-    args += _zero_flags(chain.zero)
-    args += _recompute_flags(recompute_of([(blocks, mem) for blocks, mem in chunks], roles, drops))
-    args += _tier_flags(stages, drops)
-    args += _dtype_flags(plan)
+    args += zero_flags(chain.zero)
+    args += recompute_flags(recompute_of([(blocks, mem) for blocks, mem in chunks], roles, drops))
+    args += tier_flags(stages, drops)
+    args += dtype_flags(plan)
     return args, chain.world
 
 
@@ -197,12 +186,12 @@ def layout_string(chunks, roles: Roles, drops: Drops) -> str:
     return "|".join(parts)
 
 
-def _batch_flags(plan: Plan, dp: int) -> list[list[str]]:
+def batch_flags(plan: Plan, dp: int) -> list[list[str]]:
     # Megatron's micro-batch is one data-parallel replica's; ours spans a group's replicas (plans/plan.py Training).
     return [["--micro-batch-size", str(plan.training.micro_batch // dp)], ["--global-batch-size", str(plan.training.global_batch)]]
 
 
-def _zero_flags(zero: int) -> list[list[str]]:
+def zero_flags(zero: int) -> list[list[str]]:
     flags = ZERO_FLAGS[zero]
     out, i = [], 0
     while i < len(flags):  # group each flag with its value
@@ -225,7 +214,7 @@ def recompute_fields(r: Recompute) -> dict:
     return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": n}
 
 
-def _recompute_flags(r: Recompute) -> list[list[str]]:
+def recompute_flags(r: Recompute) -> list[list[str]]:
     return [[f"--{k.replace('_', '-')}", str(v)] for k, v in recompute_fields(r).items()]
 
 
@@ -246,69 +235,14 @@ def optimizer_offload(stages, drops: Drops) -> bool:
     return optimizer != "gpu"
 
 
-def _tier_flags(stages, drops: Drops) -> list[list[str]]:
+def tier_flags(stages, drops: Drops) -> list[list[str]]:
     if not optimizer_offload(stages, drops):
         return []
     return [["--optimizer-cpu-offload"], ["--use-precision-aware-optimizer"], ["--optimizer-offload-fraction", "1.0"]]
 
 
-def _dtype_flags(plan: Plan) -> list[list[str]]:
+def dtype_flags(plan: Plan) -> list[list[str]]:
     flags = [[f] for f in DTYPE_FLAGS[plan.training.dtype]]
     if plan.training.optimizer == "sgd":
         flags.append(["--optimizer", "sgd"])
     return flags
-
-
-# --- per-group layouts: Megatron-LM's heterogeneous MIMO flags ---------------------------------------------------------
-
-
-def _mimo(plan: Plan, roles: Roles, drops: Drops, notes: list[str], enc: Group, llm: Group) -> tuple[list[list[str]], int]:
-    """examples/mimo/training/args.py: the encoder grid (tp, dp; cp = pp = 1) on ranks 0.., the language grid at
-    --llm-offset; module grids must cover the world; hetero MIMO needs the distributed optimizer."""
-    enc_dp = enc.dp
-    if enc.pp > 1:
-        enc_dp = enc.dp * enc.pp
-        drops.cannot(f"pipeline parallelism in encoder group {enc.name!r} (pp={enc.pp}; Megatron's encoder grid has pp=1)",
-                     f"encoder dp={enc_dp} on the same {len(enc.ranks)} ranks")
-    misplaced = [b for b in llm.blocks if not roles.is_llm(b)] + [b for b in enc.blocks if roles.is_llm(b)]
-    if misplaced:
-        drops.cannot(f"blocks {', '.join(misplaced[:3])}{' ..' if len(misplaced) > 3 else ''} in the other module's group "
-                     "(MIMO runs encoders and projectors on the encoder grid, the LLM on the language grid)",
-                     "each block on its module's grid")
-    enc_n, llm_n = len(enc.ranks), len(llm.ranks)
-    offsets = {enc.name: min(enc.ranks), llm.name: min(llm.ranks)}
-    for g in (enc, llm):
-        if not is_megatron_order(g, offsets[g.name]):
-            drops.cannot(f"the rank order of group {g.name!r} (ranks {span(g.ranks)})", "consecutive ranks, tp fastest, then dp, then pp")
-    if offsets[enc.name] != 0 or offsets[llm.name] != enc_n:
-        gpn = plan.cluster.gpus_per_node
-        if gpn % enc.tp or gpn % llm.tp or enc_n % llm.tp:  # a tensor-parallel group would straddle two nodes
-            drops.cannot("an encoder grid that does not start at rank 0", f"encoder on ranks 0-{enc_n - 1}, LLM from rank {enc_n}")
-        else:
-            notes.append(f"ranks renumbered: encoder {enc.name!r} {span(enc.ranks)} -> 0-{enc_n - 1}, LLM {llm.name!r} "
-                         f"{span(llm.ranks)} -> {enc_n}-{enc_n + llm_n - 1} (Megatron's MIMO grids put the encoder first; "
-                         "every tensor-parallel group stays inside a node)")
-    used = enc_n + llm_n
-    if used != plan.cluster.world_size:
-        notes.append(f"the plan uses {used} of the cluster's {plan.cluster.world_size} GPUs: launch {used} ranks")
-    zero = max(enc.zero, llm.zero, 1)
-    if min(enc.zero, llm.zero) < 1:
-        drops.cannot("ZeRO stage 0 (Megatron's heterogeneous MIMO training requires --use-distributed-optimizer)", "ZeRO-1")
-    if enc.zero != llm.zero and zero > 1:
-        drops.cannot(f"different ZeRO stages per group ({enc.zero}, {llm.zero})", f"ZeRO-{zero} for both")
-    if set(activation_tiers(enc.stages)) - {"keep"} or any(
-            (s.memory.params, s.memory.grads, s.memory.optimizer) != ("gpu", "gpu", "gpu") for s in enc.stages):
-        drops.cannot(f"memory tiers or recomputation in encoder group {enc.name!r} (the MIMO flags configure the LLM's)",
-                     "the encoder's state and activations on the GPU")
-    stages = no_activation_offload(llm.stages, drops)
-    chunks = model_chunks(stages, plan.training.virtual_stages, roles, drops)
-    args = [["--encoder-tp", str(enc.tp)], ["--encoder-dp", str(enc_dp)], ["--llm-offset", str(enc_n)],
-            ["--llm-tp", str(llm.tp)], ["--llm-pp", str(llm.pp)], ["--llm-dp", str(llm.dp)]]
-    args += _pipeline_flags(plan, llm.pp, llm.dp, llm.blocks, chunks, roles, drops)
-    if sequence_parallel((enc, llm), drops, " (Megatron's --sequence-parallel sets it for the whole run)"):
-        args.append(["--sequence-parallel"])
-    args += _zero_flags(zero)
-    args += _recompute_flags(recompute_of(list(chunks), roles, drops))
-    args += _tier_flags(stages, drops)
-    args += _dtype_flags(plan)
-    return args, used

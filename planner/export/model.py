@@ -47,7 +47,8 @@ def describe(shape: ModelShape) -> str:
     parts += [f"ffn {shape.ffn}", f"sequence {shape.sequence}"]
     if shape.vocab:
         parts.append(f"vocab {shape.vocab}" + (" (tied)" if shape.tied else ""))
-    parts += [x for x in (shape.norm, shape.mlp, shape.position and f"{shape.position} positions",
+    parts += [x for x in (shape.norm, shape.mlp, shape.position and f"{shape.position} positions"
+                          + (f" (base {shape.rope_base:g})" if shape.rope_base else ""),
                           shape.bias and ("biases" if shape.bias == "yes" else "no biases")) if x]
     return f"{shape.group}: " + ", ".join(str(p) for p in parts if p)
 
@@ -58,6 +59,13 @@ def torchrun(plan: Plan, world: int, script: str) -> str:
     nodes, per = (world + gpn - 1) // gpn, min(gpn, world)
     rendezvous = ' --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port 29500' if nodes > 1 else ""
     return f"torchrun --nnodes {nodes} --nproc-per-node {per}{rendezvous} {script}"
+
+
+def rope_base(shape: ModelShape) -> str | None:
+    """RoPE's base as Megatron's --rotary-base / Bridge's rotary_base take it (an integer); None when the profile does
+    not know it, or it is not an integer (no such model is known to us)."""
+    b = shape.rope_base
+    return str(int(b)) if b and b == int(b) else None
 
 
 def vocab_divisor(vocab: int, tp: int) -> int | None:
@@ -97,6 +105,11 @@ def megatron_model_flags(model: Model, tp: int, vlm: bool, notes: list[str]) -> 
     elif not s.mlp:
         out.append([f"# {FILL}: the MLP's activation is not in the profile: add --swiglu for a gated SiLU MLP"])
     out.append(["--position-embedding-type", {"rope": "rope", "learned": "learned_absolute"}.get(s.position, FILL)])
+    if s.position == "rope":
+        base = rope_base(s)
+        if base is None:
+            out.append([f"# {FILL}: RoPE's base is not in the profile (Megatron-LM's default 10000 is Llama 2's; Llama 3: 500000)"])
+        out.append(["--rotary-base", base or FILL])
     if s.bias == "no":
         out.append(["--disable-bias-linear"])
     if not s.tied:
@@ -131,7 +144,7 @@ def _unknown_shape(vlm: bool) -> list[list[str]]:
     flags = [["--hidden-size", FILL], ["--ffn-hidden-size", FILL], ["--num-attention-heads", FILL], ["--seq-length", FILL],
              ["--max-position-embeddings", FILL], ["--normalization", FILL], ["--position-embedding-type", FILL],
              ["# add as your model needs: --group-query-attention --num-query-groups N, --swiglu, --disable-bias-linear, "
-              "--untie-embeddings-and-output-weights"]]
+              "--untie-embeddings-and-output-weights, --rotary-base N (with rope)"]]
     return flags + ([["--decoder-seq-length", FILL]] if vlm else [])
 
 
@@ -149,12 +162,12 @@ def megatron_data_flags() -> list[list[str]]:
 
 TITAN_MODEL = '''
 # The LLM as torchtitan 0.3.0's Llama3Model (models/llama3), built as torchtitan's own flavours build theirs; the values
-# are the profile's shape of group {group!r}. Data, tokenizer and RoPE base are not mmplan's to know: {fill} fails
-# (torchtitan refuses the dataset name, finds no tokenizer at the path, cannot raise a number to a string's power).
+# are the profile's shape of group {group!r}. Data and tokenizer are not mmplan's to know: {fill} fails (torchtitan
+# refuses the dataset name, finds no tokenizer at the path; an unknown RoPE base cannot raise a number to a string's power).
 MODEL = dict(dim={hidden}, n_layers={layers}, n_heads={heads}, n_kv_heads={kv_heads}, hidden_dim={ffn}, vocab_size={vocab},
              enable_weight_tying={tied})
 SEQ_LEN = {sequence}
-ROPE_THETA = {fill!r}  # {fill}: your model's RoPE base (Llama 2: 10000.0, Llama 3: 500000.0)
+ROPE_THETA = {rope}
 HF_ASSETS_PATH = {fill!r}  # {fill}: the directory of your tokenizer (torchtitan's hf_assets_path)
 DATASET = {fill!r}  # {fill}: a dataset torchtitan knows (hf_datasets/text_datasets.py DATASETS) or you registered
 
@@ -200,7 +213,9 @@ def titan_model(model: Model, notes: list[str]) -> tuple[str, str]:
         (s.hidden, s.layers, s.heads, s.ffn, s.vocab, s.sequence))
     if llama:
         return (TITAN_MODEL.format(group=s.group, hidden=s.hidden, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads or s.heads,
-                                   ffn=s.ffn, vocab=s.vocab, tied=s.tied, sequence=s.sequence, fill=FILL), TITAN_APPLY_MODEL)
+                                   ffn=s.ffn, vocab=s.vocab, tied=s.tied, sequence=s.sequence, fill=FILL,
+                                   rope=(f"{s.rope_base!r}  # the profile's RoPE base" if s.rope_base else
+                                         f"{FILL!r}  # {FILL}: your model's RoPE base (Llama 2: 10000.0, Llama 3: 500000.0)")), TITAN_APPLY_MODEL)
     if s is None:
         notes.append(f"model: not known ({model.why}); fill config.model_spec (dim, n_layers, n_heads, n_kv_heads, hidden_dim, "
                      "vocab_size), training.seq_len, hf_assets_path and the dataset yourself")
@@ -208,3 +223,49 @@ def titan_model(model: Model, notes: list[str]) -> tuple[str, str]:
         notes.append(f"model: {describe(s)} is not torchtitan's Llama3Model (RMSNorm, SwiGLU, RoPE, no biases): set "
                      "config.model_spec to your model's with these values, training.seq_len, hf_assets_path and the dataset")
     return "", ""
+
+
+# --- Megatron-Bridge's GPT model provider -------------------------------------------------------------------------------
+
+
+class Code(str):
+    """A value written into a Python export as code, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+ACTIVATION = {"swiglu": (True, Code("torch.nn.functional.silu")), "gelu": (False, Code("torch.nn.functional.gelu"))}
+
+
+def bridge_model_fields(model: Model, num_layers: int, tp: int, notes: list[str]) -> tuple[dict, dict]:
+    """The LLM's shape as Megatron-Bridge's GPTModelProvider takes it: (its megatron.core TransformerConfig fields, its
+    GPT fields: vocabulary, sequence, tied head, positions -- GPTModel's own arguments but for the padding divisor).
+    Every field is written, so that apply() replaces a recipe's model; what the profile does not know is FILL_ME, which
+    TransformerConfig's checks and GPTModel's embedding refuse until it is filled. `num_layers` is the plan's."""
+    s = model.llm
+    if s is None:
+        notes.append(f"model: not known ({model.why}): every {FILL} in model_overrides is the model's shape to fill")
+        s = ModelShape(group="")
+
+    def known(v):
+        return v if v else FILL
+
+    gated, activation = ACTIVATION.get(s.mlp, (FILL, FILL))
+    core = {"num_layers": num_layers, "hidden_size": known(s.hidden), "ffn_hidden_size": known(s.ffn),
+            "num_attention_heads": known(s.heads), "num_query_groups": known(s.kv_heads or s.heads),
+            "normalization": {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}.get(s.norm, FILL),
+            "gated_linear_unit": gated, "activation_func": activation,
+            "add_bias_linear": {"yes": True, "no": False}.get(s.bias, FILL)}
+    gpt = {"vocab_size": known(s.vocab), "seq_length": known(s.sequence),
+           "share_embeddings_and_output_weights": s.tied if model.llm is not None else FILL,
+           "position_embedding_type": {"rope": "rope", "learned": "learned_absolute"}.get(s.position, FILL)}
+    if s.position == "rope" or not s.position:
+        gpt["rotary_base"] = int(rope_base(s)) if rope_base(s) else FILL
+    d = vocab_divisor(s.vocab, tp) if s.vocab else None
+    gpt["make_vocab_size_divisible_by"] = d or 128  # d keeps the model's vocabulary as it is (Bridge pads to a multiple of d x tp)
+    missing = [k for k, v in {**core, **gpt}.items() if v == FILL]
+    if missing and model.llm is not None:
+        notes.append(f"model: {', '.join(missing)} not in the profile: {FILL} in model_overrides")
+    notes += [f"encoder shape (set in your provider): {describe(e)}" for e in model.encoders]
+    return core, gpt

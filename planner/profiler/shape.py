@@ -31,6 +31,8 @@ def model_shapes(model: nn.Module, records, groups: dict[str, str], vocab: int |
         fields["layers"] = len(layers)
         fields["sequence"] = max(r.sequence for r in layers)
         fields["position"] = _position(model, recs, layers, vocab)
+        if fields["position"] == "rope":
+            fields["rope_base"] = _rope_base(model, layers)
         embedding = _token_embedding(recs, vocab)
         if embedding is not None:
             fields["vocab"] = vocab
@@ -112,17 +114,40 @@ def _token_embedding(recs, vocab: int | None) -> nn.Embedding | None:
                  if isinstance(m, nn.Embedding) and m.num_embeddings == vocab), None)
 
 
+def _around(model: nn.Module, layers) -> nn.Module:
+    """The module holding the group's numbered container of layers (where Hugging Face models keep the rotary module)."""
+    parent = layers[0].name.rsplit(".", 2)[0] if layers[0].name.count(".") >= 2 else ""
+    try:
+        return model.get_submodule(parent) if parent else model
+    except AttributeError:
+        return model
+
+
+def _rope_base(model: nn.Module, layers) -> float:
+    """RoPE's base: the zoo attention's `rope_theta`, or the `rope_theta` of a Hugging Face rotary module's config
+    (`rope_parameters` in transformers 5, the config attribute before). 0 when it is not seen, or when the rotary
+    embedding scales its frequencies (a rope_type other than "default"): then the base alone does not say it."""
+    theta = getattr(_attention(layers[0].module), "rope_theta", None)
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool):
+        return float(theta)
+    for m in _around(model, layers).modules():
+        config = getattr(m, "config", None) if "rotary" in type(m).__name__.lower() else None
+        params = getattr(config, "rope_parameters", None) or {}
+        if not isinstance(params, dict):
+            continue
+        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+        if params.get("rope_type", "default") == "default" and isinstance(theta, (int, float)) and not isinstance(theta, bool):
+            return float(theta)
+    return 0.0
+
+
 def _position(model: nn.Module, recs, layers, vocab: int | None) -> str:
     """"rope" when the attention rotates (the zoo's `rotary` flag, or a rotary-embedding module beside the layers, as
     Hugging Face models hold it), "learned" for a position table in the group's embedding; "" when neither is seen."""
     attn = _attention(layers[0].module)
     if getattr(attn, "rotary", None) is True:
         return "rope"
-    parent = layers[0].name.rsplit(".", 2)[0] if layers[0].name.count(".") >= 2 else ""
-    try:
-        around = model.get_submodule(parent) if parent else model
-    except AttributeError:
-        around = model
+    around = _around(model, layers)
     if any("rotary" in type(m).__name__.lower() for m in around.modules()):
         return "rope"
     tables = [m for r in recs if not _LAYER.search(r.name) for m in r.module.modules()

@@ -113,6 +113,7 @@ class Attention(nn.Module):
         self.head_dim = dim // n_heads
         self.causal = causal
         self.rotary = rotary
+        self.rope_theta = 10000.0  # RoPE's base (Su et al. 2021, RoFormer; LLaMA's): read by the profiler's model shape
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
@@ -124,7 +125,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
         if self.rotary:
-            cos, sin = rotary_tables(S, self.head_dim, q)
+            cos, sin = rotary_tables(S, self.head_dim, q, self.rope_theta)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.wo(attend(q, k, v, self.causal))
 

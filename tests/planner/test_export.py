@@ -4,6 +4,7 @@ test_export_targets.py.)"""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import replace
 from pathlib import Path
@@ -62,7 +63,10 @@ def tiny_avlm_apart():
                                    {"name": "llm", "dp": 2, "stages": [(["llm"], [0, 1])]}])
 
 
-@pytest.mark.parametrize("target", TARGETS)
+ONE_LAYOUT = tuple(t for t in TARGETS if t != "megatron-mimo")  # megatron-mimo writes an encoder grid beside the LLM's
+
+
+@pytest.mark.parametrize("target", ONE_LAYOUT)
 def test_the_export_opens_with_a_comment_naming_the_plan_and_its_predictions(target, llava):
     plan = load_plan(llava[1] / "plan.json")
     text = export_plan(plan, target, lossy=True, source="solved.json").text
@@ -71,7 +75,7 @@ def test_the_export_opens_with_a_comment_naming_the_plan_and_its_predictions(tar
     assert f"step {plan.predicted.step_time_s:.4g} s" in first[2] and "MFU" in first[2]
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", ONE_LAYOUT)
 def test_colocated_groups_sharing_one_layout_export_exactly(target):
     result = export_plan(example("tiny-vlm-dp2"), target)  # vision, projector and LLM colocated, all dp=2
     assert result.dropped == ()
@@ -79,13 +83,13 @@ def test_colocated_groups_sharing_one_layout_export_exactly(target):
 
 
 @pytest.mark.parametrize("target, feature", [
-    ("megatron", "2 encoder groups on their own ranks"),
+    ("megatron", "2 encoder groups on their own ranks (Megatron-LM core_v0.16.1 runs one layout"),
     ("torchtitan", "groups with their own layouts"),
     ("deepspeed", "groups with their own layouts"),
 ])
 def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_dropped(target, feature):
     plan = tiny_avlm_apart()
-    with pytest.raises(Unsupported, match=feature) as e:
+    with pytest.raises(Unsupported, match=re.escape(feature)) as e:
         export_plan(plan, target)
     assert "\n" not in str(e.value) and "--lossy" in str(e.value)
     result = export_plan(plan, target, lossy=True)
@@ -93,6 +97,28 @@ def test_what_a_target_cannot_express_is_one_error_and_lossy_says_what_it_droppe
     assert "LOSSY" in result.text and feature in result.text
     # the strict error names every feature --lossy drops (the per-group dp changes too), not the first only
     assert all(d.split(" -> ")[0] in str(e.value) for d in result.dropped) and len(result.dropped) > 1
+
+
+def test_megatron_mimo_refuses_in_one_line_what_its_flags_cannot_hold(llava):
+    """Megatron-LM main's MIMO flags hold one encoder grid beside the language grid: a one-layout plan, colocated groups
+    with their own layouts and two encoder groups apart are refused, naming the target that expresses them (--lossy
+    does not change that: the nearest plan is another target's)."""
+    for plan, names in ((load_plan(llava[1] / "plan.json"), "--to megatron`"), (example("tiny-vlm-dp2"), "--to megatron`"),
+                        (tiny_avlm_apart(), "--to megatron-bridge")):
+        for lossy in (False, True):
+            with pytest.raises(Unsupported, match="megatron-mimo .*d98e8a64dd") as e:
+                export_plan(plan, "megatron-mimo", lossy=lossy)
+            assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_megatron_refuses_an_encoder_on_its_own_ranks_naming_megatron_mimo():
+    plan = example("vit22b-llama70b-non-colocated-128xh100-sxm")  # the ViT on ranks of its own, a layout of its own
+    with pytest.raises(Unsupported, match="`--to megatron-mimo` writes Megatron-LM main's heterogeneous MIMO flags") as e:
+        export_plan(plan, "megatron")
+    assert "\n" not in str(e.value)
+    text = export_plan(plan, "megatron-mimo", lossy=True).text
+    assert "--encoder-tp" in text and "for Megatron-LM main at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553" in text
+    assert "--encoder-tp" not in export_plan(plan, "megatron", lossy=True).text
 
 
 def test_megatron_bridge_expresses_every_group_on_its_own_ranks():
@@ -114,7 +140,7 @@ def test_megatron_layout_string_carries_uneven_cut_points_and_mimo_renumbers_ran
     plan = build_plan(profile, parse_cluster("64xh100-sxm"), Training(64, 32), [
         GroupLayout("llm", llm, cuts, 2, 4, tuple(range(56))), GroupLayout("vision", vision, (), 1, 8, tuple(range(56, 64)))][::-1],
         predict=False)
-    text = export_plan(plan, "megatron", lossy=True).text
+    text = export_plan(plan, "megatron-mimo", lossy=True).text
     f = flags(text)
     assert [stage.count("t") for stage in parse_layout_string(f["--pipeline-model-parallel-layout"])] == counts
     assert (f["--encoder-tp"], f["--encoder-dp"], f["--llm-offset"]) == ("8", "1", "8")

@@ -28,7 +28,7 @@ from tests.planner.test_export_targets import (  # noqa: F401 (fixtures)
 
 runner = CliRunner()
 LLAVA_LLM = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, sequence=2048, tied=False,
-                 norm="rmsnorm", mlp="swiglu", position="rope", bias="no")  # LLaMA-2-7B / Vicuna-7B, 576 + 1472 tokens
+                 norm="rmsnorm", mlp="swiglu", position="rope", bias="no", rope_base=10000.0)  # LLaMA-2-7B / Vicuna-7B, 576 + 1472 tokens
 LLAVA_VISION = dict(layers=24, hidden=1024, heads=16, kv_heads=16, ffn=4096, sequence=577, norm="layernorm", mlp="gelu")
 
 
@@ -85,6 +85,7 @@ def test_megatron_shape_flags_pass_the_real_parser_and_match_the_model(llava, me
     assert not args.group_query_attention and args.untie_embeddings_and_output_weights
     assert (args.decoder_seq_length, args.seq_length, args.max_position_embeddings) == (2048, 577, 2048)
     assert (args.normalization, args.swiglu, args.position_embedding_type, args.add_bias_linear) == ("RMSNorm", True, "rope", False)
+    assert args.rotary_base == 10000 and "--rotary-base 10000" in text  # the zoo attention's own base
     assert 32000 % (args.make_vocab_size_divisible_by * args.tensor_model_parallel_size) == 0  # padding keeps 32000 rows
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (2, 4, 8)
     config = megatron_lm.arguments.core_transformer_config_from_args(args)
@@ -164,13 +165,16 @@ def test_torchtitan_model_config_is_the_profiled_llm(llava, titan_models, tmp_pa
     ns = runpy.run_path(str(path))
     assert ns["MODEL"] == dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, hidden_dim=11008, vocab_size=32000,
                                enable_weight_tying=False) and ns["SEQ_LEN"] == 2048
-    with pytest.raises(TypeError), torch.device("meta"):  # RoPE base FILL_ME: the model does not build
-        ns["model_spec"]().model.build()
+    assert ns["ROPE_THETA"] == 10000.0  # the profile's RoPE base
     with pytest.raises(ValueError):  # torchtitan knows no dataset FILL_ME
         _validate_dataset(ns["DATASET"])
-    fixed = tmp_path / "filled.py"
-    fixed.write_text(path.read_text().replace("ROPE_THETA = 'FILL_ME'", "ROPE_THETA = 10000.0"))
-    ns = runpy.run_path(str(fixed))
+    no_base = replace(profile, shapes=tuple(replace(s, rope_base=0.0) for s in profile.shapes))  # an older profile's shape
+    save_profile(no_base, tmp_path / "no-base.profile.json")
+    (tmp_path / "no-base").mkdir()
+    unknown = runpy.run_path(str(export(plan, "torchtitan", tmp_path / "no-base", "--profile", tmp_path / "no-base.profile.json")))
+    assert unknown["ROPE_THETA"] == "FILL_ME"
+    with pytest.raises(TypeError), torch.device("meta"):  # the model does not build until it is filled
+        unknown["model_spec"]().model.build()
     with torch.device("meta"):
         model = ns["model_spec"]().model.build()
     assert sum(p.numel() for p in model.parameters()) == sum(b.params for b in profile.blocks if b.group == "llm")
@@ -200,3 +204,21 @@ def test_deepspeed_launch_line_has_the_plans_nodes_and_gpus(llava, deepspeed_con
         launch = [c for c in comment if c.startswith("launch on every node: torchrun")]
         assert len(launch) == 1 and want in launch[0]
         assert any("llm: 32 layers, hidden 4096, 32 heads, ffn 11008, sequence 2048, vocab 32000" in c for c in comment)
+
+
+@pytest.mark.parametrize("rope, want", [({"rope_theta": 500000.0, "rope_type": "default"}, 500000.0),
+                                        ({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 0.0)])
+def test_profile_records_a_hugging_face_rope_base_unless_it_scales_frequencies(rope, want, tmp_path, monkeypatch):
+    """A Hugging Face Llama (Llama 3's base); with Llama 3.1's frequency scaling the base alone is not the model's
+    positions, so it stays unknown (0) and the exports write FILL_ME."""
+    from transformers import LlamaConfig
+
+    from planner.profiler.profile import profile_model
+    from runtime.source import resolve
+
+    monkeypatch.setenv("TRANSFORMERS_DISABLE_TORCH_CHECK", "1")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=128, max_position_embeddings=64, rope_parameters=rope, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    shape = next(s for s in profile_model(resolve(f"hf:{tmp_path}")).shapes if s.layers == 2)
+    assert (shape.position, shape.rope_base) == ("rope", want)

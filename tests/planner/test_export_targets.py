@@ -5,6 +5,7 @@ qwen2-vl-72b (1024 H100) and on heterogeneous ones. The packages come with `pip 
 parser and Megatron-Bridge's config are pinned copies under tests/fixtures/ (see its README)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -81,9 +82,12 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def export(plan: Path, target: str, tmp: Path, *, lossy: bool = False) -> Path:
+def export(plan: Path, target: str, tmp: Path, *, lossy: bool = False, profile: bool = False) -> Path:
+    """`mmplan export`; with `profile`, the plan's profile (its model's shape) too."""
     out = tmp / f"{plan.stem}.{target}"
-    cli("export", plan, "--to", target, "-o", out, *(["--lossy"] if lossy else []))
+    model = plan.stem.removesuffix("-apart").removesuffix("-mimo")
+    cli("export", plan, "--to", target, "-o", out, *(["--lossy"] if lossy else []),
+        *(["--profile", plan.parent / f"{model}.profile.json"] if profile else []))
     return out
 
 
@@ -199,7 +203,7 @@ def test_megatron_lm_parser_agrees_on_every_degree_and_cut_point(name, megatron_
 @pytest.mark.parametrize("name", MIMO)
 def test_megatron_lm_mimo_flags_agree_on_grids_and_rank_offsets(name, megatron_lm, plans, tmp_path, monkeypatch):
     # the solved plan has ZeRO 0: hetero MIMO training requires the distributed optimizer, the one thing --lossy drops
-    path = export(plans[name], "megatron", tmp_path, lossy=load_plan(plans[name]).groups[0].zero == 0)
+    path = export(plans[name], "megatron-mimo", tmp_path, lossy=load_plan(plans[name]).groups[0].zero == 0)
     assert "--use-distributed-optimizer" in path.read_text()
     enc, llm = pipeline(plans[name])
     world = sum(len(r) for g in (enc, llm) for r in g["ranks"])
@@ -246,7 +250,9 @@ def check_core_fields(ns: dict, num_layers: int, tp: int, pp: int, heads: int):
     from megatron.core.transformer import TransformerConfig
 
     fields = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, **ns["model_overrides"]}
-    config = TransformerConfig(num_layers=num_layers, hidden_size=heads * 128, num_attention_heads=heads, **fields)
+    core = {f.name for f in dataclasses.fields(TransformerConfig)}  # the rest are the GPT model's (vocabulary, sequence, ...)
+    config = TransformerConfig(**{k: v for k, v in fields.items() if k in core})
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads) == (num_layers, heads * 128, heads)
     DistributedDataParallelConfig(**ns["ddp_overrides"])
     OptimizerConfig(**ns["optimizer_overrides"])
     return config
@@ -254,23 +260,23 @@ def check_core_fields(ns: dict, num_layers: int, tp: int, pp: int, heads: int):
 
 @pytest.mark.parametrize("name", MUST_SHOW)
 def test_megatron_bridge_one_layout_builds_megatron_core_configs(name, bridge, plans, tmp_path):
-    path = export(plans[name], "megatron-bridge", tmp_path)
+    path = export(plans[name], "megatron-bridge", tmp_path, profile=True)
     ns = runpy.run_path(str(path))
     want = as_chain(plans[name])
     overrides = ns["model_overrides"]
     assert (overrides["tensor_model_parallel_size"], overrides["pipeline_model_parallel_size"]) == (want["tp"], want["pp"])
     assert ns["WORLD_SIZE"] // (want["tp"] * want["pp"]) == want["dp"]
-    config = check_core_fields(ns, sum(want["layers"]), want["tp"], want["pp"], 32)
+    config = check_core_fields(ns, sum(want["layers"]), want["tp"], want["pp"], {"llava-1.5-7b": 32, "qwen2-vl-72b": 64}[name])
     assert decoder_layers(config) == want["layers"]
     cfg = types.SimpleNamespace(model=types.SimpleNamespace(), ddp=types.SimpleNamespace(), optimizer=types.SimpleNamespace(),
-                                train=types.SimpleNamespace())
+                                train=types.SimpleNamespace(), dataset=types.SimpleNamespace(), tokenizer=types.SimpleNamespace())
     ns["apply"](cfg)
     assert cfg.model.pipeline_model_parallel_size == want["pp"] and cfg.train.global_batch_size == load_plan(plans[name]).training.global_batch
 
 
 @pytest.mark.parametrize("name", MIMO)
 def test_megatron_bridge_mimo_config_finalizes_with_the_plans_rank_offsets(name, bridge, plans, tmp_path, monkeypatch):
-    path = export(plans[name], "megatron-bridge", tmp_path)  # exact: Bridge takes any rank_offset and ZeRO stage
+    path = export(plans[name], "megatron-bridge", tmp_path, profile=True)  # exact: Bridge takes any rank_offset and ZeRO stage
     ns = runpy.run_path(str(path))
     config = ns["megatron_mimo_parallelism_config"]
     assert isinstance(config, bridge.MegatronMIMOParallelismConfig)
@@ -284,7 +290,7 @@ def test_megatron_bridge_mimo_config_finalizes_with_the_plans_rank_offsets(name,
         stages, _ = grid_stage_ranks(g["tp"], g["dp"], g["pp"], offset, ns["WORLD_SIZE"], monkeypatch)
         assert stages == [sorted(s) for s in g["ranks"]]
     llm = groups[-1]
-    config = check_core_fields(ns, sum(llm["layers"]), llm["tp"], llm["pp"], 64)
+    config = check_core_fields(ns, sum(llm["layers"]), llm["tp"], llm["pp"], 32 if name.startswith("llava") else 64)
     assert decoder_layers(config) == llm["layers"]
 
 
