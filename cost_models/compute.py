@@ -10,6 +10,7 @@ from cost_models.fsdp import overlap_share
 from cost_models.hardware import attention_efficiency, efficiency, peak_flops, sm_count, stream_bandwidth
 from cost_models.memory import DTYPE_BYTES
 from cost_models.overhead import host_time, measured_compute_scale, with_host
+from plans.capabilities import TP_SINGLE_REGION_KINDS, sequence_parallel_applies, sequence_parallel_padding
 from plans.cluster import Cluster, Link
 from plans.graph import Block, Profile
 
@@ -117,8 +118,7 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     bwd += attention_time(block.bwd_attention_flops * samples / t, cluster, dtype, attention)
     # a math attention's core GEMMs (QK^T, AV: part of fwd_gemms), which selective recompute reruns with the softmax
     core += gemm_kernels_time(block.attention_core_gemms, samples / t, cluster, dtype)
-    rep = 0.0 if sequence_parallel else block.replicated_memory_fraction
-    share = (rep + (1 - rep) / t) * samples  # memory-bound bytes of this shard per profiled sample
+    share = _memory_share(block, t, sequence_parallel) * samples  # memory-bound bytes of this shard per profiled sample
     fwd += memory_time(block.fwd_memory_bytes * share, cluster)
     bwd += memory_time(block.bwd_memory_bytes * share, cluster)
     if block.vocab_parallel == "head":
@@ -135,6 +135,21 @@ def _compute(block: Block, samples: float, t: int, sequence_parallel: bool, clus
     return fwd, bwd, core
 
 
+def sp_runs(block: Block, sequence_parallel: bool) -> bool:
+    """Whether a block of a sequence-parallel group runs sequence-parallel (plans/capabilities: transformer layers;
+    the projector and cross-attention layers stay plainly tensor-parallel)."""
+    return sequence_parallel and sequence_parallel_applies(block.kind)
+
+
+def _memory_share(block: Block, t: int, sequence_parallel: bool) -> float:
+    """The share of a block's memory-bound bytes one of its t shards moves: the part inside the TP regions split,
+    the part outside (norms, residual) repeated by every rank, or under sequence parallelism split too, over the
+    padded sequence (S rounded up to a multiple of t: runtime/sequence_parallel.py pads it)."""
+    rep = block.replicated_memory_fraction
+    outside = rep * sequence_parallel_padding(block.sequence, t) / t if sp_runs(block, sequence_parallel) else rep
+    return outside + (1 - rep) / t
+
+
 def op_sac_time(block: Block, samples: float, t: int, sequence_parallel: bool, cluster: Cluster, dtype: str) -> float:
     """Seconds torchtitan's op-level selective activation checkpointing reruns in a block's backward (torchtitan/
     parallelisms/parallelize_llama.py `_apply_ac_to_transformer_block`, `selective_ac_option = "op"`, at 9dec370,
@@ -144,8 +159,7 @@ def op_sac_time(block: Block, samples: float, t: int, sequence_parallel: bool, c
     The profile keeps GEMMs by shape, not in order: half of each shape class's kernels, rounded down, are priced
     (exact for LLaMA's wq wk wv wo w1 w3 w2, whose even ones -- wk, wo, w3 -- are one of each class)."""
     rerun = tuple((f, nbytes, count // 2) for f, nbytes, count in block.fwd_gemms)
-    rep = 0.0 if sequence_parallel else block.replicated_memory_fraction
-    share = (rep + (1 - rep) / t) * samples
+    share = _memory_share(block, t, sequence_parallel) * samples
     return gemm_kernels_time(rerun, samples / t, cluster, dtype) + memory_time(block.fwd_memory_bytes * share, cluster)
 
 
@@ -161,7 +175,8 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     same ring volume (Korthikanti et al. 2022, section 4.2.2), twice the calls -- plus, in the backward, one more
     all-gather per region (attention, MLP): the region's linears saved only this rank's sequence slice of their
     input, and the weight gradients need the whole sequence, so the backward gathers it again (regather_time).
-    Vocabulary-parallel embedding: one all-reduce of its output in the forward. Vocabulary-parallel head: the
+    A sequence tp does not divide travels padded (runtime/sequence_parallel.py). The projector (one region, fc1
+    column-, fc2 row-parallel) all-reduces once each way. Vocabulary-parallel embedding: one all-reduce of its output in the forward. Vocabulary-parallel head: the
     input is copied (f), so one all-reduce of the input gradient in the backward, plus the cross-entropy's
     all-reduces of one float per token in the forward, latency-bound: two calls in mmplan's runtime (the max, then
     the exp-sum and the target logit stacked: runtime/vocab_parallel.py; Megatron-LM makes three, a few
@@ -188,9 +203,13 @@ def tp_collectives(block: Block, samples: float, t: int, link: Link, input_bytes
     if block.vocab_parallel == "head":
         return 2 * all_reduce_time(1.0, t, link), all_reduce_time(input_bytes * samples, t, link)
     size = block.output_bytes * samples
-    if not sequence_parallel:  # per region: g all-reduces the output forward, f the input gradient backward
+    if block.kind in TP_SINGLE_REGION_KINDS:  # the projector: one region, one all-reduce each way
+        one = all_reduce_time(size, t, link)
+        return one, share * one if overlapped_tp_backward else one
+    if not sp_runs(block, sequence_parallel):  # per region: g all-reduces the output forward, f the input gradient backward
         one = all_reduce_time(size, t, link)
         return 2 * one, share * 2 * one if overlapped_tp_backward else 2 * one
+    size *= sequence_parallel_padding(block.sequence, t)  # the padded sequence travels
     # per region: all-gather on entry, reduce-scatter at the row-parallel exit; the backward the reverse
     gather, scatter = all_gather_time(size, t, link), reduce_scatter_time(size, t, link)
     if overlapped_tp_backward:  # hidden: the input gradient's reduce-scatter and the saved input's re-gather
@@ -206,7 +225,7 @@ def regather_time(block: Block, samples: float, t: int, link: Link) -> float:
     Megatron-LM saves the slice as well, but all-gathers it asynchronously while the input-gradient GEMM runs
     (megatron/mpu/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward, 9aad9203aa, 2022-05-20, the
     sequence-parallelism merge): tp_collectives(overlapped_tp_backward=True) prices that as hidden."""
-    return 2 * all_gather_time(block.output_bytes * samples, t, link)
+    return 2 * all_gather_time(block.output_bytes * samples * sequence_parallel_padding(block.sequence, t), t, link)
 
 
 # TransformerEngine's userbuffers defaults (transformer_engine/pytorch/module/base.py initialize_ub at 8e039fdcd,
@@ -335,7 +354,7 @@ def block_time(
         bwd = b / (peak * efficiency(cluster.device, b)) if b > 0 else 0.0
     host_fwd, host_bwd = host_time(block, cluster, measured=measured)
     fwd, bwd = with_host(fwd, host_fwd, cluster), with_host(bwd, host_bwd, cluster)
-    if tp_comm_overlap and sequence_parallel and t > 1 and block.supports_tp and not block.vocab_parallel:
+    if tp_comm_overlap and sp_runs(block, sequence_parallel) and t > 1 and block.supports_tp and not block.vocab_parallel:
         fwd_comm, bwd_comm = userbuffers_tp_time(block, samples, t, tp_link or cluster.intra_node, cluster, dtype)
     else:
         fwd_comm, bwd_comm = tp_collectives(block, samples, t, tp_link or cluster.intra_node, input_bytes,

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
+from plans.capabilities import sequence_parallel_applies, sequence_parallel_padding
 from plans.errors import MmplanError
 from plans.graph import Block, Profile
 from plans.plan import ActivationTier, Memory, Schedule, Tier
@@ -145,11 +146,16 @@ def kept_activation_bytes(block: Block, tp: int, *, sequence_parallel: bool = Fa
     activation_replicated_bytes) is held whole by every rank unless sequence parallelism splits it too; selective
     recompute drops the attention core (attention_core_bytes) -- per layer sbh(10 + 24/t + 5as/(ht)) with TP,
     sbh(34/t + 5as/(ht)) with TP + SP, sbh(10 + 24/t) / sbh(34/t) with selective recompute. Vocabulary-parallel
-    blocks split everything (their logits and the cross-entropy's). Full recompute is activation_residency's."""
+    blocks split everything (their logits and the cross-entropy's). Under sequence parallelism a sequence t does not
+    divide is held padded (S rounded up to a multiple of t, runtime/sequence_parallel.py); blocks of a sequence-parallel
+    group that do not run sequence-parallel (projectors, cross-attention layers) as without it. Full recompute is
+    activation_residency's."""
     t = tp if (block.supports_tp or block.vocab_parallel) else 1
     total = block.activation_bytes
     core = block.attention_core_bytes if tier == "selective" else 0.0
-    replicated = 0.0 if (sequence_parallel or block.vocab_parallel) else block.activation_replicated_bytes
+    replicated = 0.0 if block.vocab_parallel else block.activation_replicated_bytes
+    if sequence_parallel and sequence_parallel_applies(block.kind):  # split too, over the padded sequence
+        return replicated * sequence_parallel_padding(block.sequence, t) / t + (total - core - replicated) / t
     return replicated + (total - core - replicated) / t
 
 
@@ -256,7 +262,9 @@ def stage_memory(
         tier = memory.activations.get(b.name, "keep")
         act = kept_activation_bytes(b, tp, sequence_parallel=sequence_parallel, tier=tier) * samples  # one micro-batch
         # the checkpoint of a recomputed block: its input, split over the tp ranks only with sequence parallelism
-        checkpoint = input_bytes.get(b.name, 0.0) * samples / (shard[b.name] if sequence_parallel else 1)
+        sp = sequence_parallel and sequence_parallel_applies(b.kind)
+        checkpoint = input_bytes.get(b.name, 0.0) * samples * (
+            sequence_parallel_padding(b.sequence, shard[b.name]) / shard[b.name] if sp else 1)
         out = out + activation_residency(tier, act, checkpoint).scaled(in_flight_micro_batches)
         transient = max(transient, activation_transient(tier, act))
         if tier == "selective":

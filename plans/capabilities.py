@@ -32,7 +32,7 @@ Style = Literal["colwise", "rowwise"]  # column-parallel: output features split;
 
 # Block kinds the runtime shards (classes saying supports_tensor_parallel = True); besides them, any block that
 # carries its own plan (Hugging Face blocks, from the model's base_model_tp_plan: runtime/hf.py).
-TP_BLOCK_KINDS: tuple[str, ...] = ("TransformerLayer", "FlamingoLayer")
+TP_BLOCK_KINDS: tuple[str, ...] = ("TransformerLayer", "FlamingoLayer", "Projector")
 
 # Region kind (the attention / MLP module's class) -> {linear attribute: style}. Everything else is replicated.
 TP_REGIONS: dict[str, dict[str, Style]] = {
@@ -40,6 +40,8 @@ TP_REGIONS: dict[str, dict[str, Style]] = {
     "CrossAttention": {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
     "SwiGLU": {"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
     "GeluMLP": {"fc1": "colwise", "fc2": "rowwise"},
+    # the encoder-to-LLM projector (Linear-GELU-Linear) is itself one region, sharded like a transformer's MLP
+    "Projector": {"fc1": "colwise", "fc2": "rowwise"},
 }
 
 # Region kind -> the sizes tp must divide (tp shards exactly: every shard one equal contiguous chunk). A region of a
@@ -49,7 +51,12 @@ TP_DIVIDES: dict[str, tuple[str, ...]] = {
     "CrossAttention": ("heads", "kv_heads"),
     "SwiGLU": ("mlp width",),
     "GeluMLP": ("mlp width",),
+    "Projector": ("mlp width",),
 }
+
+# Block kinds that are one region (the block is its own MLP): one all-reduce forward, one backward, where a
+# transformer layer has two of each (cost_models/compute.py tp_collectives). Other TP kinds have two.
+TP_SINGLE_REGION_KINDS: tuple[str, ...] = ("Projector",)
 
 # Modules that may hold replicated parameters outside the regions of a tensor-parallel block (besides any module
 # whose class name contains "norm"): they see identical activations on every tp rank.
@@ -57,6 +64,25 @@ TP_REPLICATED_KINDS: tuple[str, ...] = ("LayerNorm", "GatedCrossAttention")
 
 # Block kinds whose regions all read the block's own sequence: sequence parallelism applies to them.
 SEQUENCE_PARALLEL_KINDS: tuple[str, ...] = ("TransformerLayer",)
+# Any sequence length: where tp does not divide it the runtime pads it with zeros to the next multiple of tp at the
+# run's entry and drops the padding before every attention / MLP and at the run's exit (Megatron-LM pads likewise);
+# the cost models price the padded length (sequence_parallel_padding).
+SEQUENCE_PARALLEL_PADS = True
+
+
+def sequence_parallel_padding(sequence: int, tp: int) -> float:
+    """S' / S: the padded sequence length a sequence-parallel run carries (S rounded up to a multiple of tp) over the
+    true one; 1.0 where tp divides S or the sequence is not known (0)."""
+    if sequence <= 0 or tp <= 1:
+        return 1.0
+    return (-(-sequence // tp) * tp) / sequence
+
+
+def sequence_parallel_applies(kind: str) -> bool:
+    """Whether a sequence-parallel group runs a block of this kind sequence-parallel: the SEQUENCE_PARALLEL_KINDS;
+    the other zoo TP kinds (TP_BLOCK_KINDS: cross-attention layers, projectors) stay plainly tensor-parallel.
+    Blocks carrying their own plan (Hugging Face) are not zoo kinds: True, as the cost models have priced them."""
+    return kind in SEQUENCE_PARALLEL_KINDS or kind not in TP_BLOCK_KINDS
 
 # ----------------------------------------------------------------------------------------------- tied parameters
 # A parameter shared by several blocks (tied embeddings) belongs to the first block that holds it. Supported: all its

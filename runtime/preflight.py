@@ -20,7 +20,7 @@ from plans.units import format_bytes
 from runtime.precision import torch_dtype
 from runtime.program import model_fingerprint, trace_program, traced_flow
 from runtime.source import call_factory, is_factory, resolve
-from runtime.tensor_parallel import check_tp, supports_sequence_parallel, supports_tp
+from runtime.tensor_parallel import check_tp, supports_tp
 
 MAX_LOCAL_RANKS = 64  # beyond this a plan is for a real cluster: start it with torchrun
 RANKS_PER_CORE = 4  # local ranks beyond this many per CPU core are refused (each is a process with its own model)
@@ -82,7 +82,8 @@ def check_model(plan: Plan, plan_path: Path, model: str | None) -> CheckedModel:
 
 
 def check_runs(checked: CheckedModel, plan_path: Path) -> None:
-    """What the runtime can run (plans/capabilities.py): precision, rank numbering, tensor and sequence parallelism."""
+    """What the runtime can run (plans/capabilities.py): precision, rank numbering, tensor parallelism (sequence
+    parallelism runs on any sequence length: runtime/sequence_parallel.py pads it to a multiple of tp)."""
     check_precision(checked.plan, plan_path)
     check_rank_numbering(checked.plan, plan_path)
     check_tensor_parallel(checked.plan, checked.model, checked.example, plan_path)
@@ -136,39 +137,6 @@ def check_tensor_parallel(plan: Plan, model: nn.Module, example: dict[str, Any],
                 check_tp(block, g.tp)
             except MmplanError as e:
                 raise MmplanError(f"plan {plan_path}: group {g.name!r} has tp={g.tp}, which block {b} cannot use: {e}") from None
-    check_sequence_parallel(plan, model, example, plan_path)
-
-
-def check_sequence_parallel(plan: Plan, model: nn.Module, example: dict, plan_path: Path) -> None:
-    """A sequence-parallel group's layers must see a sequence its tp divides: one forward on the meta device
-    records each such layer's sequence length before any rank starts."""
-    watched = {b: g for g in plan.groups if g.sequence_parallel and g.tp > 1 for b in g.blocks
-               if supports_sequence_parallel(model.get_submodule(b))}
-    if not watched:
-        return
-    lengths: dict[str, int] = {}
-
-    def record(name: str):
-        def hook(_module: Any, args: tuple) -> None:
-            lengths.setdefault(name, args[0].shape[1])  # (B, S, D)
-        return hook
-
-    handles = [model.get_submodule(b).register_forward_pre_hook(record(b)) for b in watched]
-    on_meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-    try:
-        for inputs in (example, on_meta):  # real token ids first (value-dependent glue), else every input on meta
-            try:
-                model(**inputs)
-                break
-            except Exception:  # noqa: BLE001 - a model the meta device cannot run: the ranks check it at their first forward
-                continue
-    finally:
-        for h in handles:
-            h.remove()
-    for b, g in watched.items():
-        if b in lengths and lengths[b] % g.tp:
-            raise MmplanError(f"plan {plan_path}: group {g.name!r} is sequence-parallel with tp={g.tp}, but block {b} "
-                              f"reads a sequence of {lengths[b]}; set sequence_parallel false or use a tp dividing it")
 
 
 def check_zero(plan: Plan, plan_path: Path) -> None:

@@ -56,12 +56,14 @@ from plans.errors import MmplanError
 
 from .models.flamingo import FlamingoLayer, GatedCrossAttention
 from .models.layers import Attention, CrossAttention, GeluMLP, SwiGLU, TransformerLayer
+from .models.projector import Projector
 from .sequence_parallel import reduce_scatter_to_sequence, sequence_parallel_region
 from .tp_shards import LAYOUT_ATTR, ShardInfo, TPLayout, full_parameter_names  # noqa: F401  (full_parameter_names: callers)
 
 # The kinds plans/capabilities.py names, as the classes this runtime implements them with.
 KIND_CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (
-    TransformerLayer, FlamingoLayer, Attention, CrossAttention, SwiGLU, GeluMLP, GatedCrossAttention, nn.LayerNorm)}
+    TransformerLayer, FlamingoLayer, Attention, CrossAttention, SwiGLU, GeluMLP, GatedCrossAttention, nn.LayerNorm,
+    Projector)}
 # The TP plan as data (plans/capabilities.TP_REGIONS): region class -> {linear's attribute name: style}.
 REGION_PLANS: dict[type[nn.Module], dict[str, Style]] = {KIND_CLASSES[k]: plan for k, plan in TP_REGIONS.items()}
 # The dim of an nn.Linear weight each style splits (biases: dim 0 for colwise, replicated for rowwise).
@@ -246,7 +248,7 @@ def tp_divisor(block: nn.Module) -> int:
 
 def _check_replicated(block: nn.Module, regions: dict[str, nn.Module]) -> None:
     """Parameters outside the regions must sit where f/g make them identical: norms or Flamingo gates."""
-    in_region = {f"{path}.{n}" for path, r in regions.items() for n, _ in r.named_parameters()}
+    in_region = {_join(path, n) for path, r in regions.items() for n, _ in r.named_parameters()}
     for name, _ in block.named_parameters():
         if name in in_region:
             continue
@@ -256,6 +258,11 @@ def _check_replicated(block: nn.Module, regions: dict[str, nn.Module]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- apply
+def _join(path: str, name: str) -> str:
+    """A name inside a region at `path` ("" where the block is its own region: the projector)."""
+    return f"{path}.{name}" if path else name
+
+
 def _shard(p: nn.Parameter, dim: int, tp_rank: int, tp: int) -> nn.Parameter:
     """This rank's contiguous chunk of p along dim, as a new parameter owning its memory (frees the full one)."""
     piece = p.detach().chunk(tp, dim=dim)[tp_rank].clone(memory_format=torch.contiguous_format)
@@ -301,7 +308,7 @@ def apply_tp(block: nn.Module, tp_group: dist.ProcessGroup | None, tp_rank: int,
     for path, region in _regions(block).items():
         for attr, style in plans[path].items():
             linear: nn.Linear = getattr(region, attr)
-            prefix = f"{path}.{attr}"
+            prefix = _join(path, attr)
             dim = _WEIGHT_DIM[style]
             shards[f"{prefix}.weight"] = ShardInfo(f"{prefix}.weight", dim, tp_rank, tp, tuple(linear.weight.shape))
             weight = _shard(linear.weight, dim, tp_rank, tp)

@@ -11,7 +11,7 @@ from torch import nn
 
 from plans.errors import MmplanError
 
-from .sequence_parallel import sequence_parallel_params, sequence_runs, set_sequence_ends
+from .sequence_parallel import SequenceRun, sequence_parallel_params, sequence_runs, set_sequence_ends
 from .tensor_parallel import apply_tp, check_tp, supports_sequence_parallel, supports_tp
 from .vocab_parallel import shard_embedding, shard_head
 
@@ -51,8 +51,25 @@ def parallelize_stage(program: Any, blocks: tuple[str, ...], local: dict[str, nn
         if supports_tp(local[b]):
             check_tp(local[b], tp)
             apply_tp(local[b], group, tp_rank, tp, sequence_parallel=b in sp)
-    for b, (scatter_in, gather_out) in sequence_runs(program, blocks, sp, leaving).items():
-        set_sequence_ends(local[b], group, scatter_in=scatter_in, gather_out=gather_out)
+    for b, (scatter_in, gather_out, run) in _with_runs(program, sequence_runs(program, blocks, sp, leaving)).items():
+        set_sequence_ends(local[b], group, scatter_in=scatter_in, gather_out=gather_out, run=run)
         done.sequence_blocks.append(b)
         done.partial_params.extend(sequence_parallel_params(local[b]))
     return done
+
+
+def _with_runs(program: Any, ends: dict[str, tuple[bool, bool]]) -> dict[str, tuple[bool, bool, SequenceRun]]:
+    """Each sequence-parallel block's ends and its run (one SequenceRun shared by a run's blocks: a new one where a
+    block slices its input, else its producer's, the block whose sliced output it reads)."""
+    runs: dict[str, SequenceRun] = {}
+    producer = {}
+    for b, (_, gather_out) in ends.items():
+        if not gather_out:
+            (user,) = program.blocks[b].users
+            producer[user] = b
+    out = {}
+    for b, (scatter_in, gather_out) in ends.items():  # program order: a producer comes before its reader
+        p = producer.get(program.blocks[b])
+        runs[b] = runs[p] if not scatter_in and p in runs else SequenceRun()
+        out[b] = (scatter_in, gather_out, runs[b])
+    return out

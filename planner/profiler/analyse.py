@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.source import model_loss
 from runtime.vocab_parallel import HeadPaths
+from plans.capabilities import TP_SINGLE_REGION_KINDS
 from plans.errors import MmplanError
 from planner.profiler.blocks import discover_blocks
 from planner.profiler.records import NO_TRAFFIC, SOFTMAX, BlockRecord, Trace, TensorSpec, holds_linear, tensor_bytes
@@ -159,8 +160,13 @@ def _install_hooks(trace: Trace) -> list:
                 rec.embeds_input = True
             trace.current = rec.name
             trace.seq_ranges.append([trace.max_seq + 1, None, rec.name])
+            if type(module).__name__ in TP_SINGLE_REGION_KINDS:  # the block is its own region (the projector)
+                trace.calls += 1
+                trace.stack.append((module, trace.calls))
 
         def post(module, args, kwargs, output, rec=rec):
+            if trace.stack and trace.stack[-1][0] is module:
+                trace.stack.pop()
             trace.note_nodes(output)
             trace.seq_ranges[-1][1] = trace.max_seq
             trace.seq_ranges[-1] = tuple(trace.seq_ranges[-1])

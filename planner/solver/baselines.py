@@ -74,7 +74,7 @@ def grid_layouts(profile: Profile, cluster: Cluster, global_batch: int, *, sched
     every divisor, micro_batch_sizes) with dp*micro-batch dividing the global batch, each ZeRO stage of `zeros`
     (0 and 1 are the same plan at dp = 1) and recompute option; schedules are `1f1b`, `gpipe` or `interleaved:V`
     (used where pp >= 2 and, for the layer splits, pp*V divides the layer count); sequence parallelism each of
-    `sequence_parallels` where tp > 1 and tp divides every layer's sequence (off otherwise: the runtime does not pad)."""
+    `sequence_parallels` where tp > 1 (a sequence tp does not divide is padded: candidates.sp_divides)."""
     check_batch(global_batch)
     world = cluster.world_size
     parsed = [parse_schedule(s) for s in schedules]

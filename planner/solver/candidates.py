@@ -14,6 +14,7 @@ from planner.solver.bounds import Layout, run_bound
 from planner.solver.partition import cut_table
 from planner.solver.segments import BlockTimes, Segments
 from planner.solver.space import Policy, Schedule, Setting, Unit, allowed_gpus, divisors, tp_degrees
+from plans.capabilities import SEQUENCE_PARALLEL_PADS
 from plans.cluster import Cluster, Link
 from plans.graph import Block
 
@@ -142,9 +143,10 @@ def unit_layouts(
 
 
 def sp_divides(blocks: Iterable[Block], tp: int) -> bool:
-    """Whether tp divides the sequence of every tensor-parallel block whose sequence the profile recorded (the runtime
-    shards those along it: planner/commands/run.py refuses a sequence-parallel plan otherwise, e.g. a ViT's 577 tokens)."""
-    return all(b.sequence % tp == 0 for b in blocks if b.supports_tp and b.sequence)
+    """Whether the runtime can shard these blocks' sequences over tp: always where it pads a sequence tp does not divide
+    (plans/capabilities.SEQUENCE_PARALLEL_PADS: a ViT's 577 tokens run as 578 at tp=2, priced so), else where tp
+    divides the sequence of every tensor-parallel block whose sequence the profile recorded."""
+    return SEQUENCE_PARALLEL_PADS or all(b.sequence % tp == 0 for b in blocks if b.supports_tp and b.sequence)
 
 
 def sp_values(unit: Unit, setting: Setting, tp: int, samples: float, times: BlockTimes, prune: bool = True) -> tuple[bool, ...]:

@@ -8,13 +8,14 @@ import numpy as np
 from cost_models.memory import DTYPE_BYTES
 from planner.solver.construct import GroupLayout, build_plan, megatron_ranks, with_predictions
 from planner.solver.layout_spec import LayoutSpec, Recompute, Split
+from plans.capabilities import TP_SINGLE_REGION_KINDS
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Block, Profile
 from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Training, check_plan
 
-# Vocabulary: a "layer" is a transformer layer, i.e. a block that supports tensor parallelism (the profiler
-# marks exactly those); "spans" are what a pipeline split counts: each layer with the non-layer
+# Vocabulary: a "layer" is a transformer layer, i.e. a block that supports tensor parallelism and is not a projector
+# (is_layer); "spans" are what a pipeline split counts: each layer with the non-layer
 # blocks (embeddings, norms, projector, head) that follow it, the blocks before the first layer joining it.
 # When a model has fewer layers than the split needs parts, every block is its own span. (A solver "unit",
 # planner/solver/structure.py, is something else: the blocks that get one layout.)
@@ -22,9 +23,15 @@ from plans.plan import Group, Memory, Plan, ProfileRef, SolverInfo, Stage, Train
 GROUP = "model"  # the one group of a homogeneous plan: every block in one pipeline
 
 
+def is_layer(block: Block) -> bool:
+    """A transformer layer: a block that supports tensor parallelism and is not a single-region block (a projector,
+    tensor-parallel too: plans/capabilities.TP_SINGLE_REGION_KINDS)."""
+    return block.supports_tp and block.kind not in TP_SINGLE_REGION_KINDS
+
+
 def layer_count(profile: Profile) -> int:
-    """Transformer layers of the model (blocks that support tensor parallelism)."""
-    return sum(1 for b in profile.blocks if b.supports_tp)
+    """Transformer layers of the model (is_layer)."""
+    return sum(1 for b in profile.blocks if is_layer(b))
 
 
 def llm_start(profile: Profile) -> int:
@@ -35,7 +42,7 @@ def llm_start(profile: Profile) -> int:
 
 def llm_layer_count(profile: Profile) -> int:
     """Transformer layers of the LLM (what a Megatron-style MIMO split counts)."""
-    return sum(1 for b in profile.blocks[llm_start(profile):] if b.supports_tp)
+    return sum(1 for b in profile.blocks[llm_start(profile):] if is_layer(b))
 
 
 def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[tuple[str, ...]]:
@@ -61,7 +68,7 @@ def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[
     if parts < 1 or parts > len(blocks) - first:
         raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
                           f"use at most {len(blocks) - first} (pp x virtual stages)")
-    starts = [i for i in range(first, len(blocks)) if blocks[i].supports_tp]
+    starts = [i for i in range(first, len(blocks)) if is_layer(blocks[i])]
     if len(starts) < parts:
         starts = list(range(first, len(blocks)))
     starts[0] = 0  # the blocks before the first layer join it
@@ -118,7 +125,7 @@ def recomputed_tiers(profile: Profile, blocks: Iterable[str], recompute: Recompu
     by_name = _by_name(profile)
     if recompute == "selective":
         return {b: "selective" for b in blocks if by_name[b].attention_core_bytes > 0}
-    return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
+    return {b: "recompute" for b in blocks if recompute == "full" or is_layer(by_name[b])}
 
 
 def spec_training(profile: Profile, spec: LayoutSpec, global_batch: int) -> Training:

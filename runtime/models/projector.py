@@ -12,7 +12,12 @@ class Projector(nn.Module):
     With merge > 1, each group of `merge` consecutive tokens is concatenated into one (B, N / merge,
     merge * enc_dim) before fc1, as Qwen2-VL's merger does for 2x2 patches (its vision encoder orders
     the patches so that each 2x2 window is consecutive).
+
+    Tensor parallelism (runtime/tensor_parallel.py): the projector is one region, fc1 column-parallel, fc2
+    row-parallel, as a transformer layer's MLP (plans/capabilities.py TP_REGIONS).
     """
+
+    supports_tensor_parallel = True
 
     def __init__(self, in_dim: int, out_dim: int, *, hidden: int | None = None, merge: int = 1) -> None:
         super().__init__()

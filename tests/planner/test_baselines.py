@@ -18,7 +18,7 @@ from planner.solver.baselines import (
     zero3_plan,
 )
 from planner.solver.layout_spec import LayoutSpec, parse_layout
-from planner.solver.megatron_split import split_blocks
+from planner.solver.megatron_split import is_layer, split_blocks
 from plans.stage_graph import stage_graph
 from plans.errors import MmplanError
 from plans.plan import check_plan, load_plan, save_plan
@@ -80,7 +80,7 @@ def test_homogeneous_plan_is_one_pipeline_split_evenly(tiny, four):
     (group,) = plan.groups
     assert (group.name, group.tp, group.pp, group.dp, group.zero) == ("model", 1, 2, 2, 0)
     assert [s.ranks for s in group.stages] == [(0, 1), (2, 3)]
-    layers = [[b for b in s.blocks if tiny.block(b).supports_tp] for s in group.stages]
+    layers = [[b for b in s.blocks if is_layer(tiny.block(b))] for s in group.stages]
     assert layers == [["vision.layers.0", "vision.layers.1"], ["llm.layers.0", "llm.layers.1"]]  # 2 + 2 layers
     assert group.stages[0].blocks[0] == "vision.patch_embed" and group.stages[1].blocks[-1] == "llm.head"
     assert group.blocks == tuple(b.name for b in tiny.blocks)  # every block once, in execution order
@@ -102,21 +102,21 @@ def test_recompute_and_zero_options_reach_the_plan(tiny, four):
     assert full.zero == 1 and all(s.memory.activations == {b: "recompute" for b in s.blocks} for s in full.stages)
     selective = homogeneous_plan(tiny, four, 8, "tp=2,pp=2,dp=1,recompute=selective").groups[0]
     recomputed = {b for s in selective.stages for b in s.memory.activations}
-    assert recomputed == {b.name for b in tiny.blocks if b.supports_tp}  # the transformer layers only
+    assert recomputed == {b.name for b in tiny.blocks if is_layer(b)}  # the transformer layers only
     none = homogeneous_plan(tiny, four, 8, "tp=2,pp=2,dp=1").groups[0]
     assert all(not s.memory.activations for s in none.stages)
 
 
 def test_interleaved_stages_hold_every_pp_th_chunk(tiny, four):
     plan = homogeneous_plan(tiny, four, 8, "tp=1,pp=2,dp=2,schedule=interleaved:2,split=layers")
-    layers = [[b for b in s.blocks if tiny.block(b).supports_tp] for s in plan.groups[0].stages]
+    layers = [[b for b in s.blocks if is_layer(tiny.block(b))] for s in plan.groups[0].stages]
     assert layers == [["vision.layers.0", "llm.layers.0"], ["vision.layers.1", "llm.layers.1"]]
     assert plan.training.virtual_stages == 2 and plan.predicted.step_time_s > 0
 
 
 def test_split_is_even_in_layers_with_extras_last_and_falls_back_to_blocks(tiny):
     def layer_counts(parts):
-        return [sum(tiny.block(b).supports_tp for b in chunk) for chunk in parts]
+        return [sum(is_layer(tiny.block(b)) for b in chunk) for chunk in parts]
 
     assert layer_counts(split_blocks(tiny, 3)) == [1, 1, 2]
     per_block = split_blocks(tiny, 10)  # more parts than layers: every block is a unit
@@ -279,7 +279,7 @@ def test_megatron_split_puts_the_encoders_on_the_first_stage_and_splits_the_llm_
     chunks = split_blocks(tiny, 2, "encoders-first")
     assert [b for c in chunks for b in c] == names
     assert set(names[:first_llm]) <= set(chunks[0])  # every encoder and projector block on stage 0
-    layers = [sum(1 for b in c if next(x for x in tiny.blocks if x.name == b).supports_tp and b in names[first_llm:])
+    layers = [sum(1 for b in c if is_layer(next(x for x in tiny.blocks if x.name == b)) and b in names[first_llm:])
               for c in chunks]
     assert layers == [1, 1]  # tiny-vlm's 2 LLM layers, one per stage
     by_count = split_blocks(tiny, 2)  # the layer-count split counts the vision layers too

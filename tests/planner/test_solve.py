@@ -495,9 +495,9 @@ def test_interleaved_layout_bound_never_exceeds_its_simulated_step():
     assert checked >= 50
 
 
-def test_sequence_parallelism_only_where_tp_divides_the_sequence():
-    # a 17-token encoder (a ViT's class token) cannot be sequence-parallel over 2 ranks (planner/commands/run.py refuses it),
-    # a 32-token LLM can; a profile without sequence lengths leaves it to the run's check
+def test_sequence_parallelism_is_searched_where_tp_does_not_divide_the_sequence():
+    # a 17-token encoder (a ViT's class token) is sequence-parallel over 2 ranks padded to 18 (runtime/sequence_parallel.py),
+    # a 32-token LLM without padding: the solver searches both
     from dataclasses import replace
 
     from planner.solver.candidates import sp_divides, sp_values
@@ -510,11 +510,11 @@ def test_sequence_parallelism_only_where_tp_divides_the_sequence():
     enc, llm = profile_units(profile, "non-colocated")
     setting = Setting(cluster, batch, "1f1b", "bf16")
     times = BlockTimes(setting)
-    assert not sp_divides(enc.blocks, 2) and sp_divides(llm.blocks, 2) and sp_divides(llm.blocks, 4)
-    assert sp_values(enc, setting, 2, 1.0, times, prune=False) == (False,)
+    assert sp_divides(enc.blocks, 2) and sp_divides(llm.blocks, 2) and sp_divides(llm.blocks, 4)
+    assert sp_values(enc, setting, 2, 1.0, times, prune=False) == (False, True)
     assert sp_values(llm, setting, 2, 1.0, times, prune=False) == (False, True)
-    assert not any(lay.sequence_parallel for m in divisors(batch)
-                   for lay in unit_layouts(enc, setting, m, max_gpus=cluster.world_size, prune_dominated=False))
+    assert any(lay.sequence_parallel and lay.tp > 1 for m in divisors(batch)
+               for lay in unit_layouts(enc, setting, m, max_gpus=cluster.world_size, prune_dominated=False))
 
 
 def test_no_memory_tiers_holds_for_the_homogeneous_baseline_too(zoo_profiles):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import runtime.models.flamingo
+import runtime.models.projector
 import runtime.models.layers
 from plans import capabilities
 from plans.errors import MmplanError
@@ -42,7 +43,7 @@ def test_zero_accepts_exactly_the_listed_tier_combinations():
 
 
 def _zoo_classes() -> list[type[nn.Module]]:
-    return [c for m in (runtime.models.layers, runtime.models.flamingo) for _, c in inspect.getmembers(m, inspect.isclass)
+    return [c for m in (runtime.models.layers, runtime.models.flamingo, runtime.models.projector) for _, c in inspect.getmembers(m, inspect.isclass)
             if issubclass(c, nn.Module) and c.__module__ == m.__name__]
 
 
@@ -75,7 +76,10 @@ def test_sequence_parallelism_takes_exactly_the_listed_kinds():
     from runtime.models.flamingo import FlamingoLayer
 
     cfg = DecoderConfig(type="llama", hidden=16, layers=1, heads=2, vocab=16, text_seq=4, cross_attention_every=1)
-    blocks = [TransformerLayer(16, 2, 32), FlamingoLayer(cfg, cross_attention=True), nn.Linear(2, 2), nn.LayerNorm(2)]
+    from runtime.models.projector import Projector
+
+    blocks = [TransformerLayer(16, 2, 32), FlamingoLayer(cfg, cross_attention=True), Projector(8, 16, hidden=32),
+              nn.Linear(2, 2), nn.LayerNorm(2)]
     assert {type(b).__name__ for b in blocks} >= set(capabilities.TP_BLOCK_KINDS)
     for block in blocks:
         assert supports_sequence_parallel(block) == (type(block).__name__ in capabilities.SEQUENCE_PARALLEL_KINDS)
