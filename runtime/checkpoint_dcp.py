@@ -102,9 +102,13 @@ def _like(state: torch.Tensor, p: torch.Tensor) -> bool:
     return state.dim() > 0 and tuple(state.shape) == tuple(_local(p).shape)
 
 
-def rank_state(stages: Iterable[Any], modules: Mapping[str, nn.Module], tiers: Any, rank: int) -> dict[str, torch.Tensor]:
-    """This rank's DCP state dict: its blocks' parameters and their optimizer state, each as its local shard."""
-    stages = list(stages)
+def rank_state(stages: Iterable[Any], modules: Mapping[str, nn.Module], tiers: Any, rank: int,
+               copies: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's DCP state dict: its blocks' parameters and their optimizer state, each as its local shard.
+    `copies`: this rank's copies of parameters tied across stages -> the tie's name (Rank.tie_names); a copy's
+    optimizer state is its owner's (identical: the copies' gradients are summed, runtime/ties.py), saved once, by the
+    owner's stage, under the owner's name, as a single-stage run saves it."""
+    stages, copies = list(stages), copies or {}
     placed = placements(stages, modules, rank)
     optimizer = tiers.state_by_name()
     out: dict[str, torch.Tensor] = {}
@@ -113,7 +117,7 @@ def rank_state(stages: Iterable[Any], modules: Mapping[str, nn.Module], tiers: A
             for n, value in tiers.block_params(b, modules[b]).items():
                 p, where = placed[n]
                 out[f"model.{n}"] = where.wrap(_local(value).detach())
-                for k, s in optimizer.get(n, {}).items():
+                for k, s in ({} if n in copies else optimizer.get(n, {})).items():
                     out[f"optim.{n}.{k}"] = where.wrap(s) if _like(s, p) else s
     return out
 
@@ -203,28 +207,32 @@ def verify_share(manifest: Manifest, rank: int, world: int) -> str:
 
 
 def load(manifest: Manifest, stages: Iterable[Any], modules: Mapping[str, nn.Module], tiers: Any, rank: int,
-         group: Any = None) -> None:
+         group: Any = None, copies: Mapping[str, str] | None = None) -> None:
     """Read this rank's shards of every parameter and its optimizer state from a DCP checkpoint (any plan wrote it)
-    and install them. Collective over every rank."""
-    stages = list(stages)
+    and install them. Collective over every rank. A tie's copy (`copies`, as rank_state's) takes its owner's
+    optimizer state."""
+    stages, copies = list(stages), copies or {}
     placed = placements(stages, modules, rank)
     known = dcp.FileSystemReader(manifest.path).read_metadata().state_dict_metadata
     template = tiers.state_by_name()  # this rank's optimizer state (zeros before any step), its local shapes
     wanted: dict[str, torch.Tensor] = {}
+    states: dict[str, tuple[str, str]] = {}  # key in the checkpoint -> (this rank's parameter, state name)
     for n, (p, where) in placed.items():
         _check_key(manifest, known, f"model.{n}", where.shape)
         wanted[f"model.{n}"] = where.wrap(torch.empty_like(_local(p).detach(), device="cpu"))
         if n not in template:
             continue
-        for k in sorted(key[len(f"optim.{n}."):] for key in known if key.startswith(f"optim.{n}.")):
-            meta = known[f"optim.{n}.{k}"]
+        src = copies.get(n, n)  # the key the state was saved under
+        for k in sorted(key[len(f"optim.{src}."):] for key in known if key.startswith(f"optim.{src}.")):
+            meta = known[f"optim.{src}.{k}"]
             like = template[n].get(k)
             shape = torch.Size(meta.size)
+            states[f"optim.{src}.{k}"] = (n, k)
             if shape == where.shape and shape:
                 local = torch.empty(_local(p).shape, dtype=meta.properties.dtype)
-                wanted[f"optim.{n}.{k}"] = where.wrap(local)
+                wanted[f"optim.{src}.{k}"] = where.wrap(local)
             elif like is not None and like.dim() == 0 and not shape:
-                wanted[f"optim.{n}.{k}"] = torch.empty((), dtype=meta.properties.dtype)
+                wanted[f"optim.{src}.{k}"] = torch.empty((), dtype=meta.properties.dtype)
             else:
                 raise MmplanError(f"checkpoint {manifest.path}: optimizer state {k} of {n} has shape {list(shape)}, "
                                   f"the parameter {list(where.shape)}; refusing to resume")
@@ -239,10 +247,8 @@ def load(manifest: Manifest, stages: Iterable[Any], modules: Mapping[str, nn.Mod
             values = {f"{b}.{n}": _local(wanted[f"model.{b}.{n}"]) for n, _ in modules[b].named_parameters()}
             _install_params(tiers, b, modules[b], values)
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in wanted.items():
-        if key.startswith("optim."):
-            n, k = key[len("optim."):].rsplit(".", 1)
-            state.setdefault(n, {})[k] = _local(t)
+    for key, (n, k) in states.items():
+        state.setdefault(n, {})[k] = _local(wanted[key])
     tiers.load_state_by_name(state)
 
 

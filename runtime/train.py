@@ -297,7 +297,8 @@ class RankTrainer:
         self.finish_checkpoint()  # one save in flight at most
         d = checkpoint_dcp.prepare_step(self.job.checkpoint_dir, done, self.ctx.rank)
         dist.barrier()
-        state = checkpoint_dcp.rank_state(self.stage_map.stages_on(self.ctx.rank), self.rm.local, self.tiers, self.ctx.rank)
+        state = checkpoint_dcp.rank_state(self.stage_map.stages_on(self.ctx.rank), self.rm.local, self.tiers, self.ctx.rank,
+                                           self.rank.tie_names())
         future = checkpoint_dcp.save(state, d, group=self.checkpoint_group, asynchronous=self.job.checkpoint_async)
         self._pending_checkpoint = (done, d, future, rng_state())
         if future is None:
@@ -369,7 +370,8 @@ class RankTrainer:
             dist.all_gather_object(refusals, checkpoint_dcp.verify_share(manifest, self.ctx.rank, self.ctx.world_size))
             if any(refusals):
                 raise MmplanError(next(r for r in refusals if r))
-            checkpoint_dcp.load(manifest, self.stage_map.stages_on(self.ctx.rank), self.rm.local, self.tiers, self.ctx.rank)
+            checkpoint_dcp.load(manifest, self.stage_map.stages_on(self.ctx.rank), self.rm.local, self.tiers, self.ctx.rank,
+                                copies=self.rank.tie_names())
             set_rng_state(manifest.rng_for(self.ctx.rank))
             return manifest.step
         for block in manifest.files:

@@ -61,16 +61,18 @@ def test_a_tie_across_stages_under_tensor_parallelism_meets_its_vocabulary_shard
 
 
 def test_a_checkpoint_of_a_tie_across_stages_holds_it_once_and_resumes_under_any_layout(tmp_path):
-    """The pp2 checkpoint is the single-stage one's: the weight in both blocks' files, one optimizer state (the
-    owner's); resumed under pp2 and under dp2 (one stage) it gives the uninterrupted run's losses."""
-    from runtime.checkpoint import latest_checkpoint, load_block
+    """The pp2 checkpoint is the single-stage one's: the weight under both blocks, one optimizer state (the
+    owner's); resumed under pp2 and under dp2 (one stage) it gives the uninterrupted run's losses, and so does the
+    one-stage checkpoint resumed under pp2 (the copy takes the owner's optimizer state)."""
+    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint_dcp import read_blocks
 
     pp2 = tied_pp_plan()
     whole = _losses(launch(train_rank, 2, Job(plan=pp2, model=TIED, steps=4), timeout_s=300))
     ckpt = tmp_path / "ckpt"
     launch(train_rank, 2, Job(plan=pp2, model=TIED, steps=2, checkpoint_every=2, checkpoint_dir=str(ckpt)), timeout_s=300)
     manifest = latest_checkpoint(ckpt)
-    files = {b: load_block(manifest, b) for b in manifest.blocks}
+    files = read_blocks(manifest)
     states = [n for _, optimizer in files.values() for n, state in optimizer.items() if state and n in (OWNER, COPY)]
     assert states == [OWNER]
     assert torch.equal(files["llm.head"][0][COPY], files["llm.embed"][0][OWNER])
@@ -78,6 +80,11 @@ def test_a_checkpoint_of_a_tie_across_stages_holds_it_once_and_resumes_under_any
     for plan in (pp2, one_stage):
         resumed = launch(train_rank, 2, Job(plan=plan, model=TIED, steps=4, resume=str(ckpt)), timeout_s=300)
         _close(_losses(resumed), whole[2:])
+    flat = tmp_path / "one-stage"
+    launch(train_rank, 2, Job(plan=one_stage, model=TIED, steps=2, checkpoint_every=2, checkpoint_dir=str(flat)),
+           timeout_s=300)
+    resumed = launch(train_rank, 2, Job(plan=pp2, model=TIED, steps=4, resume=str(flat)), timeout_s=300)
+    _close(_losses(resumed), whole[2:])
 
 
 def test_a_tie_across_stages_whose_copies_sit_in_host_and_nvme_tiers(tmp_path):
