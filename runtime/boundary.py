@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from runtime.output_spec import OutputSpec
+from runtime.samples import sample_rows
 from runtime.stage_map import Route, StageMap
 
 
@@ -39,6 +40,7 @@ class Exchange:
         self.bytes_sent = 0
         self.tp_groups: dict[str, Any] = {}  # stage key -> this rank's tp group there (set by the trainer)
         self._tag: dict[tuple, int] = {}
+        self.rows: dict[tuple[int, int], dict[str, int]] = {}  # (micro-batch, sample) -> input key -> its rows
         for i, route in enumerate(stage_map.routes):
             for k in range(len(route.pieces)):
                 for leaf in range(len(specs[route.block].leaves)):
@@ -92,7 +94,6 @@ class Exchange:
         if not self._leads(route.src, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
         start0, _ = self.stage_map.slice(route.src, replica)
-        spec = self.specs[route.block]
         leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
         for k, p in enumerate(route.pieces):
             if p.src_replica != replica:
@@ -100,8 +101,7 @@ class Exchange:
             for j, dst in enumerate(self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)):
                 for leaf, t in enumerate(leaves):
                     key = (route_idx, k, leaf, 0, mb)
-                    r = spec.rows_of(leaf)
-                    piece = t[(p.start - start0) * r:(p.stop - start0) * r]
+                    piece = t.narrow(0, self._span(route.block, leaf, mb, start0, p.start), self._span(route.block, leaf, mb, p.start, p.stop))
                     if tp and piece.is_floating_point():
                         if stage.tp_index(self.rank) == j:
                             self._put(dst, _part(piece, j, tp), key, self.tag(*key[:4], mb))
@@ -119,7 +119,7 @@ class Exchange:
         for k, p in self._pieces_into(route, replica):
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 key = (route_idx, k, leaf, 0, mb)
-                full = ((p.stop - p.start) * spec.rows_of(leaf), *shape)
+                full = (self._span(route.block, leaf, mb, p.start, p.stop), *shape)
                 if tp and dtype.is_floating_point:
                     src = self.stage_map.stages[route.src].tp_ranks(p.src_replica)[j]
                     part = self._get(src, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
@@ -137,7 +137,6 @@ class Exchange:
         tp, stage = self._scattered(route), self.stage_map.stages[route.dst]
         if not self._leads(route.dst, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
-        spec = self.specs[route.block]
         start0, _ = self.stage_map.slice(route.dst, replica)
         for k, p in self._pieces_into(route, replica):
             for j, src in enumerate(self.stage_map.stages[route.src].tp_ranks(p.src_replica)):
@@ -148,8 +147,7 @@ class Exchange:
                         continue
                     grad = t.grad if t.grad is not None else torch.zeros_like(t)
                     key = (route_idx, k, leaf, 1, mb)
-                    r = spec.rows_of(leaf)
-                    piece = grad[(p.start - start0) * r:(p.stop - start0) * r]
+                    piece = grad.narrow(0, self._span(route.block, leaf, mb, start0, p.start), self._span(route.block, leaf, mb, p.start, p.stop))
                     self._put(src, _part(piece, j, tp) if tp else piece, key, self.tag(*key[:4], mb))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
@@ -167,8 +165,7 @@ class Exchange:
                 if not dtype.is_floating_point:
                     continue
                 key = (route_idx, k, leaf, 1, mb)
-                r = spec.rows_of(leaf)
-                full = ((p.stop - p.start) * r, *shape)
+                full = (self._span(route.block, leaf, mb, p.start, p.stop), *shape)
                 if tp:
                     part = self._get(dst, (_part_len(full, tp),), dtype, key, self.tag(*key[:4], mb))
                     piece = self._gather(part, route.src, full)
@@ -176,8 +173,32 @@ class Exchange:
                     piece = self._get(dst, full, dtype, key, self.tag(*key[:4], mb))
                 if grads[leaf] is None:
                     n = self.stage_map.slice(route.src, replica)
-                    grads[leaf] = torch.zeros(((n[1] - n[0]) * r, *shape), dtype=dtype, device=self.device)
-                grads[leaf][(p.start - start0) * r:(p.stop - start0) * r] += piece
+                    grads[leaf] = torch.zeros((self._span(route.block, leaf, mb, *n), *shape), dtype=dtype, device=self.device)
+                grads[leaf].narrow(0, self._span(route.block, leaf, mb, start0, p.start), full[0]).add_(piece)
+
+    def note_batches(self, batches: dict[tuple, dict[str, Any]]) -> None:
+        """Remember the per-sample input rows of this rank's (stage, replica, micro-batch) batches, which the rows of
+        a block output of images of different sizes follow (OutputSpec.scaled); only when some output has such."""
+        self.rows.clear()
+        if not any(spec.scaled for spec in self.specs.values()):
+            return
+        for (stage, replica, mb), batch in batches.items():
+            s0, _ = self.stage_map.slice(stage, replica)
+            for key, rows in sample_rows(batch).items():
+                for i, r in enumerate(rows):
+                    self.rows.setdefault((mb, s0 + i), {})[key] = r
+
+    def _span(self, block: str, leaf: int, mb: int, start: int, stop: int) -> int:
+        """Rows of samples [start, stop) of micro-batch `mb` in block `block`'s output leaf `leaf`."""
+        spec = self.specs[block]
+        if not spec.varies(leaf):
+            return (stop - start) * spec.rows_of(leaf)
+        key, num, den = spec.scaled[leaf]
+        try:
+            return sum(self.rows[(mb, s)][key] * num // den for s in range(start, stop))
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank} holds no batch telling the rows of samples {start}-{stop - 1} of "
+                               f"micro-batch {mb} (block {block}'s output follows input {key!r})") from None
 
     def _pieces_into(self, route: Route, replica: int):
         return sorted(((k, p) for k, p in enumerate(route.pieces) if p.dst_replica == replica), key=lambda kp: kp[1].start)

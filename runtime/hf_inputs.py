@@ -140,19 +140,27 @@ def _mllama(config, mb, sizes, gen):
 
 
 def _qwen2_vl(config, mb, sizes, gen):
+    """Qwen2-VL / Qwen2.5-VL: one image per sample, packed (all images' patches x patch dim, one grid row each).
+    `"image_size": [a, b, ...]` gives sample i an image of side a, b, ... (i mod their count): images of different
+    sizes; every sample is then as long (fewer image tokens: that many more placeholder-like filler tokens,
+    labels -100) with `text_tokens` labelled tokens, so each sample weighs the same in the loss."""
     v = config.vision_config
-    side = sizes.get("image_size", 448)
     merge, patch, temporal = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
-    grid = side // patch // merge * merge
-    tokens = grid * grid // (merge * merge)
-    prefix = torch.cat([torch.full((mb, 1), config.vision_start_token_id),
-                        torch.full((mb, tokens), config.image_token_id),
-                        torch.full((mb, 1), config.vision_end_token_id)], dim=1)
-    avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id}
+    sides = sizes.get("image_size", 448)
+    sides = list(sides) if isinstance(sides, (list, tuple)) else [sides]
+    grids = [side // patch // merge * merge for side in sides]
+    grids = [grids[i % len(grids)] for i in range(mb)]
+    tokens = [g * g // (merge * merge) for g in grids]
+    pad = getattr(config, "pad_token_id", None)
+    pad = pad if pad is not None else getattr(config.get_text_config(), "pad_token_id", None)
+    filler = pad if pad is not None else config.vision_end_token_id
+    prefix = torch.stack([torch.tensor([config.vision_start_token_id, *[config.image_token_id] * n,
+                                        config.vision_end_token_id, *[filler] * (max(tokens) - n)]) for n in tokens])
+    avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id, filler}
     batch = _lm_batch(prefix, _text(config, mb, sizes["text_tokens"], avoid, gen))
     in_chans = getattr(v, "in_channels", getattr(v, "in_chans", 3))
-    batch["pixel_values"] = torch.randn(mb * grid * grid, in_chans * temporal * patch * patch, generator=gen)
-    batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * mb)
+    batch["pixel_values"] = torch.randn(sum(g * g for g in grids), in_chans * temporal * patch * patch, generator=gen)
+    batch["image_grid_thw"] = torch.tensor([[1, g, g] for g in grids])
     batch["mm_token_type_ids"] = (batch["input_ids"] == config.image_token_id).int()  # 1: image (for M-RoPE)
     return batch
 
