@@ -58,7 +58,8 @@ class DerivedDataset:
         self.constants = {k: v for k, v in example_batch.items() if not isinstance(v, torch.Tensor)}  # return_loss=True
         if not tensors or any(v.dim() == 0 for v in tensors.values()):
             raise MmplanError("a synthetic dataset needs an example batch of tensors with a batch dimension (dim 0)")
-        self.classes = classes
+        self.vocab, self.seed, self.classes = vocab, seed, classes
+        self.limits = dict(limits or {})  # input key -> rows of the embedding it feeds
         self.packed = packed_keys(tensors)  # Qwen2-VL's patches: a sample's rows follow its image grid
         templates: dict[tuple, dict[str, torch.Tensor]] = {}
         for sample in split_samples(tensors):
