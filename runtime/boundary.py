@@ -101,7 +101,8 @@ class Exchange:
             for j, dst in enumerate(self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)):
                 for leaf, t in enumerate(leaves):
                     key = (route_idx, k, leaf, 0, mb)
-                    piece = t.narrow(0, self._span(route.block, leaf, mb, start0, p.start), self._span(route.block, leaf, mb, p.start, p.stop))
+                    piece = t.narrow(0, self._span(route.block, leaf, mb, start0, p.start),
+                                     self._span(route.block, leaf, mb, p.start, p.stop))
                     if tp and piece.is_floating_point():
                         if stage.tp_index(self.rank) == j:
                             self._put(dst, _part(piece, j, tp), key, self.tag(*key[:4], mb))
@@ -147,7 +148,8 @@ class Exchange:
                         continue
                     grad = t.grad if t.grad is not None else torch.zeros_like(t)
                     key = (route_idx, k, leaf, 1, mb)
-                    piece = grad.narrow(0, self._span(route.block, leaf, mb, start0, p.start), self._span(route.block, leaf, mb, p.start, p.stop))
+                    piece = grad.narrow(0, self._span(route.block, leaf, mb, start0, p.start),
+                                        self._span(route.block, leaf, mb, p.start, p.stop))
                     self._put(src, _part(piece, j, tp) if tp else piece, key, self.tag(*key[:4], mb))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
