@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from runtime.output_spec import OutputSpec
+from runtime.samples import sample_rows
 from runtime.stage_map import Route, StageMap
 
 
@@ -41,6 +42,7 @@ class Exchange:
         self.bytes_sent = 0
         self.tp_groups: dict[str, Any] = {}  # stage key -> this rank's tp group there (set by the trainer)
         self._tag: dict[tuple, int] = {}
+        self.rows: dict[tuple[int, int], dict[str, int]] = {}  # (micro-batch, sample) -> input key -> its rows
         for i, route in enumerate(stage_map.routes):
             for k in range(len(route.pieces)):
                 for leaf in range(len(specs[route.block].leaves)):
@@ -97,14 +99,15 @@ class Exchange:
             return
         spec, graph, w = self.specs[route.block], self.stage_map.graph, self._window(route_idx, mb, True)
         g_route = graph.routes[route_idx]
+        first = self._first_sample(route.src, replica, mb)
         leaves = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
         for k, p in self._pieces_of(route_idx, replica, mb, True):
             off, n = graph.src_offset(g_route, p), p.stop - p.start
             for j, dst in enumerate(self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)):
                 for leaf, t in enumerate(leaves):
                     key = (route_idx, k, leaf, 0, w)
-                    r = spec.rows_of(leaf)
-                    piece = t[off * r:(off + n) * r]
+                    piece = t.narrow(0, self._span(route.block, leaf, first, first + off),
+                                     self._span(route.block, leaf, first + off, first + off + n))
                     if tp and piece.is_floating_point():
                         if stage.tp_index(self.rank) == j:
                             self._put(dst, _part(piece, j, tp), key, self.tag(*key))
@@ -123,7 +126,7 @@ class Exchange:
         for k, p in self._pieces_of(route_idx, replica, mb, False):
             for leaf, (shape, dtype) in enumerate(spec.leaves):
                 key = (route_idx, k, leaf, 0, w)
-                full = ((p.stop - p.start) * spec.rows_of(leaf), *shape)
+                full = (self._span(route.block, leaf, *self._global(route_idx, p, w)), *shape)
                 if tp and dtype.is_floating_point:
                     src = self.stage_map.stages[route.src].tp_ranks(p.src_replica)[j]
                     part = self._get(src, (_part_len(full, tp),), dtype, key, self.tag(*key))
@@ -141,6 +144,7 @@ class Exchange:
         if not self._leads(route.dst, replica) and not (tp and self.rank in stage.tp_ranks(replica)):
             return
         spec, graph, w = self.specs[route.block], self.stage_map.graph, self._window(route_idx, mb, False)
+        first = self._first_sample(route.dst, replica, mb)
         for k, p in self._pieces_of(route_idx, replica, mb, False):
             off, n = graph.dst_offset(graph.routes[route_idx], p), p.stop - p.start
             for j, src in enumerate(self.stage_map.stages[route.src].tp_ranks(p.src_replica)):
@@ -151,8 +155,8 @@ class Exchange:
                         continue
                     grad = t.grad if t.grad is not None else torch.zeros_like(t)
                     key = (route_idx, k, leaf, 1, w)
-                    r = spec.rows_of(leaf)
-                    piece = grad[off * r:(off + n) * r]
+                    piece = grad.narrow(0, self._span(route.block, leaf, first, first + off),
+                                        self._span(route.block, leaf, first + off, first + off + n))
                     self._put(src, _part(piece, j, tp) if tp else piece, key, self.tag(*key))
 
     def recv_backward(self, route_idx: int, replica: int, mb: int, grads: list[torch.Tensor | None]) -> None:
@@ -161,6 +165,7 @@ class Exchange:
         spec, graph, w = self.specs[route.block], self.stage_map.graph, self._window(route_idx, mb, True)
         tp = self._scattered(route)
         j = self.stage_map.stages[route.src].tp_index(self.rank) if tp else 0
+        first = self._first_sample(route.src, replica, mb)
         for k, p in self._pieces_of(route_idx, replica, mb, True):  # every consumer micro-batch of this one's samples
             off = graph.src_offset(graph.routes[route_idx], p)
             dst = self.stage_map.stages[route.dst].tp_ranks(p.dst_replica)[j] if tp else self._rank(route.dst, p.dst_replica)
@@ -168,8 +173,7 @@ class Exchange:
                 if not dtype.is_floating_point:
                     continue
                 key = (route_idx, k, leaf, 1, w)
-                r = spec.rows_of(leaf)
-                full = ((p.stop - p.start) * r, *shape)
+                full = (self._span(route.block, leaf, *self._global(route_idx, p, w)), *shape)
                 if tp:
                     part = self._get(dst, (_part_len(full, tp),), dtype, key, self.tag(*key))
                     piece = self._gather(part, route.src, full)
@@ -177,8 +181,45 @@ class Exchange:
                     piece = self._get(dst, full, dtype, key, self.tag(*key))
                 if grads[leaf] is None:
                     n = self.stage_map.slice(route.src, replica)
-                    grads[leaf] = torch.zeros(((n[1] - n[0]) * r, *shape), dtype=dtype, device=self.device)
-                grads[leaf][off * r:(off + p.stop - p.start) * r] += piece
+                    grads[leaf] = torch.zeros((self._span(route.block, leaf, first, first + n[1] - n[0]), *shape),
+                                              dtype=dtype, device=self.device)
+                grads[leaf].narrow(0, self._span(route.block, leaf, first, first + off), full[0]).add_(piece)
+
+    def note_batches(self, batches: dict[tuple, dict[str, Any]]) -> None:
+        """Remember the per-sample input rows of this rank's (stage, replica, micro-batch) batches, by global sample
+        index, which the rows of a block output of images of different sizes follow (OutputSpec.scaled); only when
+        some output has such."""
+        self.rows.clear()
+        if not any(spec.scaled for spec in self.specs.values()):
+            return
+        for (stage, replica, mb), batch in batches.items():
+            first = self._first_sample(stage, replica, mb)
+            for key, rows in sample_rows(batch).items():
+                for i, r in enumerate(rows):
+                    self.rows.setdefault(first + i, {})[key] = r
+
+    def _first_sample(self, stage: str, replica: int, mb: int) -> int:
+        """The global index of the replica's first sample in the stage's micro-batch `mb` (its own count's)."""
+        return mb * self.stage_map.stages[stage].micro_batch + self.stage_map.slice(stage, replica)[0]
+
+    def _global(self, route_idx: int, p: Any, window: int) -> tuple[int, int]:
+        """The global samples [start, stop) of a route piece of window `window` (a piece's samples count from its
+        window's first: the window is src_per producer micro-batches)."""
+        route = self.stage_map.graph.routes[route_idx]
+        base = window * route.src_per * self.stage_map.graph.chunks[route.src].micro_batch
+        return base + p.start, base + p.stop
+
+    def _span(self, block: str, leaf: int, start: int, stop: int) -> int:
+        """Rows of global samples [start, stop) in block `block`'s output leaf `leaf`."""
+        spec = self.specs[block]
+        if not spec.varies(leaf):
+            return (stop - start) * spec.rows_of(leaf)
+        key, num, den = spec.scaled[leaf]
+        try:
+            return sum(self.rows[s][key] * num // den for s in range(start, stop))
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank} holds no batch telling the rows of samples {start}-{stop - 1} "
+                               f"(block {block}'s output follows input {key!r})") from None
 
     def _window(self, route_idx: int, mb: int, producer: bool) -> int:
         """The route's window holding this producer (or consumer) micro-batch."""

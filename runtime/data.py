@@ -248,7 +248,8 @@ def _check_batch(spec: str, dataset: Any, example_batch: Mapping[str, torch.Tens
         if key not in rows:
             continue
         got = batch[key]
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (rows[key], *want.shape[1:]) or got.dtype != want.dtype:
+        lead = got.shape[0] if rows[key] > 1 and isinstance(got, torch.Tensor) and got.dim() else rows[key]  # packed:
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (lead, *want.shape[1:]) or got.dtype != want.dtype:  # any size
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise MmplanError(
                 f"dataset {spec!r}: {key} of one sample is {shape} {getattr(got, 'dtype', '')}, "

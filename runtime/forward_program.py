@@ -20,6 +20,7 @@ Cost: every stage recomputes the forward's glue up to its last block (not measur
 from __future__ import annotations
 
 import contextlib
+from fractions import Fraction
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -32,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from plans.errors import MmplanError
 from runtime.output_spec import OutputSpec
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
-from runtime.samples import batch_samples
+from runtime.samples import batch_samples, sample_rows
 from runtime.vocab_parallel import HeadPaths
 from runtime.source import model_loss
 
@@ -101,10 +102,13 @@ class ForwardProgram:
         for b in order:
             if any(s.startswith(BATCH) or s in batched for s in reads[b]):
                 batched.add(b)
-        self.specs = {b: OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves),
-                                    tuple(_rows(b, s[0], n) if b in batched else s[0] for s, _ in leaves),
-                                    fixed=b not in batched)
-                      for b, (tree, leaves) in specs.items()}
+        inputs = sample_rows(batch)
+        self.specs = {}
+        for b, (tree, leaves) in specs.items():
+            rules = [_rows(b, s[0], n, inputs) if b in batched else (s[0], None) for s, _ in leaves]
+            self.specs[b] = OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves), tuple(r for r, _ in rules),
+                                       fixed=b not in batched,
+                                       scaled=tuple(rule for _, rule in rules) if any(rule for _, rule in rules) else ())
 
     def _owner(self, consumers: set[str]) -> str:
         """The block a free parameter joins: its consumer latest in execution order (the loss: the block the
@@ -137,6 +141,7 @@ class ForwardProgram:
                   mine, want_loss: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
         """One forward of a stage: (outputs of its blocks, the loss when `want_loss`)."""
         samples = batch_samples(batch)
+        rows = sample_rows(batch) if any(spec.scaled for spec in self.specs.values()) else {}
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
@@ -152,7 +157,7 @@ class ForwardProgram:
                     raise _Stop
                 if name in received:
                     return received[name]
-                return self.zeros(name, samples, device)
+                return self.zeros(name, samples, device, rows)
 
             return forward
 
@@ -167,19 +172,31 @@ class ForwardProgram:
             raise MmplanError(f"block(s) {', '.join(sorted(todo)[:3])} did not run in the model's forward on this batch")
         return outputs, (model_loss(out) if want_loss else None)
 
-    def zeros(self, name: str, samples: int, device: torch.device) -> Any:
+    def zeros(self, name: str, samples: int, device: torch.device, rows: dict | None = None) -> Any:
+        """Zeros of block `name`'s output for `samples` samples (`rows`: the batch's per-sample input rows, which
+        a leaf of images of different sizes needs: samples.sample_rows)."""
         spec = self.specs[name]
         samples = 1 if spec.fixed else samples  # a batch-independent output keeps its whole shape
-        leaves = [torch.zeros((samples * spec.rows_of(i), *shape), dtype=dtype, device=device)
+        leaves = [torch.zeros((sum(spec.sample_rows(i, rows or {}, samples)), *shape), dtype=dtype, device=device)
                   for i, (shape, dtype) in enumerate(spec.leaves)]
         return tree_unflatten(leaves, spec.tree)
 
 
-def _rows(block: str, rows: int, samples: int) -> int:
+def _rows(block: str, rows: int, samples: int, inputs: dict[str, tuple[int, ...]]) -> tuple[int, tuple | None]:
+    """(rows of the first sample, None or (input key, num, den)) of a block output leaf of `rows` rows: one per
+    sample (batch-major); else num/den of a packed input's rows per sample (inputs whose samples differ first,
+    Qwen2-VL's patches: its vision blocks keep or merge them), when that is whole for every sample; else k each."""
+    if rows == samples:
+        return 1, None
+    packed = sorted((k for k, r in inputs.items() if max(r) > 1), key=lambda k: len(set(inputs[k])) == 1)
+    for key in packed:
+        ratio = Fraction(rows, sum(inputs[key]))
+        if all(r * ratio.numerator % ratio.denominator == 0 for r in inputs[key]):
+            return inputs[key][0] * ratio.numerator // ratio.denominator, (key, ratio.numerator, ratio.denominator)
     if rows % samples:
         raise MmplanError(f"block {block}'s output has {rows} rows for {samples} samples: cannot tell which rows belong "
                           "to which sample")
-    return rows // samples
+    return rows // samples, None
 
 
 class _VocabLoss(TorchFunctionMode):

@@ -160,3 +160,23 @@ def hf_source(spec: str):
         return build(config), example_inputs(config, micro_batch)
 
     return ModelSource(spec, factory, default_dtype(config))
+
+
+def data_example(spec: str, micro_batch: int, example: dict[str, Any]) -> dict[str, Any]:
+    """The example batch the synthetic data derives its samples from (runtime/synthetic.py): for an `hf:` spec whose
+    "mmplan_inputs" list several image sizes, the config's batch of `micro_batch` samples (its samples cycle through
+    the sizes; built from the config alone, no model), floating tensors in `example`'s dtypes; else `example` (of
+    the run's traced batch, one sample: one size)."""
+    if not is_hf_spec(spec):
+        return example
+    config = load_config(spec)
+    if not any(isinstance(v, (list, tuple)) for v in _sizes_of(config).values()):
+        return example
+    batch = example_inputs(config, micro_batch)
+    return {k: v.to(example[k].dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and isinstance(example.get(k), torch.Tensor) else v for k, v in batch.items()}
+
+
+def _sizes_of(config) -> dict:
+    return dict(getattr(config, "mmplan_inputs", None) or {})
+

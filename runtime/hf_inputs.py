@@ -4,7 +4,8 @@ factories returning a bare transformers model).
 Per family, the inputs its forward takes in training, with the modality placeholders its processor would write:
 token ids (placeholders, then `text_tokens` text tokens), labels (the text; -100 on placeholders), and the
 modality tensors of the configured sizes. An optional `"mmplan_inputs"` object in the config sets the sizes:
-`{"text_tokens": 32, "image_size": 448}`. A family not listed here is refused in one line naming what to write.
+`{"text_tokens": 32, "image_size": 448}` (Qwen2-VL also takes a list of sides, images of different sizes, and
+`"images_per_sample"`). A family not listed here is refused in one line naming what to write.
 Always real CPU tensors, even under torch.device("meta"): token ids and grids decide shapes (runtime/fake_exec.py).
 """
 from __future__ import annotations
@@ -140,19 +141,26 @@ def _mllama(config, mb, sizes, gen):
 
 
 def _qwen2_vl(config, mb, sizes, gen):
+    """Qwen2-VL / Qwen2.5-VL: `images_per_sample` images (1 by default) per sample, packed (all images' patches x
+    patch dim, one grid row each). `"image_size": [a, b, ...]` gives the images sides a, b, ... in turn (images of
+    different sizes); every sample is then as long (fewer image tokens: that many more filler tokens, labels -100)
+    with `text_tokens` labelled tokens, so each sample weighs the same in the loss."""
     v = config.vision_config
-    side = sizes.get("image_size", 448)
     merge, patch, temporal = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
-    grid = side // patch // merge * merge
-    tokens = grid * grid // (merge * merge)
-    prefix = torch.cat([torch.full((mb, 1), config.vision_start_token_id),
-                        torch.full((mb, tokens), config.image_token_id),
-                        torch.full((mb, 1), config.vision_end_token_id)], dim=1)
-    avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id}
+    sides = sizes.get("image_size", 448)
+    sides = list(sides) if isinstance(sides, (list, tuple)) else [sides]
+    count = int(sizes.get("images_per_sample", 1))
+    grids = [[sides[(i * count + j) % len(sides)] // patch // merge * merge for j in range(count)] for i in range(mb)]
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
+    filler = pad if pad is not None else config.vision_end_token_id
+    rows = [[t for g in sample for t in (config.vision_start_token_id, *[config.image_token_id] * (g * g // merge ** 2),
+                                         config.vision_end_token_id)] for sample in grids]
+    prefix = torch.tensor([r + [filler] * (max(map(len, rows)) - len(r)) for r in rows])
+    avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id, filler}
     batch = _lm_batch(prefix, _text(config, mb, sizes["text_tokens"], avoid, gen))
     in_chans = getattr(v, "in_channels", getattr(v, "in_chans", 3))
-    batch["pixel_values"] = torch.randn(mb * grid * grid, in_chans * temporal * patch * patch, generator=gen)
-    batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * mb)
+    batch["pixel_values"] = torch.randn(sum(g * g for s in grids for g in s), in_chans * temporal * patch * patch, generator=gen)
+    batch["image_grid_thw"] = torch.tensor([[1, g, g] for s in grids for g in s])
     batch["mm_token_type_ids"] = (batch["input_ids"] == config.image_token_id).int()  # 1: image (for M-RoPE)
     return batch
 

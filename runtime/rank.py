@@ -15,6 +15,7 @@ from plans.plan import Plan
 from runtime.blocks import block_modules
 from runtime.boundary import Exchange
 from runtime.data import open_dataset
+from runtime.hf import data_example
 from runtime.grad_buckets import GradBuckets
 from runtime.job import Job
 from runtime.launch import RankContext
@@ -80,7 +81,8 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
     """
     plan = job.plan
     model, example = build_model(job)  # 1
-    dataset = open_dataset(job.data, example, vocab_of(model), job.seed, model=model)
+    data = data_example(job.model, job.plan.training.micro_batch, example)  # images of several sizes: runtime/hf.py
+    dataset = open_dataset(job.data, data, vocab_of(model), job.seed, model=model)
     program = trace_program(model, example)  # 2
     stage_map = build_stage_map(plan, program)
     local = {b for st in stage_map.stages_on(ctx.rank) for b in st.blocks}  # 3

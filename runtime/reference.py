@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from runtime.data import open_dataset
+from runtime.hf import data_example
 from runtime.param_tiers import TieredAdam
 from runtime.precision import cast_inputs, torch_dtype
 from runtime.source import model_loss
@@ -18,7 +19,8 @@ def reference_run(job: Job) -> dict[str, Any]:
     """Losses per step and the first step's gradients, training the whole model in this process."""
     training = job.plan.training
     model, example = build_model(job)
-    dataset = open_dataset(job.data, example, vocab_of(model), job.seed, model=model)
+    data = data_example(job.model, job.plan.training.micro_batch, example)  # images of several sizes: runtime/hf.py
+    dataset = open_dataset(job.data, data, vocab_of(model), job.seed, model=model)
     dtype = torch_dtype(training.dtype)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     # mixed precision (bf16): Adam on fp32 master copies, as every rank runs it (param_tiers.TieredAdam)

@@ -19,7 +19,9 @@ without dim 0):
   input) are class c's fixed sequence below `vocab`;
 - any other integer tensor (attention masks, grids, lengths) is the example's, unchanged; non-tensor entries
   (`return_loss=True`) are passed along as they are.
-Packed inputs (Qwen2-VL's patches, runtime/samples.py) are per sample their first k rows, concatenated in a batch.
+Packed inputs (Qwen2-VL's patches, runtime/samples.py) are per sample its template's rows, concatenated in a batch;
+the example's samples of distinct shapes (images of different sizes) are the templates, sample i taking
+template i mod their count.
 Deterministic in the global sample index, like runtime/data.py's SyntheticDataset. A sample whose ids fall
 outside the embedding an input feeds is a one-line error naming the input (never an IndexError in the model).
 """
@@ -32,7 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from plans.errors import MmplanError
-from runtime.samples import collate, rows_per_sample
+from runtime.samples import collate, packed_keys, split_samples
 
 IGNORE = -100  # the label HF's losses skip
 
@@ -47,7 +49,8 @@ def _is_target(key: str, shape: tuple[int, ...]) -> bool:
 
 
 class DerivedDataset:
-    """See the module docstring."""
+    """See the module docstring. The example batch's samples of distinct shapes (images of different sizes) are
+    templates: sample i takes the shapes, placeholders and grids of template i mod their count."""
 
     def __init__(self, example_batch: Mapping[str, torch.Tensor], vocab: int, seed: int, classes: int = 8,
                  noise: float = 0.5, limits: Mapping[str, int] | None = None) -> None:
@@ -55,9 +58,31 @@ class DerivedDataset:
         self.constants = {k: v for k, v in example_batch.items() if not isinstance(v, torch.Tensor)}  # return_loss=True
         if not tensors or any(v.dim() == 0 for v in tensors.values()):
             raise MmplanError("a synthetic dataset needs an example batch of tensors with a batch dimension (dim 0)")
-        rows = rows_per_sample(tensors)  # packed inputs (Qwen2-VL's patches): sample 0 is their first k rows
-        self.packed = {k for k, r in rows.items() if r > 1}
-        self.example = {k: v[:rows[k]].clone()[None] if k in self.packed else v[:1].clone() for k, v in tensors.items()}
+        self.vocab, self.seed, self.classes = vocab, seed, classes
+        self.limits = dict(limits or {})  # input key -> rows of the embedding it feeds
+        self.packed = packed_keys(tensors)  # Qwen2-VL's patches: a sample's rows follow its image grid
+        templates: dict[tuple, dict[str, torch.Tensor]] = {}
+        for sample in split_samples(tensors):
+            templates.setdefault(tuple((k, tuple(v.shape)) for k, v in sample.items()), sample)
+        self.templates = [_Template({k: v.clone()[None] if k in self.packed else v.clone() for k, v in t.items()},
+                                    vocab, seed, classes, noise, limits, salt=i) for i, t in enumerate(templates.values())]
+
+    def sample(self, index: int) -> dict[str, torch.Tensor]:
+        return self.templates[int(index) % len(self.templates)].sample(index)
+
+    def sample_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        samples = [self.sample(i) for i in indices]
+        if not samples:
+            raise MmplanError("sample_batch needs at least one index")
+        return {**collate(samples, self.packed), **self.constants}
+
+
+class _Template:
+    """The samples of one template (one sample's shapes) of a DerivedDataset."""
+
+    def __init__(self, example: dict[str, torch.Tensor], vocab: int, seed: int, classes: int, noise: float,
+                 limits: Mapping[str, int] | None, salt: int) -> None:
+        self.example = example
         self.vocab, self.seed, self.classes, self.noise = vocab, seed, classes, noise
         self.limits = dict(limits or {})  # input key -> rows of the embedding it feeds
         self.labels_of = self._pair_labels()  # token key -> its labels key
@@ -66,7 +91,7 @@ class DerivedDataset:
                             if not v.is_floating_point() and v.dim() == 2 and k not in labelled
                             and (("ids" in k.lower() and not re.search(r"type_ids|position_ids", k.lower()))
                                  or re.search(r"label", k.lower()))]
-        gen = _generator("prototypes", seed)
+        gen = _generator("prototypes", seed) if not salt else _generator("prototypes", seed, salt)
         self.prototypes: dict[str, torch.Tensor] = {}
         for k, v in self.example.items():
             if v.is_floating_point():
@@ -143,11 +168,6 @@ class DerivedDataset:
                 raise MmplanError(f"synthetic sample {index}: input {k!r} holds id {high if high >= rows else low}, outside "
                                   f"[0, {rows}) of the embedding it feeds")
 
-    def sample_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        samples = [self.sample(i) for i in indices]
-        if not samples:
-            raise MmplanError("sample_batch needs at least one index")
-        return {**collate(samples, self.packed), **self.constants}
 
 
 def input_limits(model, example: Mapping[str, torch.Tensor]) -> dict[str, int]:

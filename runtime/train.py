@@ -126,6 +126,7 @@ class RankTrainer:
             raise RuntimeError(f"injected failure at step {step}")
         t0 = time.perf_counter()
         self.exchange.wait_s = 0.0
+        self.exchange.note_batches(batches)  # packed outputs of images of different sizes: rows per sample
         self.tiers.budget.reset_peak()
         state: dict[tuple, Any] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)

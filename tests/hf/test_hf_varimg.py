@@ -1,0 +1,99 @@
+"""Images of different sizes in one batch (Qwen2-VL's packed patches, runtime/samples.py): the runtime splits the
+packed inputs and the packed vision-block outputs per sample by their image grids, across data-parallel replicas,
+pipeline stages and group boundaries; losses and gradients match the single-process reference."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from runtime.launch import launch
+from runtime.reference import reference_run
+from runtime.samples import collate, row_range, sample_rows, split_samples
+from runtime.train import Job, train_rank
+from tests.hf import tiny_configs, tiny_families
+from tests.hf.test_hf_runtime import FIRST_LAYER, LLM, QVISION, QVL
+from tests.runtime.plan_builder import make_plan
+
+STEPS = 3
+NON_COLOCATED = [{"name": "vision", "stages": [(QVL, [0])]}, {"name": "llm", "stages": [(LLM, [1])]}]
+PLANS = {  # Qwen2-VL, images of 16 and 8 pixels a side in turn: 16 and 4 patches, 4 and 1 merged tokens per sample
+    "dp2": ("qwen2_vl", [{"name": "all", "dp": 2, "stages": [(QVL + LLM, [0, 1])]}]),
+    "pp2": ("qwen2_vl", [{"name": "all", "stages": [(QVISION, [0]), (QVL + LLM, [1])]}]),  # patch rows cross the cut
+    "non-colocated": ("qwen2_vl", NON_COLOCATED),
+    # vision dp2 feeding one pipeline replica: the two replicas' merged tokens (of 2 sizes) concatenate (fan-in)
+    "colocated": ("qwen2_vl", [{"name": "vision", "dp": 2, "stages": [(QVL, [0, 1])]},
+                               {"name": "llm", "colocated_with": "vision", "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}]),
+    # two images per sample, of 16 and 8 / 8 and 8 / 16 and 8 ... pixels (sides 16, 8, 8 in turn)
+    "two-images-non-colocated": ("qwen2_vl_two", NON_COLOCATED),
+    # Qwen2.5-VL (window attention reorders patches within each image), images of 32 and 16 pixels a side
+    "qwen2.5-vl-pp2": ("qwen2_5_vl", [{"name": "all", "stages": [(QVISION, [0]), (QVL + LLM, [1])]}]),
+    "qwen2.5-vl-non-colocated": ("qwen2_5_vl", NON_COLOCATED),
+}
+SIZES = {"qwen2_vl": (tiny_configs.qwen2_vl, {"image_size": [16, 8]}),
+         "qwen2_vl_two": (tiny_configs.qwen2_vl, {"image_size": [16, 8, 8], "images_per_sample": 2}),
+         "qwen2_5_vl": (tiny_families.qwen2_5_vl, {"image_size": [32, 16]})}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for name, (write, sizes) in SIZES.items():
+        directory = write(tmp_path_factory.mktemp("hf") / name)
+        config = json.loads((directory / "config.json").read_text())
+        config["mmplan_inputs"].update(sizes)
+        (directory / "config.json").write_text(json.dumps(config))
+        out[name] = f"hf:{directory}"
+    return out
+
+
+def test_rows_per_sample_follow_the_image_grid():
+    grid = torch.tensor([[1, 4, 4], [1, 2, 2], [1, 2, 4]])
+    batch = {"ids": torch.zeros(3, 5, dtype=torch.long), "pixels": torch.randn(16 + 4 + 8, 6), "grid": grid}
+    rows = sample_rows(batch)
+    assert rows == {"ids": (1, 1, 1), "pixels": (16, 4, 8), "grid": (1, 1, 1)}
+    assert row_range(rows["pixels"], 1, 3) == (16, 28)
+    samples = split_samples(batch)
+    assert [tuple(s["pixels"].shape) for s in samples] == [(16, 6), (4, 6), (8, 6)]
+    two = {"pixels": torch.randn(16 + 4 + 4 + 4, 6), "grid": torch.tensor([[1, 4, 4], [1, 2, 2], [1, 2, 2], [1, 2, 2]]),
+           "ids": torch.zeros(2, 5)}  # two images per sample
+    assert sample_rows(two)["pixels"] == (20, 8) and sample_rows(two)["grid"] == (2, 2)
+    again = collate([{k: v[0] if k != "pixels" else v for k, v in s.items()} for s in samples], {"pixels"})
+    assert all(torch.equal(again[k], batch[k]) for k in batch)
+
+
+def test_the_runs_synthetic_data_has_images_of_every_size(models):
+    """The run traces a one-sample example (one size); its synthetic data derives from the config's batch of a
+    micro-batch (runtime/hf.data_example), so a micro-batch does hold images of both sizes."""
+    from runtime.data import open_dataset
+    from runtime.hf import data_example, hf_source
+
+    model, example = hf_source(models["qwen2_vl"]).factory(1)
+    data = open_dataset(None, data_example(models["qwen2_vl"], 4, example), 128, seed=0, model=model)
+    batch = data.sample_batch(range(4))
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2]] * 2
+    assert sample_rows(batch)["pixel_values"] == (16, 4, 16, 4)
+    assert float(model(**batch).loss.detach()) > 0
+
+
+@pytest.mark.parametrize("case", list(PLANS))
+def test_images_of_two_sizes_match_the_single_process_reference(case, models):
+    kind, groups = PLANS[case]
+    model = models[kind]
+    plan = make_plan(model, groups)
+    job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True)
+    ref = reference_run(job)
+    results = launch(train_rank, plan.world_size, job, timeout_s=240)
+    losses = [m["loss"] for m in results[0]["metrics"]]
+    assert len(losses) == STEPS
+    for step, (got, want) in enumerate(zip(losses, ref["losses"])):
+        assert abs(got - want) <= 1e-5 * abs(want), (case, step, got, want)
+    grads = {}
+    for r in results:
+        grads.update(r["grads"])
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    for name, want in ref["grads"].items():
+        tol = 1e-5 * max(float(want.abs().max()), 1e-2 * scale)
+        assert float((grads[name] - want).abs().max()) <= tol, (case, name)
