@@ -32,6 +32,11 @@ from plans.cluster import Cluster, Link
 #       overlapped(c, x) = max(x, c + f x)      (exact: c + f x when the compute outlasts x / (1 - f)).
 #   f is _NCCL_OVERLAP_CTAS / hardware.sm_count; 0 for devices without a known SM count (CPUs: nothing overlaps
 #   there anyway, offload.overlaps_compute).
+# - ZeRO-1/2 (reshard_after_forward=False; resharded after the stage's last backward: runtime/zero.before_backward):
+#   nothing gathers after the optimizer step; the next step's first forward of the chunk gathers block by block in
+#   the same pre-forward hooks (FSDPParamGroup.pre_forward -> unshard, _fsdp_param_group.py), so its all-gathers
+#   are the forward's g_k above, once per step, with FSDP2's copies around each (copy_time); the later micro-batches
+#   find the parameters unsharded (unshard is a no-op). What they add to that forward is gather_exposure.
 # The same formulas, summed over every segment [i, j) of a unit at once, are the solver's (segment_times); tests
 # check the two agree.
 
@@ -140,6 +145,45 @@ def segment_times(fwd: np.ndarray, bwd: np.ndarray, gather: np.ndarray, scatter:
     return np.where(valid, f, 0.0), np.where(valid, bw, 0.0)
 
 
+def gather_exposure(fwd: Sequence[float], gather: Sequence[float], scatter: Sequence[float], *, share: float,
+                    host_s: float = 0.0) -> float:
+    """Seconds a chunk's forward gains when its blocks all-gather `gather[k]` on the way (pass_times' forward with
+    them minus without; `scatter` and `host_s` as pass_times, so both sides see the blocks' host floors alike):
+    the first block's gather, what each next gather outlasts of its block's compute, and the SMs NCCL holds."""
+    n = len(fwd)
+    zeros = [0.0] * n
+    with_gathers, _ = pass_times(fwd, zeros, gather, scatter, share=share, host_s=host_s)
+    without, _ = pass_times(fwd, zeros, zeros, scatter, share=share, host_s=host_s)
+    return with_gathers - without
+
+
+def segment_gather_exposure(fwd: np.ndarray, gather: np.ndarray, scatter: np.ndarray, *, share: float,
+                            host_s: float = 0.0, positions: np.ndarray | None = None) -> np.ndarray:
+    """gather_exposure of every segment [i, j) at once (segment_times' forwards with and without the gathers)."""
+    fwd = np.asarray(fwd, dtype=float)
+    zeros = np.zeros(len(fwd))
+    with_gathers, _ = segment_times(fwd, zeros, gather, scatter, share=share, host_s=host_s, positions=positions)
+    without, _ = segment_times(fwd, zeros, zeros, scatter, share=share, host_s=host_s, positions=positions)
+    return with_gathers - without
+
+
+def first_forward_gather(per_block, zero: int, dp: int, link: Link, cluster: Cluster, *,
+                         reduce_scale: float = 1.0) -> float:
+    """Seconds ZeRO-1/2's parameter all-gather adds to a step on a GPU, where FSDP2 runs it: in the chunk's first
+    forward of the next step, block by block (see the top), per block (forward, backward, parameter bytes, trained
+    parameter bytes) as chunk_passes: gather_exposure of the blocks' trained parameters (the bytes the stage's
+    optimizer updates, tail.tail_over's), and FSDP2's copies around each gather (copy_time). 0 for other stages and
+    without data parallelism.
+    `reduce_scale`: as chunk_passes (ZeRO-2's reduce-scatters set the blocks' host floors)."""
+    if zero not in (1, 2) or dp <= 1:
+        return 0.0
+    gathers = [all_gather_time(tr, dp, link) for _, _, _, tr in per_block]
+    scatters = [reduce_scatter_time(tr * reduce_scale, dp, link) if zero == 2 else 0.0 for _, _, _, tr in per_block]
+    exposed = gather_exposure([f for f, _, _, _ in per_block], gathers, scatters, share=overlap_share(cluster),
+                              host_s=host_floor(cluster))
+    return exposed + sum(copy_time(tr, dp, cluster) for _, _, _, tr in per_block)
+
+
 def chunk_passes(per_block, zero: int, dp: int, reshard_after_forward: bool, link: Link, cluster: Cluster, *,
                  reduce_scale: float = 1.0):
     """A chunk's compute with its ZeRO collectives per block on a GPU (pass_times), per block (forward, backward,
@@ -160,4 +204,5 @@ def chunk_passes(per_block, zero: int, dp: int, reshard_after_forward: bool, lin
     return zf, zb, (sum(gathers), sum(gathers) if again else 0.0), sum(scatters), copies
 
 
-__all__ = ["chunk_passes", "copy_time", "host_floor", "overlap_share", "overlapped", "pass_times", "segment_times"]
+__all__ = ["chunk_passes", "copy_time", "first_forward_gather", "gather_exposure", "host_floor", "overlap_share",
+           "overlapped", "pass_times", "segment_gather_exposure", "segment_times"]

@@ -10,7 +10,7 @@ from typing import Literal
 from cost_models.comm import (all_gather_time, dp_link, hand_over_time, link_for, p2p_time, reduce_scatter_time,
                               ring_bytes_sent, zero_collectives)
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
-from cost_models.fsdp import chunk_passes
+from cost_models.fsdp import chunk_passes, first_forward_gather
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, offload_accounting, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
@@ -39,7 +39,8 @@ from plans.trace import LANES as TRACE_LANES
 #   not occupy a lane.
 # - After a class's last task, as in the runtime's loop: the data-parallel gradient sync of each stage it
 #   hosts (comm lane, a collective over all the stage's classes), then each stage's optimizer step
-#   (compute lane), then for ZeRO 1-2 the all-gather of the updated parameters (comm lane).
+#   (compute lane), then for ZeRO 1-2 the all-gather of the updated parameters (comm lane): on GPUs what FSDP2's
+#   gathers add to the next step's first forward, where they run (fsdp.first_forward_gather), kept in the tail.
 # - The gradient sync is bucketed and overlaps the stage's last backward (tail.tail_over); routes between stages
 #   of equal tp > 1 use the scatter/gather optimisation (route_time).
 # - Not modelled (documented simplifications): contention of concurrent transfers on one link; a global gradient-norm
@@ -83,7 +84,7 @@ class StageCost:
     transfer_bwd_s: float  # prefetch in / parameter and gradient streaming per micro-batch
     grad_sync_s: float  # data-parallel gradient all-reduce (ZeRO 0) or reduce-scatter (ZeRO 1) after the last backward
     optimizer_s: float
-    param_gather_s: float  # all-gather of updated parameters after the step (ZeRO 1-2)
+    param_gather_s: float  # ZeRO 1-2's all-gather of the updated parameters (exposed part on GPUs)
     downstream: int  # pipeline stages after this one on the longest data path
     warmup: int  # forwards (chunk x micro-batch) before the first backward
     in_flight: float  # micro-batches of activations held at the peak (memory.in_flight)
@@ -130,6 +131,7 @@ class _Cost:
     transfer_bwd: float = 0.0
     overlap_comm_fwd: float = 0.0  # ZeRO-3 gathers / ZeRO-2,3 reduce-scatters hidden behind compute
     overlap_comm_bwd: float = 0.0
+    param_gather: float | None = None  # GPUs: what ZeRO 1-2's gather adds to the step's first forward (tail.tail_over)
     bytes_per_mb: float = 0.0  # bytes one rank of the chunk sends per micro-batch (TP + ZeRO collectives)
 
 
@@ -273,7 +275,9 @@ def _stage_tails(plan, graph, group_of, costs, cluster, grad_sync_overlap, grad_
                                 tensors=sum(costs[c].tensors for c in cs),
                                 overlap_s=costs[cs[0]].time.bwd if overlaps_compute(cluster) and grad_sync_overlap else 0.0,
                                 grad_bytes=grad_sync_bytes,
-                                gather_overlap_s=costs[cs[0]].time.fwd if overlapped_param_gather else None))
+                                gather_overlap_s=costs[cs[0]].time.fwd if overlapped_param_gather else None,
+                                gather_exposed_s=None if costs[cs[0]].param_gather is None  # CPU: serial
+                                else sum(costs[c].param_gather for c in cs)))  # each chunk's first forward
         if optimizer_extra_bytes and g.stages[ch.stage].memory.optimizer == "gpu":  # see the docstring
             updated = sum(costs[c].trained for c in cs) / zero_divisors(g.zero, g.dp).optimizer
             tails[-1] = replace(tails[-1], optimizer=tails[-1].optimizer
@@ -384,6 +388,7 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
         cost.fwd = zf + copies[0] + sharded + time.fwd_comm + exposed(cost.transfer_fwd, time.fwd)
         cost.bwd = zb + copies[1] + sharded + extra_bwd + time.bwd_comm + exposed(cost.transfer_bwd, time.bwd)
         cost.overlap_comm_fwd, cost.overlap_comm_bwd = gathers[0], gathers[1] + scatters
+        cost.param_gather = first_forward_gather(per_block, g.zero, g.dp, link, cluster, reduce_scale=(grad_bytes or width) / width)
         zero_bytes = zero_collectives(param_bytes, dp=g.dp, zero=g.zero, link=link).bytes_sent
         if g.zero >= 3 and not g.reshard_after_forward:  # no backward all-gather
             zero_bytes -= ring_bytes_sent(param_bytes, g.dp, all_reduce=False)

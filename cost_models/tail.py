@@ -1,4 +1,5 @@
-"""A pipeline stage's per-step tail after its last backward: gradient sync, optimizer step, parameter all-gather."""
+"""A pipeline stage's per-step tail after its last backward: gradient sync, optimizer step, parameter all-gather
+(ZeRO 1-2's, whose exposed part the tail keeps wherever the runtime runs it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,14 +37,14 @@ BUCKET_BYTES = 25 * 2**20
 
 def stage_tail(group: Group, stage_index: int, params_per_rank: float, training: Training, cluster: Cluster,
                *, overlap_s: float = 0.0, tensors: int = 0, grad_bytes: int | None = None,
-               gather_overlap_s: float | None = None) -> StageTail:
+               gather_overlap_s: float | None = None, gather_exposed_s: float | None = None) -> StageTail:
     """The tail of stage `stage_index` of `group` holding `params_per_rank` parameters on each rank (tp-parallel
     blocks divided by tp), its collectives over the link of its dp group (dp_link); see tail_over."""
     stage = group.stages[stage_index]
     return tail_over(params_per_rank, dp=group.dp, zero=group.zero, memory=stage.memory,
                      link=dp_link(cluster, stage.ranks, group.tp), cluster=cluster, dtype=training.dtype,
                      optimizer=training.optimizer, overlap_s=overlap_s, tensors=tensors, grad_bytes=grad_bytes,
-                     gather_overlap_s=gather_overlap_s)
+                     gather_overlap_s=gather_overlap_s, gather_exposed_s=gather_exposed_s)
 
 
 def hidden_exposure(total_s, last_bucket_s, overlap_s, share: float):
@@ -58,7 +59,8 @@ def hidden_exposure(total_s, last_bucket_s, overlap_s, share: float):
 
 def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers, link: Link, cluster: Cluster,
               dtype: str = "bf16", optimizer: str = "adam", overlap_s: float = 0.0, tensors: int = 0,
-              grad_bytes: int | None = None, gather_overlap_s: float | None = None) -> StageTail:
+              grad_bytes: int | None = None, gather_overlap_s: float | None = None,
+              gather_exposed_s: float | None = None) -> StageTail:
     """The tail of a stage whose dp group communicates over `link` (stage_tail, for callers that know the link
     but not the ranks yet: the solver's candidates).
 
@@ -74,11 +76,17 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     they run beside while the hidden part lasts (fsdp.overlap_share, the same share FSDP2's overlap pays:
     hidden_exposure). `tensors`: the stage's trained parameter tensors, for a cluster with a measured
     per-tensor optimizer cost (cost_models/overhead.py; each rank steps every tensor's shard under ZeRO too).
+    ZeRO 1-2's parameter all-gather: mmplan's runtime (FSDP2, runtime/zero.py) runs it lazily, block by block, in
+    the next step's first forward of each chunk (nothing gathers after the optimizer step); on a GPU cluster the
+    caller passes what it adds there as `gather_exposed_s` (fsdp.first_forward_gather: the first block's gather
+    exposed, the others beside the previous block's compute), kept here as the tail's part, so a step's order of
+    ops stays. Without it (CPU ranks: nothing overlaps there, offload.overlaps_compute) the whole all-gather, one
+    after the other with the compute.
     Two keywords price other runtimes than mmplan's (cost_models.pipeline.simulate's switches): `grad_bytes`, the
     bytes of a gradient element as the runtime reduces it (default: `dtype`'s; Megatron-LM reduces fp32 gradients
     of bf16 models); `gather_overlap_s`, ZeRO 1-2's parameter all-gather issued bucket by bucket ahead of the next
     step's forward and hidden behind that many seconds of it but for its first bucket (Megatron-LM's
-    `--overlap-param-gather`), where mmplan's runtime gathers after the optimizer step; it pays the same SM share.
+    `--overlap-param-gather`); it pays the same SM share (it takes precedence over `gather_exposed_s`).
     """
     nbytes = params_per_rank * DTYPE_BYTES[dtype]  # this rank's gradients (and parameters)
     gbytes = nbytes if grad_bytes is None else params_per_rank * grad_bytes
@@ -92,6 +100,8 @@ def tail_over(params_per_rank: float, *, dp: int, zero: int, memory: StateTiers,
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     if gather and gather_overlap_s is not None:
         gather = hidden_exposure(gather, all_gather_time(min(nbytes, BUCKET_BYTES), dp, link), gather_overlap_s, share)
+    elif gather and gather_exposed_s is not None:
+        gather = gather_exposed_s
     sent += ring_bytes_sent(nbytes, dp, all_reduce=False) if zero in (1, 2) else 0.0
     updated = params_per_rank / zero_divisors(zero, dp).optimizer
     opt = optimizer_time(updated, memory, cluster, dtype=dtype, optimizer=optimizer, tensors=tensors) \

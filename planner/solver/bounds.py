@@ -77,7 +77,7 @@ class Layout:
     lag: tuple[float, ...]  # p2p send between stage k and k+1 (each direction)
     tail: tuple[float, ...]  # gradient sync + optimizer + parameter gather, per stage
     optimizer: tuple[float, ...]
-    gather: tuple[float, ...]  # the parameter all-gather after the optimizer step (ZeRO 1-2)
+    gather: tuple[float, ...]  # ZeRO 1-2's parameter all-gather (on GPUs what it adds to the next first forward)
     gpu_bytes: tuple[float, ...]
     cpu_bytes: tuple[float, ...]
     nvme_bytes: tuple[float, ...]

@@ -8,7 +8,7 @@ import numpy as np
 
 from cost_models.comm import all_gather_time, dp_link, reduce_scatter_time, zero_collectives
 from cost_models.compute import block_time, grad_accumulation_time, tp_shard
-from cost_models.fsdp import copy_time, host_floor, overlap_share, segment_times
+from cost_models.fsdp import copy_time, host_floor, overlap_share, segment_gather_exposure, segment_times
 from cost_models.memory import (DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency,
                                 zero_divisors)
 from cost_models.offload import overlaps_compute, state_streaming, transfer_time
@@ -298,6 +298,8 @@ class Segments:
         opt = _affine(lambda x: tail(x).optimizer, self.trained, memo, ("opt", *k)) \
             + (optimizer_tensor_time(policy, cl) + zero_optimizer_time(1, z, cl)) * self.tensors
         gathered = _affine(lambda x: tail(x).param_gather, self.trained, memo, ("gathered", *k))
+        if overlaps_compute(cl) and z in (1, 2) and dp > 1:  # GPUs: where FSDP2 gathers, the next first forward
+            gathered = self._first_forward_gather(memo, k, link)
         out = tuple(x if isinstance(x, np.ndarray) else np.full_like(self.params, x)
                     for x in (fwd_op, bwd_op, sync + opt + gathered, opt, gathered))
         self._cache[key] = out
@@ -319,6 +321,18 @@ class Segments:
         copy_in = _span(copy_time(pb, dp, cl), self.positions) if z >= 3 else 0.0
         copy_out = _span(copy_time(tb, dp, cl), self.positions) if z >= 2 else 0.0
         return zf, zb, (copy_in, (copy_in if again else 0.0) + copy_out)
+
+    def _first_forward_gather(self, memo: dict, k: tuple, link: Link) -> np.ndarray:
+        """What ZeRO 1-2's parameter all-gather adds to every segment's first forward of a step on a GPU, per block
+        beside the previous block's compute (fsdp.first_forward_gather over every segment at once)."""
+        cl, dp = self.setting.cluster, self.dp
+        tb = self.blocks["block_trained"] * self.width
+        gathers = _affine(lambda x: all_gather_time(x, dp, link), tb, memo, ("block gather 1-2", *k)) + 0.0 * tb
+        scatters = _affine(lambda x: reduce_scatter_time(x, dp, link), tb, memo, ("block scatter", *k)) + 0.0 * tb \
+            if self.zero == 2 else 0.0 * tb
+        exposed = segment_gather_exposure(self.blocks["block_fwd"], gathers, scatters, share=overlap_share(cl),
+                                          host_s=host_floor(cl), positions=self.positions)
+        return np.where(self.valid, exposed + _span(copy_time(tb, dp, cl), self.positions), 0.0)
 
     def memory(self, policy: Policy) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(gpu, cpu, nvme) bytes per rank of every segment as base + in_flight * per_micro_batch pairs: the

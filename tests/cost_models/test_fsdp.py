@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from cost_models.catalog import CATALOG
-from cost_models.fsdp import overlap_share, overlapped, pass_times, segment_times
+from cost_models.fsdp import (gather_exposure, overlap_share, overlapped, pass_times, segment_gather_exposure,
+                              segment_times)
 
 
 @pytest.mark.parametrize("again", [True, False])
@@ -42,3 +43,24 @@ def test_no_backward_gather_without_reshard_after_forward():
     _, again = pass_times([1.0] * 3, [1.0] * 3, [3.0] * 3, [0.0] * 3, share=0.0)
     _, kept = pass_times([1.0] * 3, [1.0] * 3, [3.0] * 3, [0.0] * 3, share=0.0, backward_gather=False)
     assert kept == pytest.approx(3.0) and again > kept
+
+
+def test_zero_1_2_gather_exposes_its_first_block_and_what_outlasts_the_compute():
+    # ZeRO 1-2's gathers in the next first forward (fsdp.first_forward_gather): behind longer compute only the first
+    # block's gather shows, plus the SMs NCCL holds beside each next block; shorter compute lets the gathers set the pace
+    assert gather_exposure([1.0] * 4, [0.5] * 4, [0.0] * 4, share=0.0) == pytest.approx(0.5)
+    assert gather_exposure([1.0] * 4, [0.5] * 4, [0.0] * 4, share=0.2) == pytest.approx(0.5 + 3 * 0.2 * 0.5)
+    assert gather_exposure([0.1] * 4, [1.0] * 4, [0.0] * 4, share=0.0) == pytest.approx(4 * 1.0 + 0.1 - 0.4)
+    # never more than the serial gather when the blocks' host floor does not bind
+    assert gather_exposure([0.3, 0.1, 2.0], [0.5, 0.7, 0.2], [0.0] * 3, share=0.2) <= 1.4
+
+
+def test_segment_gather_exposure_equals_gather_exposure_on_every_segment():
+    rng = np.random.default_rng(1)
+    n = 6
+    f, g, r = (rng.uniform(0, 2, n) for _ in range(3))
+    g[3] = r[1] = 0.0
+    seg = segment_gather_exposure(f, g, r, share=0.2, host_s=0.5)
+    for i in range(n):
+        for j in range(i + 1, n + 1):
+            assert seg[i, j] == pytest.approx(gather_exposure(f[i:j], g[i:j], r[i:j], share=0.2, host_s=0.5))

@@ -7,6 +7,7 @@ import pytest
 
 from cost_models.comm import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
 from cost_models.compute import mixed_precision_step_bytes
+from cost_models.fsdp import copy_time, host_floor
 from cost_models.offload import optimizer_step_time
 from cost_models.offload import transfer_time
 from cost_models.pipeline import simulate
@@ -264,10 +265,34 @@ def test_megatron_distributed_optimizer_switches_reach_the_stage_tail():
     megatron = simulate(plan, profile, grad_sync_bytes=4, overlapped_param_gather=True)
     link, params = cluster.intra_node, 2 * 10**9
     gather = all_gather_time(2 * params, 4, link)
-    assert plain.stages[0].param_gather_s == gather
+    # mmplan's runtime (FSDP2) gathers in the next step's first forward, block by block: the first block's gather
+    # exposed, the second's beside the first block's compute, FSDP2's copies around each (fsdp.first_forward_gather);
+    # the blocks' forward (1 ms) falls below FSDP2's host floor of a gathering block
+    g, c = all_gather_time(params, 4, link), plain.stages[0].time.fwd / 2
+    floored = max(c, host_floor(cluster))
+    assert plain.stages[0].param_gather_s == pytest.approx(g + max(g, floored) + floored - 2 * c
+                                                           + 2 * copy_time(params, 4, cluster), rel=1e-12)
     assert megatron.stages[0].param_gather_s == pytest.approx(
         max(all_gather_time(BUCKET_BYTES, 4, link), gather - megatron.stages[0].time.fwd), rel=1e-12)
     assert megatron.stages[0].grad_sync_s > plain.stages[0].grad_sync_s  # twice the bytes, the same overlap
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_2_parameter_gather_hides_behind_the_next_first_forward_but_for_its_first_block(zero):
+    # FSDP2 (runtime/zero.py) gathers ZeRO 1-2's updated shards lazily in the next step's first forward, block by
+    # block: behind compute longer than each gather only the first block's gather (and FSDP2's copies) shows; on CPU
+    # ranks (gloo: nothing overlaps) the whole all-gather stays one after the other with the compute
+    profile = make_profile([("llm", 4, 1e11)], params=10**8)
+    names = [f"llm.{i}" for i in range(4)]
+    gpu = make_cluster()
+    cpu = replace(gpu, backend="gloo")
+    plan = make_plan(profile, [make_group("llm", [names], dp=4, zero=zero)], P.Training(16, 4), gpu)
+    link, nbytes = gpu.intra_node, 2 * 10**8
+    fast, serial = simulate(plan, profile), simulate(plan, profile, cpu)
+    assert fast.stages[0].time.fwd / 4 > all_gather_time(nbytes, 4, link)
+    assert fast.stages[0].param_gather_s == pytest.approx(all_gather_time(nbytes, 4, link)
+                                                          + 4 * copy_time(nbytes, 4, gpu), rel=1e-12)
+    assert serial.stages[0].param_gather_s == all_gather_time(4 * nbytes, 4, cpu.intra_node)
 
 
 def test_without_overlap_the_whole_gradient_all_reduce_follows_the_last_backward():

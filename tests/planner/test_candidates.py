@@ -8,6 +8,7 @@ import pytest
 
 from cost_models.evaluate import evaluate
 from cost_models.memory import block_input_bytes, stage_memory
+from cost_models.offload import overlaps_compute
 from cost_models.tail import stage_tail
 from planner.solver.candidates import stage_in_flight
 from planner.solver.space import GPU_ONLY, OFFLOAD, Setting, allowed_gpus
@@ -97,7 +98,11 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
         assert fwd[a, b] == pytest.approx(sc.fwd_s, rel=REL) and bwd[a, b] == pytest.approx(sc.bwd_s, rel=REL)
         params = sum(x.params / (tp if x.supports_tp else 1) for x in profile.blocks[a:b])
         tensors = sum(x.param_tensors for x in profile.blocks[a:b])
-        scalar = stage_tail(plan.groups[0], k, params, training, cluster, overlap_s=sc.time.bwd, tensors=tensors)
+        # GPUs: ZeRO 1-2's gather is what it adds to the next first forward (fsdp.first_forward_gather), which the
+        # simulator prices per block; the segments must price the same (gather[a, b] below)
+        ahead = sc.param_gather_s if overlaps_compute(cluster) and zero in (1, 2) else None
+        scalar = stage_tail(plan.groups[0], k, params, training, cluster, overlap_s=sc.time.bwd, tensors=tensors,
+                            gather_exposed_s=ahead)
         assert (scalar.grad_sync, scalar.optimizer, scalar.param_gather) == (sc.grad_sync_s, sc.optimizer_s, sc.param_gather_s)
         if memories[k].optimizer == "gpu" or not cluster.optimizer_tensor_s:
             assert tail[a, b] == pytest.approx(scalar.total, rel=REL)
