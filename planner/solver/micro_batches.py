@@ -48,7 +48,7 @@ class Refinement:
 
 def refine_micro_batches(plan: Plan, profile: Profile, deadline: float = math.inf) -> tuple[Plan, Refinement]:
     """The plan with the fastest fitting per-group micro-batch counts found (see the comment above); `plan` itself
-    (with an unchanged Refinement) when none is faster or the deadline (a time.perf_counter() value) passes. A plan
+    (its Refinement not `changed`) when none is faster or the deadline (a time.perf_counter() value) passes. A plan
     that does not fit is beaten by any candidate that does (the solver only refines fitting plans)."""
     best, step = plan, plan.predicted.step_time_s if plan.predicted.fits else math.inf
     tried = 0
