@@ -52,6 +52,7 @@ class Search:
     floor: float = 0.0  # the smallest bound not yet ruled out in the current branch and bound (progress only)
     phase_stopped: bool = False  # a phase held to a share of the time limit (solve's chain structure) stopped at it
     resume_deadline: float | None = None  # the whole time limit's deadline while such a phase runs
+    leaders: dict = field(default_factory=dict)  # structure -> (step, plan): each structure's fastest fitting plan
 
     def report(self, step: str, fraction: float) -> None:
         """Progress with the incumbent and the bound; the fraction is the share of the time limit used, if any."""
@@ -83,6 +84,8 @@ class Search:
         if plan is None or plan.predicted is None or not plan.predicted.fits:
             return
         step = plan.predicted.step_time_s
+        if structure not in self.leaders or step < self.leaders[structure][0]:
+            self.leaders[structure] = (step, plan)
         if self.best is None or step < self.best[0]:
             self.best = (step, plan, structure)
 

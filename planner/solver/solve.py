@@ -12,6 +12,7 @@ from cost_models.memory import DTYPE_BYTES
 from planner.solver import baselines
 from planner.solver.allocate import Solver, pick_solver
 from planner.solver.candidates import ZERO_STAGES
+from planner.solver.micro_batches import Refinement, refine_micro_batches
 from planner.solver.diagnosis import check_capacity, no_fit
 from planner.solver.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
 from planner.solver.space import GPU_ONLY, OFFLOAD, Setting, Unit, micro_batch_counts
@@ -38,12 +39,19 @@ from plans.units import format_capacity
 #    (uniform per stage); the best plan, when it offloads or recomputes anything, gets its tiers refined
 #    per block by the ILP of planner/solver/tiers.py (kept if the simulator says it is faster); when nothing fits
 #    at all, planner/solver/diagnosis.py says by how much;
+# 4b. per-group micro-batch counts (planner/solver/micro_batches.py), after the tiers: the best plan of each
+#    heterogeneous structure (the tiers-refined best among them) gets, group by group, its own micro-batch counts
+#    tried and simulated with their memory; one that fits and beats the best plan is offered, so the emitted plan is
+#    never slower than without this step. The branch and bound's proof covers the one-count space only, so an
+#    emitted plan with a group's own count is reported as not proved optimal (SolverInfo.optimal false; the notes
+#    say what the step gained);
 # 5. the best homogeneous (Megatron-style) plan is computed in the same run and emitted instead when it is
 #    faster (or when the search found none): the solver never returns a plan slower than it under the same
 #    cost model.
-# Search-space limits (documented simplifications): the number of micro-batches m is shared by all groups
-# (plans/plan.py's Training); colocated encoders have pp = 1; non-colocated group sizes divide a node or
-# are whole nodes; per-stage tier policies are uniform over a stage's blocks until tiers.py refines them.
+# Search-space limits (documented simplifications): the branch and bound shares one number of micro-batches m
+# over all groups (plans/plan.py's Training; step 4b only refines it per group, without bounds); colocated
+# encoders have pp = 1; non-colocated group sizes divide a node or are whole nodes; per-stage tier policies are
+# uniform over a stage's blocks until tiers.py refines them.
 
 Placement = Literal["auto", "colocated", "non-colocated"]
 PLACEMENTS: tuple[str, ...] = ("auto", "colocated", "non-colocated")
@@ -61,11 +69,13 @@ class Solution:
     structure: str  # "chain" | "non-colocated" | "colocated" | "baseline"
     candidates: int  # layouts generated over all units and structures
     simulated: int  # plans built and simulated
-    proved_optimal: bool  # the bound reached the best simulated step over the search space
+    proved_optimal: bool  # the bound reached the best simulated step over the search space (false for a plan of
+    # per-group micro-batch counts: step 4b, outside the one-count space the proof covers)
     stopped_early: bool  # the time limit ended the search
-    gap: float  # 1 - smallest remaining bound / best step (0 when proved optimal)
+    gap: float  # 1 - smallest remaining bound / best step of the one-count space (0 when proved optimal there)
     megatron: Plan | None = None  # the Megatron-style baseline (encoders on stage 0, LLM layers even)
     other_placement: tuple[str, Plan] | None = None  # under a forced placement: the other one's best plan
+    refinement: Refinement | None = None  # step 4b's change to the emitted plan (None: it changed nothing emitted)
 
     @property
     def step_time_s(self) -> float:
@@ -129,6 +139,7 @@ def solve(
     zeros: tuple[int, ...] = ZERO_STAGES,
     sequence_parallel: tuple[bool, ...] = (False, True),
     megatron_schedules: tuple[str, ...] = baselines.MEGATRON_SCHEDULES,
+    per_group_micro_batches: bool = True,
 ) -> Solution:
     """The fastest plan found for `profile` on `cluster` at `global_batch` samples per step (see the comment above).
 
@@ -141,6 +152,9 @@ def solve(
     for tp > 1 (by the solver and both baselines; only where tp divides the sequence). megatron_schedules: the
     Megatron-style baseline's schedules (default 1F1B, GPipe and interleaved 1F1B; `solve --schedule` given
     explicitly narrows them to what it asks for, so a baseline emitted as the plan keeps the requested schedule).
+    per_group_micro_batches: step 4b (each heterogeneous structure's best plan tried with per-group micro-batch
+    counts; not with micro_batch given, which fixes every group's); False searches the one-count space only (what
+    the brute-force tests enumerate).
     """
     started = time.perf_counter() if started is None else started
     note = progress or (lambda step, fraction: None)
@@ -187,9 +201,38 @@ def solve(
     if search.best is not None and memory_tiers and not search.out_of_time():
         note("choosing memory tiers", 0.9)
         refine_tiers(search)
+    refinement = None  # after the tiers: it offers only plans faster than the best (tiers refined), so never slows it
+    if per_group_micro_batches and micro_batch is None and search.best is not None and not search.out_of_time():
+        note("per-group micro-batch counts", 0.92)
+        refinement = _refine_micro_batches(search)
     other = _other_placement(search, profile, usable, placement, setting, ms, solver)  # before the solve time is taken
-    return _with_other(_solution(search, profile, cluster, usable, setting, structures, memory_tiers, memory_reserve,
-                                 homogeneous, megatron, proved, gap, started, note), other, cluster, placement)
+    solution = _solution(search, profile, cluster, usable, setting, structures, memory_tiers, memory_reserve, homogeneous,
+                         megatron, proved, gap, started, note, refinement)
+    return _with_other(solution, other, cluster, placement)
+
+
+REFINE_SHARE = 0.5  # of the time left before the deadline that step 4b may use (a forced placement's probe gets the rest)
+
+
+def _refine_micro_batches(search: Search) -> Refinement | None:
+    """Step 4b: the best plan of each structure with groups of their own micro-batch counts (planner/solver/
+    micro_batches.py), fastest structure first, within REFINE_SHARE of the time left; each refined plan offered to
+    the search. Returns the refinement that made the search's best plan, or None when none did."""
+    now = time.perf_counter()
+    deadline = now + REFINE_SHARE * (search.deadline - now) if math.isfinite(search.deadline) else math.inf
+    made = None
+    for structure, (_, plan) in sorted(search.leaders.items(), key=lambda kv: kv[1][0]):
+        if len(plan.groups) < 2:
+            continue  # one layout for the whole model: one count
+        if time.perf_counter() > deadline:
+            break
+        refined, refinement = refine_micro_batches(plan, search.profile, deadline)
+        search.simulated += refinement.tried
+        if refinement.changed:
+            before = search.best
+            search.offer(refined, structure)
+            made = refinement if search.best is not before else made
+    return made
 
 
 def _with_other(solution: Solution, other: tuple[str, Plan] | None, cluster: Cluster, placement: str) -> Solution:
@@ -274,7 +317,7 @@ def _megatron_unfit(profile: Profile, usable: Cluster, megatron: Plan | None) ->
 
 def _solution(search: Search, profile: Profile, cluster: Cluster, usable: Cluster, setting: Setting, structures,
               memory_tiers: bool, memory_reserve: float, homogeneous: Plan | None, megatron: Plan | None, proved: bool,
-              gap: float, started: float, note: Progress) -> Solution:
+              gap: float, started: float, note: Progress, refinement: Refinement | None = None) -> Solution:
     """The end of solve: the search's best plan, or a baseline when it is faster (or the search found none)."""
     search.stopped_early = search.stopped_early or search.phase_stopped
     mega_fits = megatron is not None and megatron.predicted.fits
@@ -289,8 +332,13 @@ def _solution(search: Search, profile: Profile, cluster: Cluster, usable: Cluste
         plan, structure, proved = winner, "baseline", False
         notes = f"{why}, so it is emitted" + "".join(f"; {n}" for n in [winner.solver.notes if winner.solver else ""] if n)
         method = winner.solver.method if winner.solver else f"baseline:{name}"
-    else:
-        method, notes = f"ilp+dp:{structure}", _notes(structure, search, proved, gap)
+    refined = refinement is not None and structure != "baseline" and any(g.micro_batches is not None for g in plan.groups)
+    if structure != "baseline":
+        space = "the one-count search space" if refined else "the search space"
+        method, notes = f"ilp+dp:{structure}", _notes(structure, search, proved, gap, space)
+    if refined:  # the proof (if any) covered the one-count space, which this plan is outside of
+        notes += f"; then {refinement.describe()}, a local refinement: not proved optimal over per-group counts"
+        proved = False
     proved = proved and not search.stopped_early
     bases = {k: p.predicted.step_time_s for k, p in (("homogeneous", homogeneous), ("megatron", megatron))
              if p is not None and p.predicted.fits}
@@ -301,7 +349,7 @@ def _solution(search: Search, profile: Profile, cluster: Cluster, usable: Cluste
     plan = replace(plan, cluster=cluster, solver=info)
     note("done", 1.0)
     return Solution(plan, homogeneous, elapsed, structure, search.candidates, search.simulated, proved, search.stopped_early,
-                    0.0 if proved else gap, megatron)
+                    0.0 if proved else gap, megatron, refinement=refinement if refined else None)
 
 
 def _baseline_solution(plan: Plan, search: Search, started: float, name: str) -> Solution:
@@ -363,14 +411,14 @@ def _versus(bases: dict[str, float], step: float) -> str:
     return "".join(f"; {k} {v:.4g} s, speed-up {v / step:.3f}x" for k, v in bases.items())
 
 
-def _notes(structure: str, search: Search, proved: bool, gap: float) -> str:
+def _notes(structure: str, search: Search, proved: bool, gap: float, space: str = "the search space") -> str:
     parts = [f"structure {structure}; {search.candidates} candidate layouts, {search.simulated} plans simulated"]
     if search.stopped_early:
         parts.append("stopped at the time limit: the best plan found so far")
     elif proved:
-        parts.append("optimal over the search space (its bound reached the best simulated step)")
+        parts.append(f"optimal over {space} (its bound reached the best simulated step)")
     elif gap <= search.gap_goal:
-        parts.append(f"within {search.gap_goal:.1%} of the optimum over the search space (dominated candidates pruned)")
+        parts.append(f"within {search.gap_goal:.1%} of the optimum over {space} (dominated candidates pruned)")
     else:
         parts.append(f"simulation budget reached; bound gap {gap:.1%}")
     return "; ".join(parts)
