@@ -11,7 +11,7 @@ from cost_models.compute import block_time, grad_accumulation_time, tp_shard
 from cost_models.fsdp import copy_time, host_floor, overlap_share, segment_gather_exposure, segment_times
 from cost_models.memory import (DTYPE_BYTES, activation_residency, activation_transient, kept_activation_bytes, state_residency,
                                 zero_divisors)
-from cost_models.offload import overlaps_compute, state_streaming, transfer_time
+from cost_models.offload import offload_accounting, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import optimizer_tensor_time, zero_block_time, zero_optimizer_time
 from cost_models.tail import BUCKET_BYTES, hidden_exposure, tail_over
 from planner.solver.space import Policy, Setting, Unit
@@ -41,6 +41,18 @@ def _affine(fn: Callable[[float], float], x: np.ndarray, cache: dict | None = No
     if a == 0.0 and b == 0.0:
         return 0.0  # a cost these options never pay (no ZeRO gather, GPU-resident state ...)
     return np.where(x > 0, a + b * x, 0.0)
+
+
+def _per_copy(tier: str, cluster) -> float:
+    """The latency one more copy to or from `tier` adds (offload.transfer_time's alpha per copy; 0 on the GPU)."""
+    return transfer_time(_BIG, tier, cluster, copies=2) - transfer_time(_BIG, tier, cluster, copies=1)
+
+
+def _more_copies(nbytes: np.ndarray, copies: np.ndarray, alpha: float) -> np.ndarray | float:
+    """The latency of every copy beyond the first (the affine cost holds one) of segments moving `nbytes` > 0."""
+    if alpha == 0.0:
+        return 0.0
+    return np.where(nbytes > 0, alpha * (np.maximum(1.0, copies) - 1.0), 0.0)
 
 
 # A unit of more blocks than this is cut only at this many evenly spaced positions (block indices): the segment
@@ -145,6 +157,10 @@ class BlockTimes:
                 # trained parameter tensors (the optimizer's per-tensor cost) and blocks with parameters (ZeRO's
                 # fully_shard units): cost_models/overhead.py's measured terms, as the simulator applies them
                 tensors=span(np.array([0 if b.frozen else b.param_tensors for b in blocks], dtype=float)) + copy_tensors,
+                # every parameter tensor (streamed tensor by tensor from an off-GPU tier) and the activation storages
+                # (offloaded storage by storage): offload.transfer_time's copies, as pipeline._cost_chunk counts them
+                all_tensors=span(np.array([b.param_tensors for b in blocks], dtype=float)) + copy_tensors,
+                storages=span(np.array([b.saved_tensors for b in blocks], dtype=float)),
                 sharded=span(np.array([1.0 if b.params else 0.0 for b in blocks])),
                 # per block (not per segment): cost_models/fsdp.py's ZeRO timing per block
                 block_fwd=np.array([o.fwd for o in ops]), block_bwd=np.array([o.bwd for o in ops]), block_core=core_time,
@@ -231,6 +247,7 @@ class Segments:
         self.params = arrays["params"]
         self.trained = arrays["trained"]
         self.tensors, self.sharded = arrays["tensors"], arrays["sharded"]
+        self.all_tensors, self.storages = arrays["all_tensors"], arrays["storages"]
         self.largest = arrays["largest"]  # parameters of the largest block
         self.act, self.act_max = arrays["act"], arrays["act_max"]
         self.checkpoint = arrays["checkpoint"]
@@ -261,17 +278,20 @@ class Segments:
                                                grads_tier=policy.grads, cluster=cl, dtype=st.dtype)
         bwd = self.bwd + (self.fwd if recompute else self.core if selective else 0.0) + extra
         bwd_comm = self.bwd_comm + (self.fwd_comm if recompute else 0.0)
-        act_out = 0.0
+        act_out = accounting = 0.0
         memo, k = self.times.coefficients, (dp, z, policy, self.tp)  # the link is the one (dp, tp) gives
-        if policy.activations.startswith("offload-"):
-            act_out = _affine(lambda x: transfer_time(x, policy.activations.removeprefix("offload-"), cl), self.act, memo, ("act", *k))
+        if policy.activations.startswith("offload-"):  # one copy per storage, each way
+            tier = policy.activations.removeprefix("offload-")
+            act_out = _affine(lambda x: transfer_time(x, tier, cl), self.act, memo, ("act", *k)) \
+                + _more_copies(self.act, self.storages, _per_copy(tier, cl))
+            accounting = offload_accounting(self.storages, cl)
         params_in = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).params_in, param_bytes,
-                            memo, ("in", *k))
+                            memo, ("in", *k)) + _more_copies(param_bytes, self.all_tensors, _per_copy(policy.params, cl))
         grads_out = _affine(lambda x: state_streaming(x, dp=dp, zero=z, memory=policy, cluster=cl).grads_out, param_bytes,
-                            memo, ("out", *k))
+                            memo, ("out", *k)) + _more_copies(param_bytes, self.tensors, _per_copy(policy.grads, cl))
         link = self.dp_link
         t_fwd = act_out + params_in
-        t_bwd = act_out + params_in + grads_out
+        t_bwd = act_out + params_in + grads_out + accounting
         if overlaps_compute(cl):  # GPUs: ZeRO's collectives per block (cost_models/fsdp.py), as pipeline._zero_blocks
             b = self.blocks
             block_bwd = b["block_bwd"] + (b["block_fwd"] if recompute else b["block_core"] if selective else 0.0)
