@@ -545,3 +545,36 @@ def test_a_time_limit_leaves_the_megatron_baseline_its_share():
     profile = profile_model(resolve("tiny-vlm"))
     solution = solve(profile, parse_cluster("4xlocal-cpu"), 8, time_limit=30)
     assert solution.megatron is not None and solution.step_time_s <= solution.megatron.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_a_time_limit_is_kept_when_writing_the_plan_is_slow(monkeypatch, tmp_path, zoo_profiles):
+    """A loaded machine as a fake clock (issue 30: --time-limit 20 at 8,192 GPUs took 33 s): each plan simulated costs
+    0.5 s and each check of a plan (most of writing it) 6 s of it; solving and writing end within 10 % of the limit
+    because the reserve is measured on the quick incumbent, not estimated."""
+    import time
+
+    import plans.plan as plan_module
+    from planner.solver.search import Search
+    from planner.solver.solve import run_solve
+    from plans.graph import save_profile
+
+    real, spent = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + spent[0])
+    check, simulate = plan_module.check_plan, Search.simulate
+
+    def slow_check(*args, **kwargs):
+        spent[0] += 6.0
+        return check(*args, **kwargs)
+
+    def slow_simulate(self, *args, **kwargs):
+        spent[0] += 0.5
+        return simulate(self, *args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "check_plan", slow_check)
+    monkeypatch.setattr(Search, "simulate", slow_simulate)
+    save_profile(zoo_profiles("tiny-avlm"), tmp_path / "profile.json")
+    started = time.perf_counter()
+    solution, _ = run_solve(profile_path=tmp_path / "profile.json", cluster="64xh100-sxm", global_batch=64,
+                            output=tmp_path / "plan.json", time_limit=30.0, started=started)
+    assert solution.stopped_early and (tmp_path / "plan.json").exists()
+    assert time.perf_counter() - started <= 30.0 * 1.1
