@@ -406,6 +406,21 @@ def test_without_tiers_the_error_names_the_gpu_shortfall(zoo_profiles):
         solve(zoo_profiles("vit22b-llama70b"), parse_cluster("2xh100-sxm"), 2, memory_tiers=False)
 
 
+@pytest.mark.parametrize("memory,advice", [(10_000, "more GPUs do not help: one block per stage still needs"),
+                                           (495_000, "add GPUs")])
+def test_the_no_fit_advice_says_add_gpus_only_when_more_would_fit(zoo_profiles, memory, advice):
+    """Issue 15/30's misleading "add GPUs": on 4 ranks tiny-vlm's least-loaded layout needs ~507 kB per GPU and ~479 kB
+    with one of its 10 blocks per stage; more GPUs help only when the GPU holds the latter."""
+    from planner.profiler.profile import profile_model
+    from runtime.source import resolve
+
+    cluster = parse_cluster("4xlocal-cpu")
+    cluster = _replace(cluster, device=_replace(cluster.device, memory_bytes=memory))
+    with pytest.raises(MmplanError, match="short") as err:
+        solve(profile_model(resolve("tiny-vlm")), cluster, 8, memory_reserve=0.0, time_limit=60)
+    assert advice in str(err.value) and ("add GPUs" in str(err.value)) == (advice == "add GPUs"), str(err.value)
+
+
 def test_too_few_gpus_for_non_colocated_groups(zoo_profiles):
     with pytest.raises(MmplanError, match=r"needs at least 3 GPUs; the cluster has 2 \(1 short\)"):
         solve(zoo_profiles("tiny-avlm"), parse_cluster("2xlocal-cpu"), 4, placement="non-colocated")
