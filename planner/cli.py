@@ -50,7 +50,9 @@ def _options(
     show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                                help="Print mmplan's version and exit.")] = False,
 ) -> None:
-    pass
+    from planner.torch_cache import remove_at_exit_if_made_here
+
+    remove_at_exit_if_made_here()  # torch's empty inductor cache directory left in $TMPDIR
 
 
 def user_errors(fn: Callable) -> Callable:

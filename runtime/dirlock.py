@@ -140,3 +140,32 @@ def _read_holder(fd: int) -> str:
     except (OSError, UnicodeDecodeError):
         return ""
     return f" (pid {text})" if text.isdigit() else ""
+
+
+class FileLock:
+    """An exclusive flock(2) on a file itself, for a run's --log: a second run writing into the same log is refused
+    (two writers, each at its own offset, tore each other's lines). The file is created when missing (its run
+    removes it again if it fails before writing); the kernel drops the lock when its holders are gone."""
+
+    def __init__(self, path: str | os.PathLike, what: str) -> None:
+        self.path, self.what = Path(path), what
+        self._fd: int | None = None
+
+    def acquire(self) -> "FileLock":
+        """Take the lock or raise MmplanError; never waits."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            raise MmplanError(f"cannot use {self.what} {self.path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise MmplanError(f"{self.what} {self.path} is being written by another run; give each run its own log") from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

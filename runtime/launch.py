@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from plans.errors import MmplanError
 from plans.serial import write_atomic
 from runtime.host_memory import keep_freed_memory
+from runtime.launch_dirs import make_run_dir, record_pids
 from runtime.signals import default_in_child
 
 GRACE_S = 3.0  # after the first failure, how long the other ranks get to record their own errors
@@ -255,11 +255,14 @@ def _run_local(
         )
     if start_method == "fork":
         _preimport()
-    run_dir = Path(tempfile.mkdtemp(prefix="mmplan-launch-"))
+    run_dir = make_run_dir()  # stale ones of SIGKILLed launchers removed (runtime/launch_dirs.py)
     ctx = mp.get_context(start_method)
     procs: list[mp.Process] = []
     try:
-        _start(procs, ctx, worker, payload, world_size, backend, str(run_dir), op_timeout_s)
+        try:
+            _start(procs, ctx, worker, payload, world_size, backend, str(run_dir), op_timeout_s)
+        finally:
+            record_pids(run_dir, [p.pid for p in procs])
         outcome = _watch(procs, run_dir, timeout_s)
         states = {r: _proc_state(p.pid) for r, p in enumerate(procs) if p.exitcode is None}
         killed = _kill_all(procs)

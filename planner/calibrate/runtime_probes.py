@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from planner.calibrate.probes import call_time, collective_iterations
-from planner.calibrate.settings import Settings
+from planner.calibrate.settings import Settings, load_factor
 from plans.cluster import Cluster, Link
 
 
@@ -52,7 +52,8 @@ def measure_step_overhead(cluster: Cluster, *, steps: int = 14) -> float:
     with tempfile.TemporaryDirectory(prefix="mmplan-calibrate-") as scratch:
         path = Path(scratch) / "plan.json"
         save_plan(plan, path)
-        metrics = run_plan(path, steps=steps, model=NEAR_EMPTY_MODEL, timeout_s=120, op_timeout_s=60).metrics
+        metrics = run_plan(path, steps=steps, model=NEAR_EMPTY_MODEL, timeout_s=120 * load_factor(),
+                           op_timeout_s=60 * load_factor()).metrics
     measured = statistics.median(m["step_time_s"] for m in (metrics[2:] or metrics))
     return max(0.0, measured - evaluate(plan, profile, cluster).predicted.step_time_s)
 

@@ -1,6 +1,7 @@
 """What `mmplan calibrate` measures (Settings), what it measured (Calibration), and its progress bar's steps."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,13 +42,25 @@ class Settings:
                 copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB),
                 message_bytes=tuple(4**k for k in range(1, 12)),  # 4 B .. 4 MiB
                 disk_bytes=(1 * MiB, 8 * MiB, 32 * MiB),
-                point_budget_s=0.04, rounds=1, timeout_s=30, deadline_s=60, probe_s=0.3)
+                point_budget_s=0.04, rounds=1, timeout_s=30 * load_factor(), deadline_s=60 * load_factor(), probe_s=0.3)
         return Settings(
             matmul_sizes=(32, 64, 128, 256, 512, 1024, 2048), bf16_sizes=(256, 1024), fp16_sizes=(256,),
             copy_bytes=(4 * KiB, 16 * MiB, 64 * MiB, 256 * MiB),
             message_bytes=tuple(4**k for k in range(1, 14)),  # 4 B .. 64 MiB
             disk_bytes=(1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB),
-            point_budget_s=0.12, rounds=3, timeout_s=60, deadline_s=240)
+            point_budget_s=0.12, rounds=3, timeout_s=60 * load_factor(), deadline_s=240 * load_factor())
+
+
+def load_factor() -> float:
+    """How many times slower than on an idle machine the measuring ranks may run: the runnable processes per core
+    (1-minute load average / cores), at least 1. The calibration's wall-clock bounds (a quick one takes ~12 s at load
+    3.5 on 2 cores, measured) are multiplied by it, so that a loaded machine (mmplan demo beside a CPU-heavy
+    process) slows the calibration instead of failing it."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return max(1.0, load / (os.cpu_count() or 1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,9 @@ What a run owns, and gives back on every exit path (success, refusal, a failing 
 - its --checkpoint-dir, locked for the run (a second run on it is refused); a directory holding another run's
   checkpoints is refused unless resumed from (--resume) or --overwrite is given, and even then they are only
   replaced once this run's first checkpoint is complete; incomplete step directories are removed on failure;
-- its --log, appended to when resuming, else refused when it holds a log unless --overwrite; never followed
-  through a symbolic link; removed again when a failed run wrote nothing into a file it created;
+- its --log, locked for the run (a second run writing into it is refused), appended to when resuming, else refused
+  when it holds a log unless --overwrite; never followed through a symbolic link; removed again when a failed run
+  wrote nothing into a file it created;
 - a directory of its own inside --nvme-dir (locked; removed at the end, and by the next run if this one was
   SIGKILLed), so no tier file outlives the run;
 - the directories it created, removed again when the run fails while they are empty.
@@ -201,6 +202,10 @@ def _train_owning(job: Job, *, resume: Path | None, checkpoint_dir: Path | None,
                 _check_checkpoint_dir(checkpoint_dir, resume, overwrite)
         if resume is not None and lead and not _same_dir(resume, checkpoint_dir):
             locks.append(_lock(resume, "--resume", shared=True))
+        if log is not None and lead:
+            from runtime.dirlock import FileLock
+
+            locks.append(FileLock(log, "--log").acquire())  # another run writing into it is refused
         lineage = _resumable(resume, plan).lineage if resume is not None else ""
         nvme_run = _nvme_dir(plan, nvme_dir, created, locks)
         job = replace(job, nvme_dir=str(nvme_run) if nvme_run else None, lineage=lineage or uuid.uuid4().hex[:16])

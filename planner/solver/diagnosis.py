@@ -16,7 +16,7 @@ from planner.solver.structure import profile_units
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
-from plans.units import format_capacity, short_by
+from plans.units import format_bytes, format_capacity, short_by
 
 
 def state_bytes(profile: Profile, dtype: str) -> float:
@@ -48,7 +48,24 @@ def no_fit(profile: Profile, cluster: Cluster, setting: Setting, structures, mem
                            f"{setting.global_batch} with the placements searched ({single}); add GPUs or change the global batch")
     return MmplanError(
         f"{profile.model} does not fit on {cluster.world_size} x {cluster.device.name} {how}: its least-loaded layout needs "
-        f"{need / 1e9:,.2f} GB on its fullest GPU, which has {format_capacity(cap)} {short_by(need, cap)}; add GPUs")
+        f"{format_bytes(need)} on its fullest GPU, which has {format_capacity(cap)} {short_by(need, cap)}; "
+        f"{_more_gpus(profile, cluster, setting, memory_tiers, cap)}")
+
+
+def _more_gpus(profile: Profile, cluster: Cluster, setting: Setting, memory_tiers: bool, cap: float) -> str:
+    """The advice when the least-loaded layout is short of GPU memory: "add GPUs" only when a deeper pipeline (one
+    stage per block at most, which more nodes allow) brings its fullest GPU under the capacity; otherwise what it
+    would still need, since more GPUs cannot shrink a stage below one block."""
+    unit = profile_units(profile, "chain")[0]
+    floor = None
+    if cluster.world_size < len(unit.blocks) * max(tp_degrees(unit, cluster)):
+        more = replace(cluster, nodes=cluster.nodes * len(unit.blocks))
+        floor = _least_gpu_bytes(profile, more, replace(setting, cluster=more), memory_tiers)
+        if floor is not None and floor <= cap:
+            return f"add GPUs (a deeper pipeline's fullest GPU needs {format_bytes(floor)})"
+    still = f": one block per stage still needs {format_bytes(floor)}" if floor is not None else ""
+    return (f"more GPUs do not help{still}; use GPUs with more memory, a smaller --memory-reserve or a smaller model "
+            f"or sequence")
 
 
 def _least_gpu_bytes(profile: Profile, cluster: Cluster, setting: Setting, memory_tiers: bool) -> float | None:

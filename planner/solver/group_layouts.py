@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cost_models.memory import DTYPE_BYTES
 from planner.solver.construct import GroupLayout, build_plan, megatron_ranks
-from planner.solver.layout_spec import RECOMPUTES, Recompute, check_batch, layout_items, parse_schedule
+from planner.solver.layout_spec import RECOMPUTES, Recompute, check_batch, check_tp, layout_items, parse_schedule
 from planner.solver.megatron_split import flops_cuts, recomputed_tiers
 from plans.cluster import Cluster
 from plans.errors import MmplanError
@@ -117,6 +117,7 @@ def group_layout_plan(profile: Profile, cluster: Cluster, global_batch: int, tex
         blocks = members[s.name]
         if s.pp > len(blocks):
             raise MmplanError(f"group {s.name!r} has {len(blocks)} blocks, fewer than its pp={s.pp} stages")
+        check_tp([by_name[b] for b in blocks], s.tp, f"group {s.name!r}: ")
         cuts = flops_cuts([by_name[b].fwd_flops + by_name[b].bwd_flops for b in blocks], s.pp)
         bounds = [0, *cuts, len(blocks)]
         memory = tuple(Memory(activations=recomputed_tiers(profile, blocks[a:z], s.recompute)) for a, z in zip(bounds, bounds[1:]))

@@ -1,13 +1,14 @@
 """A homogeneous layout as `--layout` writes it: LayoutSpec, its parser, and its check against a model and cluster."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from planner.solver.candidates import sp_divides
 from plans.cluster import Cluster
 from plans.errors import MmplanError
-from plans.graph import Profile
+from plans.graph import Block, Profile
 
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 Recompute = Literal["none", "selective", "layers", "full"]
@@ -147,6 +148,7 @@ def check_layout(profile: Profile, cluster: Cluster, global_batch: int, spec: La
     if cluster.gpus_per_node % spec.tp:
         raise MmplanError(f"tp={spec.tp} does not divide the {cluster.gpus_per_node} GPUs per node of cluster "
                           f"{cluster.name}; a tensor-parallel group must fill whole slots of one node")
+    check_tp(profile.blocks, spec.tp)
     if global_batch % (spec.dp * spec.micro_batch):
         raise MmplanError(f"global batch {global_batch} is not divisible by dp*micro-batch = {spec.dp}*{spec.micro_batch} "
                           f"= {spec.dp * spec.micro_batch}; choose a global batch that is a multiple of it")
@@ -166,6 +168,18 @@ def check_layout(profile: Profile, cluster: Cluster, global_batch: int, spec: La
     if spec.split == "encoders-first" and parts > llm:
         raise MmplanError(f"split=encoders-first puts every encoder on the first stage and cuts only the {llm} blocks of "
                           f"group {sink!r} into pp*virtual stages = {parts} chunks; use at most {llm}, or split=flops")
+
+
+def check_tp(blocks: Sequence[Block], tp: int, where: str = "") -> None:
+    """tp must divide each sharded block's heads, kv heads and widths (plans/capabilities.py: tp shards exactly; the
+    profile records their gcd, Block.tp_divisor): one line naming the first block that it does not and the tps that would."""
+    bad = next((b for b in blocks if not b.takes_tp(tp)), None)
+    if bad is not None:
+        fits = [d for d in range(1, bad.tp_divisor + 1) if bad.tp_divisor % d == 0]
+        shown = ", ".join(map(str, fits[:8])) + (", ..." if len(fits) > 8 else "")
+        raise MmplanError(f"{where}tp={tp} does not divide the heads and widths of block {bad.name} (tensor parallelism "
+                          f"shards each exactly; their greatest common divisor is {bad.tp_divisor}): use a tp among its "
+                          f"divisors {shown}")
 
 
 def check_batch(global_batch: int) -> None:

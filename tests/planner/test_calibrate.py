@@ -187,3 +187,14 @@ def test_calibrated_cluster_round_trips_through_toml(quick_run, tmp_path):
     path.write_text(cluster_to_toml(cluster))
     assert parse_cluster(str(path)) == cluster
     assert parse_cluster(str(path), gpus_per_node=1).nodes == 2
+
+
+@pytest.mark.parametrize("load,cores,factor", [(0.3, 2, 1.0), (16.0, 2, 8.0), (6.0, 16, 1.0)])
+def test_the_wall_clock_bounds_scale_with_the_load(monkeypatch, load, cores, factor):
+    """mmplan demo calibrates first: on a loaded machine its fixed 60 s bound failed the demo instead of waiting."""
+    from planner.calibrate import settings as settings_module
+
+    monkeypatch.setattr(settings_module.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(settings_module.os, "cpu_count", lambda: cores)
+    quick, full = Settings.for_run(True), Settings.for_run(False)
+    assert (quick.deadline_s, quick.timeout_s, full.deadline_s) == (60 * factor, 30 * factor, 240 * factor)

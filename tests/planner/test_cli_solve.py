@@ -154,6 +154,19 @@ def test_layout_sequence_parallel_is_accepted_where_tp_does_not_divide_the_seque
     assert all(g.sequence_parallel for g in load_plan(out).groups if g.tp > 1)
 
 
+@pytest.mark.parametrize("layout,where", [(("--baseline", "homogeneous", "--layout", "tp=3,pp=1,dp=2"), ""),
+                                          (("--layout", "vision:tp=3;audio:dp=1;llm:dp=2"), "group 'vision': ")])
+def test_a_tp_that_does_not_divide_the_heads_is_refused(profiles, tmp_path, layout, where):
+    """tp=3 divides the 6 GPUs of the node but not tiny-avlm's heads and widths (gcd 4 in the vision layers): one line
+    naming the block and the tps that would shard it, nothing written (it used to write a plan the runtime refuses)."""
+    out = tmp_path / "p.json"
+    r = invoke(profiles["tiny-avlm"], "--cluster", "6xlocal-cpu", "--global-batch", 6, "-o", out, *layout)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and not out.exists(), r.output
+    assert f"{where}tp=3 does not divide the heads and widths of block vision.layers.0" in text
+    assert "greatest common divisor is 4): use a tp among its divisors 1, 2, 4" in text
+
+
 def test_unwritable_output_fails_before_solving(profiles, tmp_path):
     r = invoke(profiles["tiny-avlm"], "--cluster", "4xlocal-cpu", "--global-batch", 8, "-o", tmp_path / "missing" / "p.json")
     assert r.exit_code == 2 and "does not exist" in r.output

@@ -93,3 +93,27 @@ def test_a_local_run_beyond_this_hosts_memory_is_refused(monkeypatch):
     monkeypatch.setattr(preflight, "_available_memory", lambda: 1e6)
     line = one_line_error(runner.invoke(app, ["run", PLAN, "--steps", "1"]))
     assert "is for cluster local-cpu (2 ranks)" in line and "rank processes that each build the model" in line and "this host (" in line
+
+
+def test_a_log_another_run_is_writing_is_refused(monkeypatch, tmp_path):
+    """Two runs sharing --log (with --overwrite, each writing at its own offset) tore each other's lines: the run
+    holds an flock on its log, and a second run on it stops in one line before launching anything."""
+    import runtime.launch
+    from runtime.dirlock import FileLock
+
+    launched = []
+
+    def fake_launch(worker, world, job, **kwargs):
+        launched.append(job.log)
+        raise run.MmplanError("stop here")
+
+    monkeypatch.setattr(runtime.launch, "launch", fake_launch)
+    log = tmp_path / "metrics.jsonl"
+    held = FileLock(log, "--log").acquire()  # the first run, still writing
+    try:
+        line = one_line_error(runner.invoke(app, ["run", PLAN, "--steps", "1", "--log", str(log), "--overwrite"]))
+    finally:
+        held.release()
+    assert "--log" in line and "being written by another run" in line and not launched
+    line = one_line_error(runner.invoke(app, ["run", PLAN, "--steps", "1", "--log", str(log), "--overwrite"]))
+    assert "stop here" in line and launched == [str(log)]

@@ -415,6 +415,21 @@ def test_without_tiers_the_error_names_the_gpu_shortfall(zoo_profiles):
         solve(zoo_profiles("vit22b-llama70b"), parse_cluster("2xh100-sxm"), 2, memory_tiers=False)
 
 
+@pytest.mark.parametrize("memory,advice", [(10_000, "more GPUs do not help: one block per stage still needs"),
+                                           (495_000, "add GPUs")])
+def test_the_no_fit_advice_says_add_gpus_only_when_more_would_fit(zoo_profiles, memory, advice):
+    """Issue 15/30's misleading "add GPUs": on 4 ranks tiny-vlm's least-loaded layout needs ~507 kB per GPU and ~479 kB
+    with one of its 10 blocks per stage; more GPUs help only when the GPU holds the latter."""
+    from planner.profiler.profile import profile_model
+    from runtime.source import resolve
+
+    cluster = parse_cluster("4xlocal-cpu")
+    cluster = _replace(cluster, device=_replace(cluster.device, memory_bytes=memory))
+    with pytest.raises(MmplanError, match="short") as err:
+        solve(profile_model(resolve("tiny-vlm")), cluster, 8, memory_reserve=0.0, time_limit=60)
+    assert advice in str(err.value) and ("add GPUs" in str(err.value)) == (advice == "add GPUs"), str(err.value)
+
+
 def test_too_few_gpus_for_non_colocated_groups(zoo_profiles):
     with pytest.raises(MmplanError, match=r"needs at least 3 GPUs; the cluster has 2 \(1 short\)"):
         solve(zoo_profiles("tiny-avlm"), parse_cluster("2xlocal-cpu"), 4, placement="non-colocated")
@@ -554,3 +569,36 @@ def test_a_time_limit_leaves_the_megatron_baseline_its_share():
     profile = profile_model(resolve("tiny-vlm"))
     solution = solve(profile, parse_cluster("4xlocal-cpu"), 8, time_limit=30)
     assert solution.megatron is not None and solution.step_time_s <= solution.megatron.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_a_time_limit_is_kept_when_writing_the_plan_is_slow(monkeypatch, tmp_path, zoo_profiles):
+    """A loaded machine as a fake clock (issue 30: --time-limit 20 at 8,192 GPUs took 33 s): each plan simulated costs
+    0.5 s and each check of a plan (most of writing it) 6 s of it; solving and writing end within 10 % of the limit
+    because the reserve is measured on the quick incumbent, not estimated."""
+    import time
+
+    import plans.plan as plan_module
+    from planner.solver.search import Search
+    from planner.solver.solve import run_solve
+    from plans.graph import save_profile
+
+    real, spent = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + spent[0])
+    check, simulate = plan_module.check_plan, Search.simulate
+
+    def slow_check(*args, **kwargs):
+        spent[0] += 6.0
+        return check(*args, **kwargs)
+
+    def slow_simulate(self, *args, **kwargs):
+        spent[0] += 0.5
+        return simulate(self, *args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "check_plan", slow_check)
+    monkeypatch.setattr(Search, "simulate", slow_simulate)
+    save_profile(zoo_profiles("tiny-avlm"), tmp_path / "profile.json")
+    started = time.perf_counter()
+    solution, _ = run_solve(profile_path=tmp_path / "profile.json", cluster="64xh100-sxm", global_batch=64,
+                            output=tmp_path / "plan.json", time_limit=30.0, started=started)
+    assert solution.stopped_early and (tmp_path / "plan.json").exists()
+    assert time.perf_counter() - started <= 30.0 * 1.1
