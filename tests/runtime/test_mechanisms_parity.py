@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.launch import launch
-from runtime.train import Job, train_rank
-from tests.runtime.plan_builder import make_plan
-from tests.runtime.test_parity import STEPS, assert_executed_order_is_predicted, check_parity, reference
+from tests.runtime.test_parity import check_parity, run_in_predicted_order
 
 PLANS = {
     # vision on rank 0 runs 2 micro-batches ahead of a 2-stage LLM (in flight: 3 + 2 of 8)
@@ -32,12 +29,7 @@ PLANS = {
 
 @pytest.mark.parametrize("case", list(PLANS))
 def test_mechanism_matches_the_reference_in_the_predicted_order(case):
-    model, groups, training = PLANS[case]
-    plan = make_plan(model, groups, **training)
-    job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True, trace=True)
-    ref = reference(model, job)
-    results = launch(train_rank, plan.world_size, job, timeout_s=240)
-    assert_executed_order_is_predicted(plan, model, results[0]["trace"])
+    plan, results, ref = run_in_predicted_order(*PLANS[case])
     if case == "encoder-ahead":  # d + 1 + k = 2 + 1 + 2 forwards before vision's first backward
         ran = [name for _, name, *_ in results[0]["trace"][0] if name[:4] in ("fwd ", "bwd ")]
         assert [n[:3] for n in ran[:6]] == ["fwd"] * 5 + ["bwd"]

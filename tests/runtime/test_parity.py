@@ -101,14 +101,20 @@ def reference(model: str, job: Job):
     return _REFERENCE[key]
 
 
-@pytest.mark.parametrize("case", list(PLANS))
-def test_plan_matches_single_process_reference(case):
-    model, groups, training = PLANS[case]
+def run_in_predicted_order(model: str, groups: list[dict], training: dict):
+    """(plan, each rank's results, the single-process reference) of a traced STEPS-step run of the plan, whose executed
+    order is asserted to be the predicted one."""
     plan = make_plan(model, groups, **training)
     job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True, trace=True)
     ref = reference(model, job)
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
     assert_executed_order_is_predicted(plan, model, results[0]["trace"])
+    return plan, results, ref
+
+
+@pytest.mark.parametrize("case", list(PLANS))
+def test_plan_matches_single_process_reference(case):
+    plan, results, ref = run_in_predicted_order(*PLANS[case])
     check_parity(case, results, ref, loss_rtol=1e-4)
 
 

@@ -8,8 +8,7 @@ import pytest
 
 from runtime.launch import launch
 from runtime.train import Job, train_rank
-from tests.runtime.plan_builder import make_plan
-from tests.runtime.test_parity import STEPS, assert_executed_order_is_predicted, check_parity, reference
+from tests.runtime.test_parity import STEPS, assert_executed_order_is_predicted, check_parity, reference, run_in_predicted_order
 
 ENC = ["vision", "vision_proj"]
 PLANS = {
@@ -38,12 +37,7 @@ PLANS = {
 
 @pytest.mark.parametrize("case", list(PLANS))
 def test_rebatched_plan_matches_the_reference_in_the_predicted_order(case):
-    model, groups, training = PLANS[case]
-    plan = make_plan(model, groups, **training)
-    job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True, trace=True)
-    ref = reference(model, job)
-    results = launch(train_rank, plan.world_size, job, timeout_s=240)
-    assert_executed_order_is_predicted(plan, model, results[0]["trace"])
+    plan, results, ref = run_in_predicted_order(*PLANS[case])
     if case == "encoder-coarser":  # the encoder's one backward comes after the LLM's 4 micro-batches
         ran = [name for _, name, *_ in results[0]["trace"][0] if name[:4] in ("fwd ", "bwd ")]
         assert ran == ["fwd vision s0 mb0", "bwd vision s0 mb0"], ran
