@@ -30,10 +30,50 @@ def link_for(cluster: Cluster, ranks: Iterable[int]) -> Link:
     return link_between(cluster, crosses_nodes=len({r // per_node for r in ranks}) > 1)  # node_of(r), inlined: hot
 
 
+def ranks_per_node(cluster: Cluster, ranks: Iterable[int]) -> int:
+    """The fewest ranks of the set on any node it spans (0 for an empty set)."""
+    per_node = cluster.gpus_per_node
+    if isinstance(ranks, range) and ranks.step > 0:  # ascending, evenly spaced (the hot path): count node by node
+        if not len(ranks):
+            return 0
+        fewest = len(ranks)
+        for node in range(ranks[0] // per_node, ranks[-1] // per_node + 1):
+            lo, hi = max(ranks.start, node * per_node), min(ranks.stop, (node + 1) * per_node)
+            first = lo + (ranks.start - lo) % ranks.step  # the range's first element >= lo
+            if first < hi:
+                fewest = min(fewest, len(range(first, hi, ranks.step)))
+        return fewest
+    counts: dict[int, int] = {}
+    for r in ranks:
+        counts[r // per_node] = counts.get(r // per_node, 0) + 1
+    return min(counts.values()) if counts else 0
+
+
+def collective_link(cluster: Cluster, ranks: Iterable[int]) -> Link:
+    """The link a collective over `ranks` runs at: inside a node the intra-node link; across nodes the inter-node
+    link is one NIC per GPU (Cluster.inter_node; the DGX A100 / H100 user guides: 8 ConnectX NICs, one per GPU, on
+    rail-optimised fabrics), and NCCL runs one ring per channel with the rings' node-crossing hops spread over the
+    NICs of the group's GPUs on each node, so a group with k ranks on each node leaves every node through k NICs at
+    once: min(intra-node, k x NIC) per rank (the ring's per-rank volume is the same at every hop; nccl-tests issue
+    #119: 96 GB/s bus bandwidth across nodes from 4 x 25 GB/s HDR NICs, i.e. the NICs of the node's 4 GPUs together).
+    k is the fewest of the group's ranks on any node it spans (the slowest node bounds the ring). A group with one
+    rank per node (every tp-th rank when tp fills a node) is one NIC: link_for's slowest link."""
+    link = link_for(cluster, ranks)
+    if link is cluster.intra_node or link.bandwidth >= cluster.intra_node.bandwidth:
+        return link
+    k = ranks_per_node(cluster, ranks)
+    if k <= 1:
+        return link
+    inter, intra = cluster.inter_node, cluster.intra_node
+    return Link(min(intra.bandwidth, k * inter.bandwidth), max(intra.latency_s, inter.latency_s),
+                max(intra.collective_s, inter.collective_s))
+
+
 def dp_link(cluster: Cluster, stage_ranks: Sequence[int], tp: int) -> Link:
     """The link of a stage's data-parallel collectives: the one the dp group of its tp-rank 0 spans (stage ranks
-    in Megatron order, tp fastest, so that group is every tp-th rank; the other dp groups span the same nodes)."""
-    return link_for(cluster, stage_ranks[::tp])
+    in Megatron order, tp fastest, so that group is every tp-th rank; the other dp groups span the same nodes), at
+    the NICs its ranks on each node use together (collective_link)."""
+    return collective_link(cluster, stage_ranks[::tp])
 
 
 def pair_link(cluster: Cluster, src: Iterable[int], dst: Iterable[int]) -> Link | None:

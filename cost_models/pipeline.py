@@ -2,18 +2,17 @@
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cost_models.comm import (all_gather_time, dp_link, hand_over_time, link_for, p2p_time, reduce_scatter_time,
-                              ring_bytes_sent, zero_collectives)
+from cost_models.comm import dp_link, ring_bytes_sent, zero_collectives
 from cost_models.compute import OpTime, block_time, grad_accumulation_time, measured_on, tp_shard
 from cost_models.fsdp import chunk_passes, first_forward_gather
 from cost_models.memory import DTYPE_BYTES, block_input_bytes, kept_activation_bytes, zero_divisors
 from cost_models.offload import exposed, offload_accounting, overlaps_compute, state_streaming, transfer_time
 from cost_models.overhead import step_overhead, zero_block_time
+from cost_models.routes import route_time
 from cost_models.tail import stage_tail
 from cost_models.ties import plan_stages, with_copies, with_tie_syncs
 from plans.cluster import Cluster
@@ -21,7 +20,7 @@ from plans.errors import FormatError, MmplanError
 from plans.graph import Block, Profile
 from plans.plan import Group, Plan, flow_of
 from plans.schedule import Task, schedule, task_name
-from plans.stage_graph import Chunk, Route, StageGraph, stage_graph
+from plans.stage_graph import Chunk, StageGraph, stage_graph
 from plans.trace import LANES as TRACE_LANES
 
 # How the step is modelled (all times in seconds from the step's start):
@@ -404,59 +403,6 @@ def _cost_chunk(ch: Chunk, g: Group, plan: Plan, blocks: dict[str, Block], clust
     cost.time = time
     cost.bytes_per_mb = tp_bytes + zero_bytes
     return cost
-
-
-def route_time(graph: StageGraph, route: Route, cluster: Cluster) -> tuple[float, float]:
-    """Seconds to move a route's pieces of one (producer micro-batch, consumer micro-batch) pair (and its gradients
-    back), and the bytes sent: one micro-batch when both groups count alike; re-batched, the pieces of the smaller
-    micro-batch (every pair moves as many samples; the slowest pair's time stands for all).
-
-    Every message is a p2p transfer (alpha-beta on the link between its two ranks; a rank handing samples
-    to itself costs nothing); a rank's sends and receives go one after another, ranks run in parallel, so
-    the route takes as long as its busiest rank (Narayanan et al. 2021, section 2.2, for the pipeline case).
-    """
-    pairs = {(p.src_mb, p.dst_mb) for p in route.pieces}
-    return max((_pair_time(graph, route, cluster, pair) for pair in sorted(pairs)), default=(0.0, 0.0))
-
-
-def _pair_time(graph: StageGraph, route: Route, cluster: Cluster, pair: tuple[int, int]) -> tuple[float, float]:
-    load: dict[tuple[int, int], float] = defaultdict(float)  # (0 = send / 1 = recv, rank) -> seconds
-    total = 0.0
-    src, dst = graph.chunks[route.src], graph.chunks[route.dst]
-    if src.tp == dst.tp > 1 and src.ranks != dst.ranks:
-        return _scatter_gather_time(graph, route, cluster, pair)
-    for t in graph.transfers(route, pair):
-        if t.src_rank == t.dst_rank:
-            continue
-        nbytes = (t.stop - t.start) * route.bytes_per_sample
-        dt = p2p_time(nbytes, link_for(cluster, (t.src_rank, t.dst_rank)))
-        load[0, t.src_rank] += dt
-        load[1, t.dst_rank] += dt
-        total += nbytes
-    return max(load.values(), default=0.0), total
-
-
-def _scatter_gather_time(graph: StageGraph, route: Route, cluster: Cluster, pair: tuple[int, int] | None = None
-                         ) -> tuple[float, float]:
-    """A route between stages of equal tp > 1 with Megatron's scatter/gather optimisation (Narayanan et al. 2021,
-    section 4.1): every tp rank of the producer replica sends 1/tp of a piece to its counterpart, and the
-    consumer's tp ranks all-gather the pieces over the TP link. Each tp rank's sends run in parallel; a
-    rank's pieces go one after another; the route takes as long as its busiest rank."""
-    src, dst = graph.chunks[route.src], graph.chunks[route.dst]
-    tp = src.tp
-    load: dict[tuple[int, int], float] = defaultdict(float)
-    total = 0.0
-    for t in graph.transfers(route, pair):
-        if t.dst_rank != dst.tp_ranks(dst.replica_of(t.dst_rank))[0]:
-            continue  # one message per piece and consumer replica: its tp-rank-0 counterpart stands for all
-        nbytes = (t.stop - t.start) * route.bytes_per_sample
-        dt = hand_over_time(nbytes, tp, link_for(cluster, (t.src_rank, t.dst_rank)),
-                            link_for(cluster, dst.tp_ranks(dst.replica_of(t.dst_rank))))
-        load[0, t.src_rank] += dt
-        load[1, t.dst_rank] += dt
-        total += nbytes  # tp messages of nbytes / tp
-    return max(load.values(), default=0.0), total
-
 
 
 # --- the DAG of ops and its longest paths ------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cost_models.comm import link_for
+from cost_models.comm import collective_link
 from cost_models.compute import tp_shard
 from cost_models.tail import tie_sync_time
 from plans.cluster import Cluster
@@ -88,7 +88,7 @@ def with_tie_syncs(plan: Plan, graph: Any, profile: Profile | None, tails: list,
             g = where[k][0]
             held = next(b for b in sync.tie.blocks if b in g.stages[ch.stage].blocks)
             elements = sync.tie.params / tp_shard(blocks[held], g.tp) / (g.dp if g.zero else 1)
-            t = tie_sync_time(elements, len(sync.stages), link_for(cluster, ranks), dtype=plan.training.dtype,
+            t = tie_sync_time(elements, len(sync.stages), collective_link(cluster, ranks), dtype=plan.training.dtype,
                               grad_bytes=grad_bytes)
             tails[s] = replace(tails[s], grad_sync=tails[s].grad_sync + t)
     return tails

@@ -92,7 +92,7 @@ class Cluster:
     gpus_per_node: int
     device: Device
     intra_node: Link  # GPU<->GPU inside a node (NVLink), per direction
-    inter_node: Link  # between nodes (InfiniBand per GPU), per direction
+    inter_node: Link  # between nodes: one GPU's NIC (InfiniBand per GPU), per direction (comm.collective_link)
     host_to_device: Link  # PCIe host<->device per GPU
     nvme: Link  # NVMe read/write per node
     host_memory_bytes: int  # per node

@@ -9,7 +9,7 @@ tag per (route, piece, tensor, direction, window: a micro-batch unless the route
 through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
 guarantees the matching send was issued first. With tensor parallelism a replica's tp ranks hold
 identical block outputs and input gradients. Between stages of equal tp > 1 on different ranks, Megatron's
-scatter/gather (Narayanan et al. 2021, section 4.1; cost_models/pipeline.route_time prices it so): tp-rank j
+scatter/gather (Narayanan et al. 2021, section 4.1; cost_models/routes.route_time prices it so): tp-rank j
 of the sending replica sends the j-th 1/tp of each floating-point piece to tp-rank j of the receiving replica,
 and the receiving tp ranks all-gather the parts over their tp group — in both directions. Otherwise (and for
 integer leaves) the sending replica's tp-rank 0 sends each tp rank of the receiving replica its own copy.

@@ -249,7 +249,7 @@ def run_bound(work: float, micro_batches: int, depth: int) -> float:
 
 def boundary_bound(src: Layout, dst: Layout, cluster: Cluster) -> float:
     """A lower bound of the boundary from a source unit (own ranks) to the sink per micro-batch and direction
-    (pipeline.route_time over the route's transfers, plans/stage_graph.py, on the fastest link): a sink rank receives from
+    (routes.route_time over the route's transfers, plans/stage_graph.py, on the fastest link): a sink rank receives from
     every source replica overlapping its slice, a source replica's tp-rank 0 sends its slice to every tp rank of
     every overlapping sink replica; one message each, alpha + bytes / bandwidth. The link: between nodes when
     either unit fills whole nodes (allocate.assign_ranks never puts another unit on them), else the fastest."""

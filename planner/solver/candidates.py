@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from cost_models.comm import hand_over_time, link_between, link_for
+from cost_models.comm import collective_link, hand_over_time, link_for
 from cost_models.memory import in_flight, warmup_forwards
 from planner.solver.bounds import Layout, run_bound
 from planner.solver.partition import cut_table
@@ -345,7 +345,7 @@ def _send(seg: Segments, link: Link) -> np.ndarray:
 def _tp_link(seg: Segments) -> Link:
     """The link of a tp group (inside a node unless tp exceeds a node): the hand-over's all-gather."""
     cl = seg.setting.cluster
-    return link_between(cl, crosses_nodes=seg.tp > cl.gpus_per_node)
+    return collective_link(cl, range(seg.tp))
 
 
 def _layout(seg: Segments, stages: _Stages, cuts: tuple[int, ...], slowest: float, downstream: int | None,

@@ -7,6 +7,7 @@ import pytest
 
 from cost_models.comm import (
     all_gather_time,
+    collective_link,
     all_reduce_time,
     broadcast_time,
     dp_link,
@@ -14,6 +15,7 @@ from cost_models.comm import (
     link_between,
     link_for,
     p2p_time,
+    ranks_per_node,
     pair_link,
     reduce_scatter_time,
     ring_bytes_sent,
@@ -116,3 +118,28 @@ def test_link_for_a_range_is_the_link_for_its_ranks():
     cluster = catalog_cluster("32xh100-sxm")
     for r in (range(0), range(3, 4), range(0, 8), range(4, 12), range(0, 32, 8), range(8, 16, 2), range(6, 10, 3)):
         assert link_for(cluster, r) == link_for(cluster, list(r)), r
+
+
+def test_a_collective_across_nodes_leaves_each_node_through_the_nics_of_its_ranks_there():
+    # one NIC per GPU (DGX H100: 8 x 400 Gb/s ConnectX-7, 50 GB/s each): a dp group of k ranks per node runs at
+    # k NICs, capped by NVLink; one rank per node (tp fills the node) is one NIC; p2p pairs stay at one NIC
+    cluster = catalog_cluster("48xh100-sxm")
+    nic, nvlink = cluster.inter_node.bandwidth, cluster.intra_node.bandwidth
+    assert collective_link(cluster, range(0, 48, 8)) == cluster.inter_node  # tp 8: one rank per node
+    assert collective_link(cluster, range(0, 48, 4)).bandwidth == 2 * nic  # tp 4: two per node
+    assert collective_link(cluster, range(0, 48, 2)).bandwidth == 4 * nic  # tp 2: four per node
+    assert collective_link(cluster, range(48)).bandwidth == min(nvlink, 8 * nic) == nvlink  # tp 1: NVLink-bound
+    assert collective_link(cluster, range(48)).latency_s == cluster.inter_node.latency_s  # its slowest hop
+    assert collective_link(cluster, range(8)) == cluster.intra_node  # inside a node: NVLink
+    assert collective_link(cluster, [0, 1, 2, 8]) == cluster.inter_node  # the node with one rank bounds the ring
+    assert dp_link(cluster, range(48), 2) == collective_link(cluster, range(0, 48, 2))
+    assert pair_link(cluster, range(8), range(8, 16)) == cluster.inter_node  # parallel sends: a NIC each
+    slow = catalog_cluster("16xh100-sxm")  # more NICs than NVLink carries: never above the intra-node link
+    assert collective_link(slow, range(16)).bandwidth <= slow.intra_node.bandwidth
+
+
+def test_ranks_per_node_of_a_range_is_that_of_its_ranks():
+    cluster = catalog_cluster("48xh100-sxm")
+    for r in (range(0), range(5, 6), range(0, 48), range(4, 12), range(0, 48, 8), range(3, 40, 3), range(6, 30, 5)):
+        assert ranks_per_node(cluster, r) == ranks_per_node(cluster, list(r)), r
+    assert ranks_per_node(cluster, range(4, 12)) == 4 and ranks_per_node(cluster, [0, 1, 8]) == 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.comm import all_gather_time, all_reduce_time, reduce_scatter_time
+from cost_models.comm import all_gather_time, all_reduce_time, collective_link, reduce_scatter_time
 from cost_models.fsdp import overlap_share
 from cost_models.offload import optimizer_step_time
 from cost_models.cluster_spec import catalog_cluster
@@ -22,7 +22,9 @@ def group(zero: int, ranks: range) -> Group:
 def test_tail_per_zero_stage(zero):
     training = Training(64, 8)
     tail = stage_tail(group(zero, range(16)), 0, PARAMS, training, CLUSTER)
-    link, nbytes, dp = CLUSTER.inter_node, 2 * PARAMS, 8  # the dp group of tp-rank 0 spans both nodes
+    # the dp group of tp-rank 0 (ranks 0, 2, .., 14) spans both nodes, 4 ranks on each: it leaves a node through 4 NICs
+    link, nbytes, dp = collective_link(CLUSTER, range(0, 16, 2)), 2 * PARAMS, 8
+    assert link.bandwidth == 4 * CLUSTER.inter_node.bandwidth
     sync = {0: all_reduce_time(nbytes, dp, link), 1: reduce_scatter_time(nbytes, dp, link)}.get(zero, 0.0)
     gather = all_gather_time(nbytes, dp, link) if zero in (1, 2) else 0.0
     step = optimizer_step_time(PARAMS / (dp if zero else 1), Memory(), CLUSTER)
