@@ -121,17 +121,18 @@ Sources:
   and 128 H100 (Tables 1 and 3, the bf16 "FSDP" rows), tokens/s per GPU as logged per step; details above the rows.
   Priced first as a fused Megatron-style layer with Korthikanti's selective recompute, they missed at +42.7 % / +29.7 %;
   priced as torchtitan 9dec370 ran them (op-level SAC, PyTorch's FlashAttention-2 SDPA, fp32 complex RoPE, fp32
-  reduce-scatters, eager fp32 cross-entropy, foreach AdamW; none fitted) they are at +17.4 % / +6.5 %. What is left
-  of the 8-GPU row's gap is not explained here (the bf16 "FSDP + torch.compile" rows, judged too, miss the same way:
-  +18.7 % / +5.2 %, so it is not the eager memory-bound kernels, which compile fuses); candidates not priced: the 500 W cap's GEMM clocks (the peak is
+  reduce-scatters, eager fp32 cross-entropy, foreach AdamW; none fitted) they were at +17.4 % / +6.5 %; with the NICs
+  of collective_link and the sustained Hopper GEMM fraction (catalog.py) at +12.3 % / +15.7 %. What is left of the gap
+  is not explained here (the bf16 "FSDP + torch.compile" rows, judged too, miss the same way: +12.7 % / +15.7 %, so it
+  is not the eager memory-bound kernels, which compile fuses); candidates not priced: the 500 W cap's GEMM clocks (the peak is
   the SXM / NVL midpoint, not measured), torchtitan's root FSDP unit (embedding, final norm and output gathered
   together, first and exposed), strided copies (repeat_kv, transposes) below stream bandwidth.
-  The 128-GPU rows' smaller error is partly a mispriced link: their FSDP collectives cross nodes at one NIC's
-  50 GB/s (comm.link_between, the slowest link), where NCCL's rings over a group with k GPUs per node leave the
-  node through k NICs, one per GPU (nccl-tests issue 119: 96 GB/s bus bandwidth from 4 x 25 GB/s NICs). Priced so
-  (min(NVLink, k x NIC); tried in issue 33, not applied), the eager 8- and 128-GPU rows predict the same step, as
-  published (5,762 vs 5,605 tokens/s), both +17-21 %; but [MLM24]'s tp 1 / 2 rows (8 / 4 dp ranks per node) go to
-  +37 % / +34 %: some small-model cost on H100 is missing and the single-NIC price hides it.
+  The 128-GPU rows' smaller error was partly a mispriced link: their FSDP collectives crossed nodes at one NIC's
+  50 GB/s, where NCCL's rings over a group with k GPUs per node leave the node through k NICs, one per GPU
+  (comm.collective_link: min(NVLink, k x NIC); nccl-tests issue 119). Priced so, the 8- and 128-GPU rows predict
+  nearly the same step, as published (5,762 vs 5,605 tokens/s); [MLM24]'s tp 1 / 2 rows (8 / 4 dp ranks per node)
+  then lose the exposed gradient sync that hid their optimism (see the table: +30 % / +25 % with the Hopper GEMM
+  fraction of catalog.py): some small-model cost on H100 is still missing.
 
 Not fitted: no constant is derived from these rows (each is a datasheet figure or a published microbenchmark, cited
 in cost_models/catalog.py and hardware.py). What each row's software did (micro-batch,

@@ -272,7 +272,11 @@ def test_catalog_curves_rise_with_work():
         d = cluster.device
         assert efficiency(d, 1e14) >= efficiency(d, 1e6)
     h100 = CATALOG["h100-sxm"].device
-    assert 0.7 <= efficiency(h100, 1e12) <= 0.8 and efficiency(h100, 1e8) < 0.1  # launch-bound small kernels
+    assert efficiency(h100, 1e8) < 0.1  # launch-bound small kernels
+    # large GEMMs at a sustained load: below the searched burst maximum (MAMF 0.801), by the A100's sustained / burst
+    # ratio (0.737 / 0.859; catalog.py)
+    assert efficiency(h100, 1e13) == pytest.approx(0.801 * 0.737 / 0.859, abs=2e-3) and efficiency(h100, 1e13) < 0.801
+    assert efficiency(CATALOG["a100-80g"].device, 1e13) == pytest.approx(0.737, abs=2e-3)
 
 
 def test_peak_flops_names_missing_dtype():
