@@ -50,8 +50,12 @@ def _image_lm(config, mb: int, sizes: dict, gen: torch.Generator, token: int, co
 
 
 def _side(config, sizes: dict) -> int:
-    side = sizes.get("image_size", config.vision_config.image_size)
-    return side[0] if isinstance(side, (list, tuple)) else side
+    """The side of a family's square images: `image_size` (its first entry when a list)."""
+    height, width = _hw(_listed(sizes.get("image_size", config.vision_config.image_size))[0])
+    if height != width:
+        raise MmplanError(f"\"image_size\" [{height}, {width}]: HF model_type {config.model_type!r} takes square "
+                          "images here (one side); [height, width] pairs are for Qwen2-VL and LLaVA-NeXT")
+    return height
 
 
 def _pixels(config, mb: int, side: int, gen: torch.Generator, *lead: int) -> torch.Tensor:

@@ -91,10 +91,12 @@ class SampleProbe:
                     found[probe_key(block, i)] = int(flat[i].shape[0]) if flat[i].dim() else 1
             handles.append(self.model.get_submodule(block).register_forward_hook(hook))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        restore = fakify_module(self.model, mode)
+        restore = fakify_module(self.model, mode)  # on the CPU, as the sample: floats as meta, integers copied
+        sample = {k: (v.to("meta") if v.is_floating_point() or v.is_complex() else v.cpu())
+                  if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
         try:
             with static_fake(mode), torch.no_grad():
-                self.model(**{**self.constants, **fake_batch(dict(sample), mode)})
+                self.model(**{**self.constants, **fake_batch(sample, mode)})
         except Exception as e:
             raise MmplanError(f"the forward of one sample alone (to find its rows of {', '.join(list(self.leaves)[:2])}) "
                               f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
