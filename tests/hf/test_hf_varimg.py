@@ -140,7 +140,7 @@ def test_the_runs_synthetic_data_has_images_of_every_size(models):
 
 
 @pytest.mark.parametrize("case", list(PLANS))
-def test_images_of_two_sizes_match_the_single_process_reference(case, models):
+def test_images_of_varied_sizes_and_counts_match_the_single_process_reference(case, models):
     kind, groups = PLANS[case]
     model = models[kind]
     plan = make_plan(model, groups)
@@ -158,3 +158,29 @@ def test_images_of_two_sizes_match_the_single_process_reference(case, models):
     for name, want in ref["grads"].items():
         tol = 1e-5 * max(float(want.abs().max()), 1e-2 * scale)
         assert float((grads[name] - want).abs().max()) <= tol, (case, name)
+
+
+def test_llava_next_of_varied_image_sizes_profiles_on_meta_solves_and_runs(models, tmp_path):
+    """The CLI path: a meta profile at a micro-batch of the sizes' whole cycle holds their mean tiles (3.5 per
+    sample: the vision->projector edge), and a non-colocated plan passes run's fake-tensor pre-check and trains."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    runner, prof, plan = CliRunner(), tmp_path / "p.json", tmp_path / "plan.json"
+    one, four = tmp_path / "p1.json", tmp_path / "p4.json"
+    for out, mb in ((one, "1"), (four, "4")):
+        res = runner.invoke(app, ["profile", models["llava_next"], "--micro-batch", mb, "-o", str(out), "--quiet"])
+        assert res.exit_code == 0, res.output
+
+    def edge(path):
+        return next(e["bytes"] for e in json.loads(path.read_text())["edges"] if e["dst"] == "model.multi_modal_projector")
+
+    assert edge(one) == 3 * 17 * 32 * 4 and edge(four) == edge(one) * 3.5 / 3  # tiles x (16 patches + CLS) x fp32
+    res = runner.invoke(app, ["profile", models["llava_next"], "--group", "projector=vision", "-o", str(prof), "--quiet"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["solve", str(prof), "--cluster", "2xlocal-cpu", "--global-batch", "8", "--layout",
+                              "vision:tp=1,pp=1,dp=1; llm:tp=1,pp=1,dp=1", "-o", str(plan), "--quiet"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["run", str(plan), "--steps", "2"])
+    assert res.exit_code == 0, res.output
