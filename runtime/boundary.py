@@ -17,7 +17,7 @@ integer leaves) the sending replica's tp-rank 0 sends each tp rank of the receiv
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,10 @@ from runtime.stage_map import Route, StageMap
 class Exchange:
     """This rank's end of every route; counts the seconds it spends waiting for data."""
 
-    def __init__(self, stage_map: StageMap, rank: int, specs: dict[str, OutputSpec], device: torch.device):
+    def __init__(self, stage_map: StageMap, rank: int, specs: dict[str, OutputSpec], device: torch.device,
+                 rows_of: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] = sample_rows):
         self.stage_map = stage_map
+        self.rows_of = rows_of  # a batch's per-sample rows of its inputs and probed outputs (ForwardProgram.batch_rows)
         self.rank = rank
         self.specs = specs
         self.device = device
@@ -194,7 +196,7 @@ class Exchange:
             return
         for (stage, replica, mb), batch in batches.items():
             first = self._first_sample(stage, replica, mb)
-            for key, rows in sample_rows(batch).items():
+            for key, rows in self.rows_of(batch).items():
                 for i, r in enumerate(rows):
                     self.rows.setdefault(first + i, {})[key] = r
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from plans.errors import MmplanError
-from runtime.samples import collate, rows_per_sample
+from runtime.samples import collate, packed_keys, rows_per_sample
 
 KNOWN_KEYS = ("images", "mels", "tokens", "targets")
 
@@ -168,7 +168,7 @@ def load_user_dataset(spec: str, example_batch: Mapping[str, torch.Tensor], voca
     except Exception as exc:
         raise MmplanError(f"dataset factory {spec!r} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
     if not callable(getattr(dataset, "sample_batch", None)) and callable(getattr(dataset, "__getitem__", None)):
-        packed = {k for k, r in rows_per_sample(example_batch).items() if r > 1}
+        packed = packed_keys(example_batch)
         dataset = MapDataset(dataset, packed)  # a torch Dataset of dicts (one sample each)
     if not callable(getattr(dataset, "sample_batch", None)):
         raise MmplanError(f"dataset factory {spec!r} returned {type(dataset).__name__}, which has no sample_batch() "
@@ -244,11 +244,12 @@ def _check_batch(spec: str, dataset: Any, example_batch: Mapping[str, torch.Tens
     if missing:
         raise MmplanError(f"dataset {spec!r}: batches lack {missing} (the model needs {sorted(example_batch)})")
     rows = rows_per_sample(example_batch)  # 1 per sample, or a packed input's k (runtime/samples.py)
+    packed = packed_keys(example_batch)
     for key, want in example_batch.items():
         if key not in rows:
             continue
         got = batch[key]
-        lead = got.shape[0] if rows[key] > 1 and isinstance(got, torch.Tensor) and got.dim() else rows[key]  # packed:
+        lead = got.shape[0] if key in packed and isinstance(got, torch.Tensor) and got.dim() else rows[key]  # packed:
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != (lead, *want.shape[1:]) or got.dtype != want.dtype:  # any size
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise MmplanError(

@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from plans.errors import MmplanError
 from runtime.output_spec import OutputSpec
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
-from runtime.samples import batch_samples, sample_rows
+from runtime.sample_probe import PROBE, SampleProbe, probe_key, shape_key
+from runtime.samples import batch_samples, sample_rows, split_samples
 from runtime.vocab_parallel import HeadPaths
 from runtime.source import model_loss
 
@@ -105,10 +106,11 @@ class ForwardProgram:
         inputs = sample_rows(batch)
         self.specs = {}
         for b, (tree, leaves) in specs.items():
-            rules = [_rows(b, s[0], n, inputs) if b in batched else (s[0], None) for s, _ in leaves]
+            rules = [_rows(b, i, s[0], n, inputs) if b in batched else (s[0], None) for i, (s, _) in enumerate(leaves)]
             self.specs[b] = OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves), tuple(r for r, _ in rules),
                                        fixed=b not in batched,
                                        scaled=tuple(rule for _, rule in rules) if any(rule for _, rule in rules) else ())
+        self.probe = _probe(model, batch, self.specs, self.constants)
 
     def _owner(self, consumers: set[str]) -> str:
         """The block a free parameter joins: its consumer latest in execution order (the loss: the block the
@@ -141,7 +143,7 @@ class ForwardProgram:
                   mine, want_loss: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
         """One forward of a stage: (outputs of its blocks, the loss when `want_loss`)."""
         samples = batch_samples(batch)
-        rows = sample_rows(batch) if any(spec.scaled for spec in self.specs.values()) else {}
+        rows = self.batch_rows(batch) if any(spec.scaled for spec in self.specs.values()) else {}
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
@@ -172,6 +174,12 @@ class ForwardProgram:
             raise MmplanError(f"block(s) {', '.join(sorted(todo)[:3])} did not run in the model's forward on this batch")
         return outputs, (model_loss(out) if want_loss else None)
 
+    def batch_rows(self, batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """Per key, the rows of each of the batch's samples: its inputs' (samples.sample_rows) and the probed block
+        output leaves' (runtime/sample_probe.py), which OutputSpec.scaled names."""
+        rows = sample_rows(batch)
+        return {**rows, **self.probe.rows(batch)} if self.probe is not None else rows
+
     def zeros(self, name: str, samples: int, device: torch.device, rows: dict | None = None) -> Any:
         """Zeros of block `name`'s output for `samples` samples (`rows`: the batch's per-sample input rows, which
         a leaf of images of different sizes needs: samples.sample_rows)."""
@@ -182,10 +190,11 @@ class ForwardProgram:
         return tree_unflatten(leaves, spec.tree)
 
 
-def _rows(block: str, rows: int, samples: int, inputs: dict[str, tuple[int, ...]]) -> tuple[int, tuple | None]:
-    """(rows of the first sample, None or (input key, num, den)) of a block output leaf of `rows` rows: one per
-    sample (batch-major); else num/den of a packed input's rows per sample (inputs whose samples differ first,
-    Qwen2-VL's patches: its vision blocks keep or merge them), when that is whole for every sample; else k each."""
+def _rows(block: str, leaf: int, rows: int, samples: int, inputs: dict[str, tuple[int, ...]]) -> tuple[int, tuple | None]:
+    """(rows of the first sample, None or (key, num, den)) of a block output leaf of `rows` rows: one per sample
+    (batch-major); else num/den of a packed input's rows per sample (inputs whose samples differ first, Qwen2-VL's
+    patches: its vision blocks keep or merge them), when that is whole for every sample; else what a forward of
+    each sample alone outputs (runtime/sample_probe.py: LLaVA-NeXT's tiles, which image_sizes decide)."""
     if rows == samples:
         return 1, None
     packed = sorted((k for k, r in inputs.items() if max(r) > 1), key=lambda k: len(set(inputs[k])) == 1)
@@ -193,10 +202,23 @@ def _rows(block: str, rows: int, samples: int, inputs: dict[str, tuple[int, ...]
         ratio = Fraction(rows, sum(inputs[key]))
         if all(r * ratio.numerator % ratio.denominator == 0 for r in inputs[key]):
             return inputs[key][0] * ratio.numerator // ratio.denominator, (key, ratio.numerator, ratio.denominator)
-    if rows % samples:
-        raise MmplanError(f"block {block}'s output has {rows} rows for {samples} samples: cannot tell which rows belong "
-                          "to which sample")
-    return rows // samples, None
+    return rows // samples, (probe_key(block, leaf), 1, 1)
+
+
+def _probe(model: nn.Module, batch: dict[str, Any], specs: dict[str, OutputSpec], constants: dict) -> SampleProbe | None:
+    """The probe of the leaves `_rows` left to it; the example's rows seed its cache when its samples are alike."""
+    leaves: dict[str, tuple[int, ...]] = {}
+    for b, spec in specs.items():
+        idx = tuple(i for i, rule in enumerate(spec.scaled) if rule is not None and rule[0].startswith(PROBE))
+        if idx:
+            leaves[b] = idx
+    if not leaves:
+        return None
+    known = {}
+    keys = {shape_key(s) for s in split_samples(batch)}
+    if len(keys) == 1:
+        known[keys.pop()] = {probe_key(b, i): specs[b].rows_of(i) for b, idx in leaves.items() for i in idx}
+    return SampleProbe(model, leaves, constants, known)
 
 
 class _VocabLoss(TorchFunctionMode):

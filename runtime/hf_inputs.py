@@ -4,8 +4,9 @@ factories returning a bare transformers model).
 Per family, the inputs its forward takes in training, with the modality placeholders its processor would write:
 token ids (placeholders, then `text_tokens` text tokens), labels (the text; -100 on placeholders), and the
 modality tensors of the configured sizes. An optional `"mmplan_inputs"` object in the config sets the sizes:
-`{"text_tokens": 32, "image_size": 448}` (Qwen2-VL also takes a list of sides, images of different sizes, and
-`"images_per_sample"`). A family not listed here is refused in one line naming what to write.
+`{"text_tokens": 32, "image_size": 448}` (Qwen2-VL and LLaVA-NeXT also take a list of sizes -- sides or
+[height, width] pairs -- that the images take in turn: images of different sizes; Qwen2-VL also
+`"images_per_sample"`, a count or a list of counts the samples take in turn). A family not listed here is refused in one line naming what to write.
 Always real CPU tensors, even under torch.device("meta"): token ids and grids decide shapes (runtime/fake_exec.py).
 """
 from __future__ import annotations
@@ -49,8 +50,12 @@ def _image_lm(config, mb: int, sizes: dict, gen: torch.Generator, token: int, co
 
 
 def _side(config, sizes: dict) -> int:
-    side = sizes.get("image_size", config.vision_config.image_size)
-    return side[0] if isinstance(side, (list, tuple)) else side
+    """The side of a family's square images: `image_size` (its first entry when a list)."""
+    height, width = _hw(_listed(sizes.get("image_size", config.vision_config.image_size))[0])
+    if height != width:
+        raise MmplanError(f"\"image_size\" [{height}, {width}]: HF model_type {config.model_type!r} takes square "
+                          "images here (one side); [height, width] pairs are for Qwen2-VL and LLaVA-NeXT")
+    return height
 
 
 def _pixels(config, mb: int, side: int, gen: torch.Generator, *lead: int) -> torch.Tensor:
@@ -67,17 +72,58 @@ def _llava(config, mb, sizes, gen):
 
 
 def _llava_next(config, mb, sizes, gen):
-    """LLaVA-NeXT's anyres: an image of the smallest grid pinpoint's size is its base tile plus that grid's tiles;
-    each tile's patches, and a newline token per row of the unpadded grid (transformers' pack_image_features)."""
+    """LLaVA-NeXT's anyres: sample i's image (height, width) is `image_size`'s entry i (cycling; an int is a square;
+    by default the smallest grid pinpoint). Each image is its base tile plus the tiles of its best-fit pinpoint's
+    grid (transformers' image_size_to_num_patches), pixel_values padded to the batch's most tiles (the model
+    selects each image's by image_sizes); its tokens are the base tile's patches and, per row of the grid's patch
+    features unpadded to the image's aspect ratio, its patches and a newline (transformers' pack_image_features)."""
+    from transformers.models.llava_next.modeling_llava_next import (get_anyres_image_grid_shape,
+                                                                    image_size_to_num_patches, unpad_image)
+
     v, side = config.vision_config, config.vision_config.image_size
-    height, width = min(config.image_grid_pinpoints, key=lambda hw: (hw[0] * hw[1], hw))
+    default = [list(min(config.image_grid_pinpoints, key=lambda hw: (hw[0] * hw[1], hw)))]
+    sizes_in_turn = [_hw(s) for s in _listed(sizes.get("image_size", default))]
     per_side = side // v.patch_size
     base = per_side ** 2 + (1 if config.vision_feature_select_strategy == "full" else 0)
-    rows, cols = per_side * (height // side), per_side * (width // side)
-    batch = _image_lm(config, mb, sizes, gen, config.image_token_index, base + rows * (cols + 1))
-    batch["pixel_values"] = _pixels(config, mb, side, gen, 1 + (height // side) * (width // side))
-    batch["image_sizes"] = torch.tensor([[height, width]] * mb)
+    tiles, counts = {}, {}
+    for hw in sizes_in_turn:
+        tiles[hw] = image_size_to_num_patches(hw, config.image_grid_pinpoints, side)
+        rows, cols = get_anyres_image_grid_shape(hw, config.image_grid_pinpoints, side)
+        unpadded = unpad_image(torch.empty(0, rows * per_side, cols * per_side), list(hw)).shape[1:]
+        counts[hw] = base + unpadded[0] * (unpadded[1] + 1)
+    images = [sizes_in_turn[i % len(sizes_in_turn)] for i in range(mb)]
+    text = _text(config, mb, sizes["text_tokens"], {config.image_token_index}, gen)
+    filler = _filler(config, config.image_token_index)
+    longest = max(counts.values())  # every batch as long, and as many tiles, whatever its samples' sizes
+    prefix = torch.tensor([[config.image_token_index] * counts[hw] + [filler] * (longest - counts[hw]) for hw in images])
+    batch = _lm_batch(prefix, text)
+    pixels = _pixels(config, mb, side, gen, max(tiles.values()))
+    for i, hw in enumerate(images):
+        pixels[i, tiles[hw]:] = 0  # padding tiles, as the processor pads them (the model never reads them)
+    batch["pixel_values"] = pixels
+    batch["image_sizes"] = torch.tensor(images)
     return batch
+
+
+def _listed(value) -> list:
+    """An `mmplan_inputs` size as a list: one value, or a list of them (taken in turn)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _hw(size) -> tuple[int, int]:
+    """(height, width) of an image size: a side (a square) or an [h, w] pair."""
+    if isinstance(size, (list, tuple)):
+        if len(size) != 2:
+            raise MmplanError(f"\"image_size\" entry {size!r} must be a side or a [height, width] pair")
+        return int(size[0]), int(size[1])
+    return int(size), int(size)
+
+
+def _filler(config, image_token: int) -> int:
+    """The token padding a sample with fewer image tokens to the batch's longest (labels -100 there): the text
+    config's pad token, else a token next to the image token."""
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
+    return pad if pad is not None and pad != image_token else (image_token + 1) % config.get_text_config().vocab_size
 
 
 def _paligemma(config, mb, sizes, gen):
@@ -141,26 +187,34 @@ def _mllama(config, mb, sizes, gen):
 
 
 def _qwen2_vl(config, mb, sizes, gen):
-    """Qwen2-VL / Qwen2.5-VL: `images_per_sample` images (1 by default) per sample, packed (all images' patches x
-    patch dim, one grid row each). `"image_size": [a, b, ...]` gives the images sides a, b, ... in turn (images of
-    different sizes); every sample is then as long (fewer image tokens: that many more filler tokens, labels -100)
-    with `text_tokens` labelled tokens, so each sample weighs the same in the loss."""
+    """Qwen2-VL / Qwen2.5-VL: `images_per_sample` images per sample (1 by default; a list [1, 2, ...]: sample i
+    has entry i, cycling), packed (all images' patches x patch dim, one grid row each). `"image_size": [a, b, ...]`
+    gives the images' sizes a, b, ... in turn (a side or an [h, w] pair; images of different sizes); every sample
+    is then as long (fewer image tokens: that many more filler tokens, labels -100) with `text_tokens` labelled
+    tokens, so each sample weighs the same in the loss. mm_token_type_ids marks each image's tokens (a run of 1s
+    per image: which grid rows are whose, runtime/samples.py)."""
     v = config.vision_config
     merge, patch, temporal = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
-    sides = sizes.get("image_size", 448)
-    sides = list(sides) if isinstance(sides, (list, tuple)) else [sides]
-    count = int(sizes.get("images_per_sample", 1))
-    grids = [[sides[(i * count + j) % len(sides)] // patch // merge * merge for j in range(count)] for i in range(mb)]
+    sides = [_hw(s) for s in _listed(sizes.get("image_size", 448))]
+    counts = [int(c) for c in _listed(sizes.get("images_per_sample", 1))]
+    cycle = max(mb, len(counts) * len(sides))  # samples in which every sample's images recur (for the longest)
+    per_sample = [counts[i % len(counts)] for i in range(cycle)]
+    starts = [sum(per_sample[:i]) for i in range(cycle)]
+    grids = [[tuple(x // patch // merge * merge for x in sides[(starts[i] + j) % len(sides)]) for j in range(c)]
+             for i, c in enumerate(per_sample)]
     pad = getattr(config.get_text_config(), "pad_token_id", None)
     filler = pad if pad is not None else config.vision_end_token_id
-    rows = [[t for g in sample for t in (config.vision_start_token_id, *[config.image_token_id] * (g * g // merge ** 2),
-                                         config.vision_end_token_id)] for sample in grids]
-    prefix = torch.tensor([r + [filler] * (max(map(len, rows)) - len(r)) for r in rows])
+    rows = [[t for h, w in sample for t in (config.vision_start_token_id, *[config.image_token_id] * (h * w // merge ** 2),
+                                            config.vision_end_token_id)] for sample in grids]
+    longest = max(map(len, rows))  # every batch as long, whatever its samples' images
+    grids, rows = grids[:mb], rows[:mb]
+    prefix = torch.tensor([r + [filler] * (longest - len(r)) for r in rows])
     avoid = {config.vision_start_token_id, config.image_token_id, config.vision_end_token_id, config.video_token_id, filler}
     batch = _lm_batch(prefix, _text(config, mb, sizes["text_tokens"], avoid, gen))
     in_chans = getattr(v, "in_channels", getattr(v, "in_chans", 3))
-    batch["pixel_values"] = torch.randn(sum(g * g for s in grids for g in s), in_chans * temporal * patch * patch, generator=gen)
-    batch["image_grid_thw"] = torch.tensor([[1, g, g] for s in grids for g in s])
+    batch["pixel_values"] = torch.randn(sum(h * w for s in grids for h, w in s), in_chans * temporal * patch * patch,
+                                        generator=gen)
+    batch["image_grid_thw"] = torch.tensor([[1, h, w] for s in grids for h, w in s]).reshape(-1, 3)
     batch["mm_token_type_ids"] = (batch["input_ids"] == config.image_token_id).int()  # 1: image (for M-RoPE)
     return batch
 

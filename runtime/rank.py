@@ -22,6 +22,7 @@ from runtime.launch import RankContext
 from runtime.memory import RankTiers
 from runtime.precision import to_precision
 from runtime.program import trace_program
+from runtime.samples import sample_rows
 from runtime.schedule import Task, rank_tasks
 from runtime.source import call_factory, resolve
 from runtime.stage import RankModel, build_rank_model
@@ -89,7 +90,7 @@ def build_rank(ctx: RankContext, job: Job) -> Rank:
     ties = find_ties(block_modules(model), [b.name for b in plan.flow.blocks] if plan.flow is not None else [])
     rm = build_rank_model(model, example, local, ctx.device, program)
     tasks = rank_tasks(stage_map, plan.training.schedule, ctx.rank)
-    exchange = Exchange(stage_map, ctx.rank, rm.specs, ctx.device)
+    exchange = Exchange(stage_map, ctx.rank, rm.specs, ctx.device, getattr(program, "batch_rows", sample_rows))
     dp_groups, tp_groups = process_groups(plan, stage_map, ctx.rank)  # 4
     exchange.tp_groups = tp_groups
     tied = tied_copies(stage_map, ties, ctx.rank)

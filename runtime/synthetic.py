@@ -20,8 +20,9 @@ without dim 0):
 - any other integer tensor (attention masks, grids, lengths) is the example's, unchanged; non-tensor entries
   (`return_loss=True`) are passed along as they are.
 Packed inputs (Qwen2-VL's patches, runtime/samples.py) are per sample its template's rows, concatenated in a batch;
-the example's samples of distinct shapes (images of different sizes) are the templates, sample i taking
-template i mod their count.
+the example's samples of distinct shapes or placeholder positions (images of different sizes or counts; LLaVA-NeXT's
+padded tiles have one shape, but their image tokens differ) are the templates, sample i taking template i mod
+their count.
 Deterministic in the global sample index, like runtime/data.py's SyntheticDataset. A sample whose ids fall
 outside the embedding an input feeds is a one-line error naming the input (never an IndexError in the model).
 """
@@ -62,10 +63,12 @@ class DerivedDataset:
         self.limits = dict(limits or {})  # input key -> rows of the embedding it feeds
         self.packed = packed_keys(tensors)  # Qwen2-VL's patches: a sample's rows follow its image grid
         templates: dict[tuple, dict[str, torch.Tensor]] = {}
-        for sample in split_samples(tensors):
-            templates.setdefault(tuple((k, tuple(v.shape)) for k, v in sample.items()), sample)
+        for sample in split_samples(tensors):  # one per distinct shapes and placeholder positions (LLaVA-NeXT's
+            templates.setdefault(_signature(sample), sample)  # images of different sizes: tokens, not shapes)
+        avoid = _placeholders(tensors)  # every template's text avoids every placeholder (one with no image too)
         self.templates = [_Template({k: v.clone()[None] if k in self.packed else v.clone() for k, v in t.items()},
-                                    vocab, seed, classes, noise, limits, salt=i) for i, t in enumerate(templates.values())]
+                                    vocab, seed, classes, noise, limits, salt=i, avoid=avoid)
+                          for i, t in enumerate(templates.values())]
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         return self.templates[int(index) % len(self.templates)].sample(index)
@@ -77,15 +80,54 @@ class DerivedDataset:
         return {**collate(samples, self.packed), **self.constants}
 
 
+def _signature(sample: Mapping[str, torch.Tensor]) -> tuple:
+    """What tells one template from another: every key's shape; where a batch has labels (IGNORE on placeholders),
+    also the token ids at the placeholders and the values of its other integer inputs (grids, image sizes)."""
+    masks = {tuple(v.shape): v == IGNORE for v in sample.values() if not v.is_floating_point() and bool((v == IGNORE).any())}
+    out = []
+    for k, v in sample.items():
+        values: tuple = ()
+        if masks and not v.is_floating_point():
+            mask = masks.get(tuple(v.shape[:2]))
+            values = tuple(v[mask].tolist()) if mask is not None and v.dim() == 2 else tuple(v.flatten().tolist())
+        out.append((k, tuple(v.shape), values))
+    return tuple(out)
+
+
+def _placeholders(example: Mapping[str, torch.Tensor]) -> frozenset[int]:
+    """The ids at the placeholders (where the labels are IGNORE) of every token key of the example's samples."""
+    tensors = {k: v for k, v in example.items() if isinstance(v, torch.Tensor)}
+    out: set[int] = set()
+    for tok, lab in _pair_labels(tensors).items():
+        out |= {int(x) for x in tensors[tok][tensors[lab] == IGNORE].unique()}
+    return frozenset(out)
+
+
+def _pair_labels(example: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Token key -> its labels key: an integer key whose non-IGNORE positions the labels key repeats."""
+    out = {}
+    ints = [k for k, v in example.items() if not v.is_floating_point()]
+    for lab in ints:
+        if not re.search(r"label|target", lab.lower()):
+            continue
+        for tok in ints:
+            if tok != lab and example[tok].shape == example[lab].shape:
+                keep = example[lab] != IGNORE
+                if bool(keep.any()) and torch.equal(example[tok][keep], example[lab][keep]):
+                    out[tok] = lab
+                    break
+    return out
+
+
 class _Template:
     """The samples of one template (one sample's shapes) of a DerivedDataset."""
 
     def __init__(self, example: dict[str, torch.Tensor], vocab: int, seed: int, classes: int, noise: float,
-                 limits: Mapping[str, int] | None, salt: int) -> None:
+                 limits: Mapping[str, int] | None, salt: int, avoid: frozenset[int] = frozenset()) -> None:
         self.example = example
         self.vocab, self.seed, self.classes, self.noise = vocab, seed, classes, noise
         self.limits = dict(limits or {})  # input key -> rows of the embedding it feeds
-        self.labels_of = self._pair_labels()  # token key -> its labels key
+        self.labels_of = _pair_labels(self.example)  # token key -> its labels key
         labelled = set(self.labels_of) | set(self.labels_of.values())
         self.free_tokens = [k for k, v in self.example.items()  # ids with no labels (CLIP's captions), or labels alone
                             if not v.is_floating_point() and v.dim() == 2 and k not in labelled
@@ -96,7 +138,7 @@ class _Template:
         for k, v in self.example.items():
             if v.is_floating_point():
                 self.prototypes[k] = torch.randn(classes, *v.shape[1:], generator=gen)
-        placeholders = {int(x) for k in self.labels_of for x in self.example[k][0][self._fixed(k)].unique()}
+        placeholders = {int(x) for k in self.labels_of for x in self.example[k][0][self._fixed(k)].unique()} | avoid
         for k in self.labels_of:
             n = int((~self._fixed(k)).sum())
             allowed = self._allowed(k, min(vocab, self.limits.get(k, vocab)), placeholders)
@@ -112,20 +154,6 @@ class _Template:
         if not len(allowed):
             raise MmplanError(f"synthetic input {key!r}: no ids below {bound} besides the placeholders {sorted(placeholders)}")
         return allowed
-
-    def _pair_labels(self) -> dict[str, str]:
-        out = {}
-        ints = [k for k, v in self.example.items() if not v.is_floating_point()]
-        for lab in ints:
-            if not re.search(r"label|target", lab.lower()):
-                continue
-            for tok in ints:
-                if tok != lab and self.example[tok].shape == self.example[lab].shape:
-                    keep = self.example[lab] != IGNORE
-                    if bool(keep.any()) and torch.equal(self.example[tok][keep], self.example[lab][keep]):
-                        out[tok] = lab
-                        break
-        return out
 
     def _fixed(self, token_key: str) -> torch.Tensor:
         """Placeholder positions of a token key (per sample): where its labels are ignored."""
