@@ -218,6 +218,9 @@ def test_sigkill_while_writing_leaves_a_loadable_checkpoint(tmp_path):
     for _ in range(2):
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, env=env)
         assert proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 60  # a loaded machine: the first checkpoint lands before the kill is timed
+        while latest_checkpoint(root) is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
         time.sleep(0.3 + rnd.random() * 0.5)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
