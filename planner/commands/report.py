@@ -386,6 +386,12 @@ def render_demo(result: DemoResult) -> Stack:
                f"[bold]{speedup:.2f}x[/] (predicted {predicted:.2f}x)"
                + (" — the solver chose the homogeneous layout itself" if same else "")
                + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else ""))
+    from planner.solver.explain import plan_mechanisms
+
+    named = plan_mechanisms(s.plan)
+    verdict += ("\nmechanism of the solved plan: " + "; ".join(named) if named
+                else "\nmechanism of the solved plan: a layout per group (no per-group micro-batch count, look-ahead or "
+                     "bubble filling)")
     kinds = [t.name for t in (b, *result.others)]
     files = (f"wrote {safe(result.out)}/: cluster.toml, profile.json, plan.json, {', '.join(f'{k}.json' for k in kinds)}, "
              f"run-*.jsonl (one per plan and run), traces/ (open in ui.perfetto.dev)")
@@ -402,8 +408,11 @@ def demo_json(result: DemoResult) -> dict[str, Any]:
         return {"layout": layout_text(t.plan), "predicted_step_s": t.predicted_step_s, "measured_step_s": t.measured_step_s,
                 "runs_s": list(t.runs_s), "first_loss": t.metrics[0]["loss"], "last_loss": t.metrics[-1]["loss"]}
 
+    from planner.solver.explain import plan_mechanisms
+
     s, b = result.solved, result.baseline
     return {
+        "case": result.case, "mechanisms": plan_mechanisms(s.plan),
         "solved": plan(s), "homogeneous": {**plan(b), "baseline": result.baseline_kind},
         # every baseline trained, by kind; "homogeneous" above is the one that measured fastest
         "baselines": {t.name: plan(t) for t in (b, *result.others)},
