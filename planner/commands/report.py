@@ -14,7 +14,7 @@ from rich.text import Text
 from cost_models.evaluate import Evaluation
 from planner.commands.compare import Compared, Comparison, best_index, deviation_summary, max_memory
 from planner.console import human_count, safe
-from planner.solver.explain import breakdown, seconds_text, why
+from planner.solver.explain import breakdown, plan_mechanisms, seconds_text, why
 from planner.profiler.show import group_totals
 from plans.graph import Profile
 from plans.plan import Group, Plan, Predicted
@@ -386,9 +386,11 @@ def render_demo(result: DemoResult) -> Stack:
                f"[bold]{speedup:.2f}x[/] (predicted {predicted:.2f}x)"
                + (" — the solver chose the homogeneous layout itself" if same else "")
                + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else ""))
-    from planner.solver.explain import plan_mechanisms
+    from planner.commands.demo import CASES
 
     named = plan_mechanisms(s.plan)
+    if result.case is not None:
+        verdict = f"case {result.case}: {CASES[result.case].about}\n{verdict}"
     verdict += ("\nmechanism of the solved plan: " + "; ".join(named) if named
                 else "\nmechanism of the solved plan: a layout per group (no per-group micro-batch count, look-ahead or "
                      "bubble filling)")
@@ -407,8 +409,6 @@ def demo_json(result: DemoResult) -> dict[str, Any]:
     def plan(t) -> dict[str, Any]:
         return {"layout": layout_text(t.plan), "predicted_step_s": t.predicted_step_s, "measured_step_s": t.measured_step_s,
                 "runs_s": list(t.runs_s), "first_loss": t.metrics[0]["loss"], "last_loss": t.metrics[-1]["loss"]}
-
-    from planner.solver.explain import plan_mechanisms
 
     s, b = result.solved, result.baseline
     return {

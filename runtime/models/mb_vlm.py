@@ -7,8 +7,9 @@ parameters) is host-bound: each layer dispatches ~40 aten ops forward and ~100 b
 micro-batch as at 8 and it runs best with few, large micro-batches. The LLM is the opposite: its head's logits over
 a 16k vocabulary for 64 text positions (64 x 16384 x 4 bytes = 4 MB per sample, kept for the cross-entropy's
 backward, with their gradient and the log-softmax beside them) make its saved activations grow with every sample
-of a micro-batch, so under the demo cluster's memory cap (micro_batch_cluster.toml) it must run one sample per
-replica at a time -- and a one-layout plan must run the encoder so too, paying its dispatch 8 times per step."""
+of a micro-batch, so under the demo cluster's memory cap (micro_batch_cluster.toml) it runs one sample per replica
+at a time (two with its Adam state on the host and its head recomputed) -- and a one-layout plan must run the
+encoder so too, paying its dispatch 4 to 8 times per step."""
 from __future__ import annotations
 
 from .build import build_model, example_batch

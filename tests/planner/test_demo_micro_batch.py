@@ -13,9 +13,10 @@ import pytest
 from cost_models.cluster_spec import parse_cluster
 from cost_models.pipeline import simulate
 from planner.commands.demo import CASES, run_demo
+from planner.solver.colocated_seed import one_layout, unpipelined_seeds
 from planner.solver.explain import plan_mechanisms
 from planner.solver.micro_batches import with_count
-from planner.solver.solve import solve
+from planner.solver.solve import solve, usable_cluster
 from plans.errors import MmplanError
 from plans.graph import load_profile
 from runtime.launch import launch
@@ -47,6 +48,21 @@ def test_the_solved_plan_runs_the_encoder_in_fewer_micro_batches_than_the_llm(so
     one_count = with_count(plan, profile, "vision", plan.training.micro_batches)
     homogeneous = solution.baselines["homogeneous"].predicted.step_time_s
     assert one_count is None or not one_count.predicted.fits or one_count.predicted.step_time_s > 0.95 * homogeneous
+
+
+def test_a_one_layout_plan_split_by_group_and_merged_back_steps_alike(solved):
+    """The seeds of the per-group refinement are one-layout plans as colocated groups; merged back they are the
+    one-layout plan the homogeneous baseline may take: each form steps as fast as the other."""
+    profile, _ = solved
+    usable = usable_cluster(parse_cluster(str(FIXTURES / "cluster.toml")), 0.1)
+    seeds = unpipelined_seeds(profile, usable, CASE.global_batch)
+    assert seeds and all(s.group("vision").colocated_with == "llm" and s.predicted.fits for s in seeds)
+    for seed in seeds:
+        merged = one_layout(seed, profile)
+        assert [g.name for g in merged.groups] == ["model"]
+        assert merged.groups[0].blocks == tuple(b.name for b in profile.blocks)
+        assert merged.predicted.step_time_s == pytest.approx(seed.predicted.step_time_s, rel=0.02)
+    assert one_layout(solved[1].plan, profile) is None  # its own counts: not one layout
 
 
 def test_its_run_executes_the_predicted_order_and_trains_as_the_reference(solved):
