@@ -531,9 +531,10 @@ def _calibration_table(cal, cluster):
 @user_errors
 def demo(
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the profile, the plans, run logs and traces.")] = Path("mmplan-demo"),
-    model: Annotated[Optional[str], typer.Option(help="The model (zoo name, .toml or package.module:factory); default: runtime.models.conv_vlm:factory.")] = None,
-    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: planner/commands/demo_cluster.toml (2 ranks, 160 MB each).")] = None,
-    global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")] = 8,
+    case: Annotated[Literal["layouts", "micro-batch"], typer.Option(help="What the demo shows. [cyan]layouts[/] (default): a layout per group -- runtime.models.conv_vlm (a data-parallel convolutional encoder beside a pipelined, parameter-heavy LLM) on planner/commands/demo_cluster.toml (2 ranks, 160 MB each), 8 samples per step. [cyan]micro-batch[/]: a micro-batch count per group -- runtime.models.mb_vlm (a host-bound ViT of 16 narrow layers, whose time hardly grows with its batch, beside an LLM whose logits memory holds to one sample per replica and micro-batch) on planner/commands/micro_batch_cluster.toml (2 ranks, 16 MB each), 16 samples per step: the encoder runs the whole batch in one micro-batch while a one-layout plan repeats its dispatch for every LLM micro-batch.")] = "layouts",
+    model: Annotated[Optional[str], typer.Option(help="The model (zoo name, .toml or package.module:factory); default: the --case's.")] = None,
+    cluster: Annotated[Optional[str], typer.Option(help="The local ranks to plan for and run on, and their memory cap (a catalog name or a cluster TOML); default: the --case's.")] = None,
+    global_batch: Annotated[Optional[int], typer.Option(help="Samples per optimizer step; default: the --case's (layouts 8, micro-batch 16).")] = None,
     steps: Annotated[int, typer.Option(help="Training steps per run.")] = 12,
     runs: Annotated[int, typer.Option(help="Training runs per plan, alternating between the plans; the measured step is the median of their median steps.")] = 3,
     calibrate: Annotated[bool, typer.Option(help="Measure this machine first ([cyan]mmplan calibrate --quick[/]) and plan for the measured figures within --cluster's memory.")] = True,
@@ -541,14 +542,15 @@ def demo(
 ) -> None:
     """The whole loop on this machine: profile -> solve -> train the solved plan and the one-layout baselines the
     solver compared with (homogeneous, megatron) -> compare predicted with measured; the speed-up is over the
-    baseline that measured fastest. Takes one to two minutes on 2 CPU cores (100 s on a 2-vCPU VM)."""
-    from planner.commands.demo import DEFAULT_CLUSTER, DEFAULT_MODEL, run_demo
+    baseline that measured fastest, and the report names the per-group mechanism the solved plan uses. Takes one to
+    two minutes on 2 CPU cores (100 s on a 2-vCPU VM)."""
+    from planner.commands.demo import run_demo
     from planner.commands.report import demo_json, render_demo
 
     if output.exists() and not output.is_dir():
         raise MmplanError(f"--output {output} is a file; give a directory")
     with console.progress("mmplan demo", enabled=not as_json) as note:
-        result = run_demo(output, model=model or DEFAULT_MODEL, cluster=cluster or DEFAULT_CLUSTER, global_batch=global_batch, steps=steps,
+        result = run_demo(output, case=case, model=model, cluster=cluster, global_batch=global_batch, steps=steps,
                           runs=runs, calibrate=calibrate, progress=note)
     if as_json:
         print(json.dumps(demo_json(result)))

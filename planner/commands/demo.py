@@ -14,10 +14,37 @@ from plans.errors import MmplanError
 from plans.graph import Profile
 from plans.plan import Plan
 
-# The default model and cluster: a convolutional encoder (no tensor parallelism, few parameters) and a
-# parameter-heavy, compute-light LLM, on 2 local ranks with a memory cap (see both files).
-DEFAULT_MODEL = "runtime.models.conv_vlm:factory"
-DEFAULT_CLUSTER = str(Path(__file__).resolve().parent / "demo_cluster.toml")
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class DemoCase:
+    """What `mmplan demo --case NAME` runs: a model, a capped local cluster, a global batch, and the micro-batch the
+    profile measures at (and twice it: the affine fit of planner/profiler/measure.py), nearest the micro-batches its
+    plans run, since a CPU block's time is not affine in the batch far from where it was measured (its working set
+    leaves the caches)."""
+
+    model: str
+    cluster: str
+    global_batch: int
+    profile_micro_batch: int
+    about: str  # one line for --help: what the case shows
+
+
+CASES: dict[str, DemoCase] = {
+    # a convolutional encoder (no tensor parallelism, few parameters) and a parameter-heavy, compute-light LLM, on 2
+    # local ranks with a memory cap (see both files): the encoder data-parallel beside the LLM's pipeline stages
+    "layouts": DemoCase("runtime.models.conv_vlm:factory", str(HERE / "demo_cluster.toml"), 8, 4,
+                        "a layout per group: a data-parallel convolutional encoder beside a pipelined LLM"),
+    # a host-bound ViT of narrow layers and an LLM whose logits hold it to one sample per replica under the cap
+    # (runtime/models/mb_vlm.py, micro_batch_cluster.toml): the encoder's own micro-batch count
+    "micro-batch": DemoCase("runtime.models.mb_vlm:factory", str(HERE / "micro_batch_cluster.toml"), 16, 1,
+                            "a micro-batch count per group: a host-bound encoder in one micro-batch of the whole "
+                            "batch beside an LLM that memory holds to one sample per replica and micro-batch"),
+}
+DEFAULT_CASE = "layouts"
+DEFAULT_MODEL = CASES[DEFAULT_CASE].model
+DEFAULT_CLUSTER = CASES[DEFAULT_CASE].cluster
 RUNS = 3  # training runs per plan; the measured step is the median of their median steps
 NVME_DIR = "nvme"  # under the output directory: the runs' nvme tier (`mmplan run --nvme-dir`)
 
@@ -57,17 +84,26 @@ class DemoResult:
     baseline_kind: str = "homogeneous"
     load: tuple[float, ...] = ()  # 1-minute load average before each run (os.getloadavg), in the order they ran
     others: tuple[Trained, ...] = ()  # the other baselines trained (a distinct layout the solver also compared with)
+    case: str | None = None  # the --case it ran (None: a model or cluster of the caller's)
 
 
-def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CLUSTER, global_batch: int = 8,
-             steps: int = 12, runs: int = RUNS, calibrate: bool = True,
-             progress: Callable[[str, float], None] | None = None) -> DemoResult:
+def run_demo(out: Path, *, case: str = DEFAULT_CASE, model: str | None = None, cluster: str | None = None,
+             global_batch: int | None = None, steps: int = 12, runs: int = RUNS, calibrate: bool = True,
+             profile_micro_batch: int | None = None, progress: Callable[[str, float], None] | None = None) -> DemoResult:
+    """The demo of `case` (CASES); `model`, `cluster`, `global_batch` and `profile_micro_batch` replace its own."""
     from cost_models.cluster_spec import parse_cluster
     from runtime.source import resolve
 
     note = progress or (lambda step, fraction: None)
     started = time.perf_counter()
     # refuse bad options before anything is written, and leave no half-filled directory behind on a later refusal
+    if case not in CASES:
+        raise MmplanError(f"--case must be one of {', '.join(CASES)}, got {case!r}")
+    chosen = CASES[case]
+    own = model is None and cluster is None
+    model, cluster = model or chosen.model, cluster or chosen.cluster
+    global_batch = chosen.global_batch if global_batch is None else global_batch
+    profile_micro_batch = chosen.profile_micro_batch if profile_micro_batch is None else profile_micro_batch
     if steps < 1:
         raise MmplanError(f"--steps must be >= 1, got {steps}")
     if runs < 1:
@@ -83,7 +119,8 @@ def run_demo(out: Path, *, model: str = DEFAULT_MODEL, cluster: str = DEFAULT_CL
     except OSError as e:
         raise MmplanError(f"cannot create the output directory {out}: {e.strerror or e}") from None
     try:
-        return _run_demo(out, source, spec, global_batch, steps, runs, calibrate, note, started)
+        result = _run_demo(out, source, spec, global_batch, steps, runs, calibrate, profile_micro_batch, note, started)
+        return replace(result, case=case if own else None)
     except MmplanError as e:
         if created and not (out / "profile.json").exists():
             shutil.rmtree(out, ignore_errors=True)  # refused before the profile (a model that cannot be built): no
@@ -106,7 +143,7 @@ def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda 
 
 
 def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, runs: int, calibrate: bool,
-              note: Callable[[str, float], None], started: float) -> DemoResult:
+              profile_micro_batch: int, note: Callable[[str, float], None], started: float) -> DemoResult:
     from cost_models.cluster_toml import cluster_to_toml
     from planner.commands.compare import load_compared, write_traces
     from planner.profiler.profile import profile_model
@@ -119,7 +156,7 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
     cluster = measured_cluster(spec, note) if calibrate else spec
     write_atomic(out / "cluster.toml", cluster_to_toml(cluster))
     note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.1)
-    profile = profile_model(source, micro_batch=4, device="cpu", measure=True, reps=3)
+    profile = profile_model(source, micro_batch=profile_micro_batch, device="cpu", measure=True, reps=3)
     save_profile(profile, out / "profile.json")
     note("solving", 0.2)
     solution = solve(profile, cluster, global_batch)

@@ -14,7 +14,7 @@ from rich.text import Text
 from cost_models.evaluate import Evaluation
 from planner.commands.compare import Compared, Comparison, best_index, deviation_summary, max_memory
 from planner.console import human_count, safe
-from planner.solver.explain import breakdown, seconds_text, why
+from planner.solver.explain import breakdown, plan_mechanisms, seconds_text, why
 from planner.profiler.show import group_totals
 from plans.graph import Profile
 from plans.plan import Group, Plan, Predicted
@@ -386,6 +386,14 @@ def render_demo(result: DemoResult) -> Stack:
                f"[bold]{speedup:.2f}x[/] (predicted {predicted:.2f}x)"
                + (" — the solver chose the homogeneous layout itself" if same else "")
                + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else ""))
+    from planner.commands.demo import CASES
+
+    named = plan_mechanisms(s.plan)
+    if result.case is not None:
+        verdict = f"case {result.case}: {CASES[result.case].about}\n{verdict}"
+    verdict += ("\nmechanism of the solved plan: " + "; ".join(named) if named
+                else "\nmechanism of the solved plan: a layout per group (no per-group micro-batch count, look-ahead or "
+                     "bubble filling)")
     kinds = [t.name for t in (b, *result.others)]
     files = (f"wrote {safe(result.out)}/: cluster.toml, profile.json, plan.json, {', '.join(f'{k}.json' for k in kinds)}, "
              f"run-*.jsonl (one per plan and run), traces/ (open in ui.perfetto.dev)")
@@ -404,6 +412,7 @@ def demo_json(result: DemoResult) -> dict[str, Any]:
 
     s, b = result.solved, result.baseline
     return {
+        "case": result.case, "mechanisms": plan_mechanisms(s.plan),
         "solved": plan(s), "homogeneous": {**plan(b), "baseline": result.baseline_kind},
         # every baseline trained, by kind; "homogeneous" above is the one that measured fastest
         "baselines": {t.name: plan(t) for t in (b, *result.others)},

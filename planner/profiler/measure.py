@@ -83,13 +83,23 @@ def measure_block(module: nn.Module, in_spec: Any, device: torch.device, reps: i
 
 def _in_context(timings: dict, records: list, model: nn.Module, batch: dict[str, Any], device: torch.device,
                 micro_batch: int, reps: int) -> tuple[dict, float]:
-    """Spread the whole model's measured forward + backward, at the micro-batch and at twice it (an affine fit
-    in the batch), over the blocks in proportion to their isolated times (forward/backward split as measured).
-    The isolated times give the proportions only: alone, small blocks run faster than in context, and their
-    batch slopes are too noisy to use. Also returns the relative spread of the whole-model time (measure_model)."""
+    """Fit the blocks' isolated times to the whole model's measured forward + backward, at the micro-batch and at
+    twice it (an affine fit in the batch: a fixed part per call and a part per sample). Each block keeps the fixed
+    part and the per-sample part it showed alone, both scaled so that the blocks add up to the whole model at both
+    batches (`_affine_fit`): a host-bound block (a narrow layer dispatching the same ops whatever its batch) keeps
+    its flat time beside a compute-bound one (a large vocabulary head) that grows with the batch, which is what
+    choosing a micro-batch per group hinges on. Where the isolated parts cannot be fitted (no fixed or no per-sample
+    part left after the scaling), the whole model's time and slope are spread in proportion to the isolated times
+    instead. Also returns the relative spread of the whole-model time (measure_model)."""
     doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
     (at_1, spread), (at_2, _) = measure_model(model, [batch, doubled], device, reps)
     slope = max(at_2 - at_1, 0.0) / micro_batch  # ms per extra sample, whole model
+    count: dict[str, int] = {}
+    for r in records:
+        count[r.signature] = count.get(r.signature, 0) + 1
+    fitted = _affine_fit(timings, count, at_1, slope, micro_batch)
+    if fitted is not None:
+        return fitted, spread
     total = sum(timings[r.signature][0] + timings[r.signature][1] for r in records)
     out = {}
     for key, (f, b, *_rest) in timings.items():
@@ -98,6 +108,30 @@ def _in_context(timings: dict, records: list, model: nn.Module, batch: dict[str,
         out[key] = (share * at_1 * fwd_part, share * at_1 * (1 - fwd_part),
                     share * slope * fwd_part, share * slope * (1 - fwd_part))
     return out, spread
+
+
+def _affine_fit(timings: dict, count: dict[str, int], at_1: float, slope: float, micro_batch: int) -> dict | None:
+    """Block timings (fwd ms, bwd ms at `micro_batch`; fwd, bwd ms per extra sample) fitted to the whole model's
+    `at_1` ms at the micro-batch and `slope` ms per extra sample: block i alone took a_i + s_i x b at b samples
+    (a_i = its time at the micro-batch less micro_batch x its slope, both parts >= 0); in context it is taken as
+    alpha x a_i + beta x s_i x b, with the one alpha and the one beta that make the blocks (each distinct block times
+    its `count`) add up to the whole model at both batches. None when there is no fixed or no per-sample part to
+    scale, or the fit needs a negative alpha (the whole model's slope exceeds its time: noise)."""
+    parts = {}
+    for key, (f, b, fs, bs) in timings.items():
+        fs, bs = max(fs, 0.0), max(bs, 0.0)
+        fs, bs = min(fs, f / micro_batch), min(bs, b / micro_batch)  # a slope above the time would leave a < 0
+        parts[key] = (f - fs * micro_batch, b - bs * micro_batch, fs, bs)
+    fixed = sum(count.get(k, 0) * (fa + ba) for k, (fa, ba, _, _) in parts.items())
+    per_sample = sum(count.get(k, 0) * (fs + bs) for k, (_, _, fs, bs) in parts.items())
+    if fixed <= 0 or per_sample <= 0:
+        return None
+    beta = slope / per_sample
+    alpha = (at_1 - beta * per_sample * micro_batch) / fixed
+    if alpha <= 0:
+        return None
+    return {k: (alpha * fa + beta * fs * micro_batch, alpha * ba + beta * bs * micro_batch, beta * fs, beta * bs)
+            for k, (fa, ba, fs, bs) in parts.items()}
 
 
 # measure_model: repetitions per round, the most rounds, and the change of the median between two rounds below

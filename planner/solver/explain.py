@@ -128,7 +128,8 @@ def mechanisms(fast: Plan, slow: Plan) -> list[str]:
         h, k = where[g.blocks[0]]
         diffs = [d for d in (_placement(fast, g, h, k), *_degrees(g, h, where)) if d]
         if g.micro_batches is not None and fast.micro_batch_of(g) != slow.micro_batch_of(h):  # per-group step shape
-            diffs.append(f"a per-group micro-batch ({fast.micro_batches_of(g)} micro-batches of {fast.micro_batch_of(g)} samples)")
+            k = fast.micro_batches_of(g)
+            diffs.append(f"a per-group micro-batch ({k} micro-batch{'es' * (k > 1)} of {fast.micro_batch_of(g)} samples)")
         if diffs:
             out.append(f"{g.name}: " + ", ".join(diffs))
     ta, tb = fast.training, slow.training
@@ -138,6 +139,25 @@ def mechanisms(fast: Plan, slow: Plan) -> list[str]:
     if (ta.schedule, ta.virtual_stages) != (tb.schedule, tb.virtual_stages):
         shape.append(f"schedule {_schedule(ta)} instead of {_schedule(tb)}")
     return out + ([", ".join(shape)] if shape else [])
+
+
+def plan_mechanisms(plan: Plan) -> list[str]:
+    """The per-group mechanisms `plan` itself uses, one phrase each (none for a plan without them): a group's own
+    micro-batch count (Group.micro_batches), a source running ahead of its sink (Group.lookahead), a colocated
+    group's tasks in its host's pipeline bubbles (Group.fill_bubbles)."""
+    reads = set(plan.flow.loss) if plan.flow is not None else set()
+    loss = next((g.name for g in plan.groups if reads & set(g.blocks)), None)
+    out = []
+    for g in plan.groups:
+        if g.micro_batches is not None:
+            k, host = plan.micro_batches_of(g), f" beside {loss}'s {plan.training.micro_batches}" if loss and loss != g.name else ""
+            out.append(f"per-group micro-batch count: {g.name} in {k} micro-batch{'es' * (k > 1)} of "
+                       f"{plan.micro_batch_of(g)} samples{host}")
+        if g.lookahead:
+            out.append(f"encoder ahead: {g.name} runs {g.lookahead} micro-batch{'es' * (g.lookahead > 1)} ahead")
+        if g.fill_bubbles:
+            out.append(f"bubble filling: {g.name} in the pipeline bubbles of {g.colocated_with}")
+    return out
 
 
 def _schedule(training) -> str:

@@ -12,6 +12,7 @@ from cost_models.memory import DTYPE_BYTES
 from planner.solver import baselines
 from planner.solver.allocate import Solver, pick_solver
 from planner.solver.candidates import ZERO_STAGES
+from planner.solver.colocated_seed import one_layout, unpipelined_seeds
 from planner.solver.micro_batches import Refinement, refine_micro_batches
 from planner.solver.diagnosis import check_capacity, no_fit
 from planner.solver.search import Progress, Schedule, Search, branch_and_bound, quick_incumbent, refine_tiers
@@ -41,7 +42,10 @@ from plans.units import format_capacity
 #    at all, planner/solver/diagnosis.py says by how much;
 # 4b. per-group micro-batch counts (planner/solver/micro_batches.py), after the tiers: the best plan of each
 #    heterogeneous structure (the tiers-refined best among them) gets, group by group, its own micro-batch counts
-#    tried and simulated with their memory; one that fits and beats the best plan is offered, so the emitted plan is
+#    tried and simulated with their memory, and so does the colocated split of the best unpipelined one-layout plan
+#    (planner/solver/colocated_seed.py: the same step under one count, so the branch and bound prunes it, but a
+#    host-bound encoder with fewer, larger micro-batches than the LLM beside it can beat every one-count plan);
+#    one that fits and beats the best plan is offered, so the emitted plan is
 #    never slower than without this step. The branch and bound's proof covers the one-count space only, so an
 #    emitted plan with a group's own count is reported as not proved optimal (SolverInfo.optimal false; the notes
 #    say what the step gained);
@@ -226,10 +230,14 @@ def solve(
     if search.best is not None and memory_tiers and not search.out_of_time():
         note("choosing memory tiers", 0.9)
         refine_tiers(search)
+    homogeneous = _one_layout_leader(search, homogeneous, cluster)
     refinement = None  # after the tiers: it offers only plans faster than the best (tiers refined), so never slows it
     if per_group_micro_batches and micro_batch is None and search.best is not None and not search.out_of_time():
         note("per-group micro-batch counts", 0.92)
-        refinement = _refine_micro_batches(search)
+        seeds = ()
+        if any(s == "colocated" for s, _ in structures):  # a start the branch and bound pruned (colocated_seed.py)
+            seeds = tuple(("colocated", seed) for seed in unpipelined_seeds(profile, usable, global_batch, search.deadline))
+        refinement = _refine_micro_batches(search, seeds)
     other = _other_placement(search, profile, usable, placement, setting, ms, solver)  # before the solve time is taken
     solution = _solution(search, profile, cluster, usable, setting, structures, memory_tiers, memory_reserve, homogeneous,
                          megatron, proved, gap, started, note, refinement)
@@ -239,14 +247,16 @@ def solve(
 REFINE_SHARE = 0.5  # of the time left before the deadline that step 4b may use (a forced placement's probe gets the rest)
 
 
-def _refine_micro_batches(search: Search) -> Refinement | None:
+def _refine_micro_batches(search: Search, seeds: tuple[tuple[str, Plan], ...] = ()) -> Refinement | None:
     """Step 4b: the best plan of each structure with groups of their own micro-batch counts (planner/solver/
-    micro_batches.py), fastest structure first, within REFINE_SHARE of the time left; each refined plan offered to
-    the search. Returns the refinement that made the search's best plan, or None when none did."""
+    micro_batches.py), fastest structure first, then each of `seeds` ((structure, plan): the colocated splits of the
+    best unpipelined one-layout plans, colocated_seed.py), within REFINE_SHARE of the time left; each refined plan
+    offered to the search. Returns the refinement that made the search's best plan, or None when none did."""
     now = time.perf_counter()
     deadline = now + REFINE_SHARE * (search.deadline - now) if math.isfinite(search.deadline) else math.inf
     made = None
-    for structure, (_, plan) in sorted(search.leaders.items(), key=lambda kv: kv[1][0]):
+    starts = [(structure, plan) for structure, (_, plan) in sorted(search.leaders.items(), key=lambda kv: kv[1][0])]
+    for structure, plan in [*starts, *seeds]:
         if len(plan.groups) < 2:
             continue  # one layout for the whole model: one count
         if time.perf_counter() > deadline:
@@ -415,6 +425,24 @@ def _homogeneous_plan(search: Search, cluster: Cluster, reserve: float, memory_t
                       notes=f"one layout for the whole model, cut points by the solver's DP; {search.simulated} plans "
                             f"simulated", optimal=False, memory_reserve=reserve)
     return replace(plan, cluster=cluster, solver=info)
+
+
+def _one_layout_leader(search: Search, homogeneous: Plan | None, cluster: Cluster) -> Plan | None:
+    """The homogeneous baseline, or a heterogeneous structure's best plan whose groups share one layout, merged into
+    one group (colocated_seed.one_layout), when that fits and is faster: the chain's search tries CPU / NVMe tiers only
+    when nothing fits without them, so a colocated plan at another micro-batch count can reach a one-layout plan the
+    chain's search never built; the baseline is the best one-layout plan found, whichever search found it."""
+    if homogeneous is None:
+        return None
+    for _, plan in search.leaders.values():
+        merged = one_layout(plan, search.profile)
+        if merged is not None and merged.predicted.fits and merged.predicted.step_time_s < homogeneous.predicted.step_time_s:
+            info = replace(homogeneous.solver, objective=merged.predicted.step_time_s,
+                           notes=f"one layout for the whole model: the groups of the colocated search's best plan share "
+                                 f"one layout, merged into one ({homogeneous.predicted.step_time_s:.4g} s for the chain's "
+                                 f"best)")
+            homogeneous = replace(merged, cluster=cluster, solver=info)
+    return homogeneous
 
 
 def _megatron_plan(profile: Profile, cluster: Cluster, usable: Cluster, global_batch: int, micro_batch: int | None,

@@ -64,7 +64,7 @@ def test_why_names_the_per_group_micro_batch():
     base = solve(profile, cluster, batch, placement="colocated", per_group_micro_batches=False, **ONE_COUNT)
     got = solve(profile, cluster, batch, placement="colocated", **ONE_COUNT)
     named = mechanisms(got.plan, base.plan)
-    assert any("a per-group micro-batch (1 micro-batches of 64 samples)" in m for m in named), named
+    assert any("a per-group micro-batch (1 micro-batch of 64 samples)" in m for m in named), named
 
 
 def test_a_given_micro_batch_is_kept_for_every_group():
