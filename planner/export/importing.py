@@ -13,6 +13,7 @@ from cost_models.memory import DTYPE_BYTES
 from planner.solver.baselines import homogeneous_plan
 from planner.solver.construct import GroupLayout, build_plan, with_predictions
 from planner.solver.layout_spec import LayoutSpec, check_layout
+from planner.solver.megatron_split import recomputed_tiers
 from plans.cluster import Cluster
 from plans.errors import MmplanError
 from plans.graph import Profile
@@ -227,16 +228,15 @@ def _chunks(blocks, llm: str, counts: list[int]) -> list[tuple[str, ...]]:
 
 
 def _recomputed(profile: Profile, blocks, recompute: str, first: int | None) -> dict[str, str]:
-    """Activation tiers for Megatron's recomputation, in planner/solver/baselines.py's convention (full: every block;
-    selective: the transformer layers); with --recompute-method block, the chunk's first N LLM layers."""
-    by_name = {b.name: b for b in profile.blocks}
-    if recompute == "none":
-        return {}
+    """Activation tiers for Megatron's recomputation, as the Megatron-style baseline writes them
+    (megatron_split.recomputed_tiers: full = every block; selective = the attention core of every block that has
+    one, the runtime's "selective" tier); with --recompute-method block, the chunk's first N LLM layers."""
     if first is not None:
+        by_name = {b.name: b for b in profile.blocks}
         llm = _llm_group(profile)
         layers = [b for b in blocks if by_name[b].supports_tp and by_name[b].group == llm]
         return {b: "recompute" for b in layers[:first]}
-    return {b: "recompute" for b in blocks if recompute == "full" or by_name[b].supports_tp}
+    return recomputed_tiers(profile, blocks, recompute)
 
 
 def _dtype(profile: Profile) -> str:

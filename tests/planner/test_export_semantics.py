@@ -373,11 +373,12 @@ def test_megatron_bridge_lossy_list_says_the_encoder_runs_tp_without_sequence_pa
     """W9: Bridge's ModuleParallelismConfig has no sequence_parallel; the file sets the language model's only."""
     plan = load_plan(EXAMPLES / "vit22b-llama70b-non-colocated-128xh100-sxm.json")
     vision, llm = plan.groups
-    sp = replace(plan, groups=(vision, replace(llm, sequence_parallel=True)))  # vision tp=4 without it
+    assert vision.tp > 1 and not vision.sequence_parallel
+    sp = replace(plan, groups=(vision, replace(llm, sequence_parallel=True)))  # vision at tp > 1 without it
     with pytest.raises(Unsupported, match="sequence parallelism off in encoder group 'vision'"):
         export_plan(sp, "megatron-bridge")
     result = export_plan(sp, "megatron-bridge", lossy=True)
-    assert any("sequence parallelism off in encoder group 'vision' (tp=4)" in d for d in result.dropped)
+    assert any(f"sequence parallelism off in encoder group 'vision' (tp={vision.tp})" in d for d in result.dropped)
     assert "sequence_parallel=True" in result.text
 
 

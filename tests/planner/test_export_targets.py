@@ -65,8 +65,9 @@ def plans(tmp_path_factory) -> dict[str, Path]:
                                                         "qwen2-vl-72b": ("qwen2-vl-72b", "1024xh100-sxm", 1024, 32)}.items():
         out[name] = d / f"{name}.json"
         got = solve(load_profile(d / f"{model}.profile.json"), parse_cluster(cluster), batch, micro_batch=micro_batch,
-                    zeros=(0,), baseline=False, sequence_parallel=(False,))  # the solver's own 1f1b plan (the Megatron
-        # baseline may interleave; with sequence parallelism the best llava plan is colocated, which no target expresses)
+                    zeros=(0,), baseline=False, sequence_parallel=(False,), per_group_micro_batches=False)  # the
+        # solver's own 1f1b plan (the Megatron baseline may interleave; with sequence parallelism the best llava plan is
+        # colocated, and a per-group micro-batch count, which the refinement finds for llava, no target expresses)
         save_plan(got.plan, out[name])
     # llava apart: the best non-colocated plan itself (solve would emit the homogeneous baseline whenever that
     # predicts faster, which depends on the cost model's figures, not on what this file tests)
@@ -172,10 +173,17 @@ def parse_megatron(m, argv: list[str], world: int, monkeypatch, extra=None):
     return m.arguments.parse_args(extra)
 
 
+def test_a_solved_plan_of_the_file_is_pipelined(plans):
+    """The cut-point checks below run on a solved plan with pipeline stages (at least one of MUST_SHOW's)."""
+    assert any(as_chain(plans[name])["pp"] > 1 for name in MUST_SHOW)
+
+
 def decoder_layers(config) -> list[int]:
     from megatron.core.transformer.enums import LayerType
 
     layout = config.pipeline_model_parallel_layout
+    if layout is None:  # one pipeline stage: Megatron takes no layout
+        return [config.num_layers]
     return [row[0].count(LayerType.decoder) for row in layout.layout]
 
 
@@ -329,14 +337,19 @@ def test_torchtitan_parallel_dims_and_mesh_agree(name, torchtitan, plans, tmp_pa
     assert (dims.dp_replicate * dims.dp_shard, dims.tp, dims.pp) == (want["dp"], want["tp"], want["pp"])
     # torchtitan 0.3.0's Decoder names for the LLM's blocks (models/common/decoder.py); encoders keep mmplan's
     titan = {"llm.embed": "tok_embeddings", "llm.norm": "norm", "llm.head": "lm_head"}
-    assert cfg.module_fqns_per_model_part == [[titan.get(b, b[len("llm."):] if LLM_LAYER.match(b) else b) for b in s]
-                                              for s in want["blocks"]]
+    parts = [[titan.get(b, b[len("llm."):] if LLM_LAYER.match(b) else b) for b in s] for s in want["blocks"]]
+    assert cfg.module_fqns_per_model_part == (parts if want["pp"] > 1 else None)  # one stage: torchtitan takes none
     plan = load_plan(plans[name])
-    assert cfg.pipeline_parallel_microbatch_size * want["dp"] == plan.training.micro_batch
-    assert ns["training"]["local_batch_size"] * want["dp"] == plan.training.global_batch
+    if want["pp"] > 1:  # the pipeline splits each rank's local batch into its micro-batches
+        assert cfg.pipeline_parallel_microbatch_size * want["dp"] == plan.training.micro_batch
+        assert ns["training"]["local_batch_size"] * want["dp"] == plan.training.global_batch
+    else:  # one stage: a local batch per micro-batch, gradient accumulation up to the global batch
+        assert ns["training"]["local_batch_size"] * want["dp"] == plan.training.micro_batch
+        assert ns["training"]["global_batch_size"] == plan.training.global_batch
     with fake_world(ns["WORLD_SIZE"]):
         dims.build_mesh()
-        assert dims.get_mesh("pp").mesh.tolist() == [s[0] for s in want["ranks"]]  # rank 0's peers in later stages
+        if want["pp"] > 1:
+            assert dims.get_mesh("pp").mesh.tolist() == [s[0] for s in want["ranks"]]  # rank 0's peers in later stages
         if want["tp"] > 1:
             assert dims.get_mesh("tp").mesh.tolist() == want["ranks"][0][:want["tp"]]
 
@@ -375,12 +388,14 @@ def test_deepspeed_config_accepts_the_export(name, deepspeed_config, plans, tmp_
     # pipeline cut points are what ds_config.json cannot hold: dropped with --lossy, and said so
     path = export(plans[name], "deepspeed", tmp_path, lossy=True)
     data = json.loads(path.read_text())
-    assert data["comment"][0].startswith(f"mmplan plan {plans[name].name}: {name}") and any("pipeline cut points" in c for c in data["comment"])
     want = as_chain(plans[name])
+    assert data["comment"][0].startswith(f"mmplan plan {plans[name].name}: {name}")
+    assert want["pp"] == 1 or any("pipeline cut points" in c for c in data["comment"])
     plan = load_plan(plans[name])
-    ds = load_ds(deepspeed_config, path, want["dp"])
+    counted = want["dp"] * (want["tp"] if want["pp"] == 1 else 1)  # AutoTP, launched without an mpu, counts every rank
+    ds = load_ds(deepspeed_config, path, counted)
     assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == \
-           (plan.training.global_batch, plan.training.micro_batch // want["dp"], plan.training.micro_batches)
+           (plan.training.global_batch * counted // want["dp"], plan.training.micro_batch // want["dp"], plan.training.micro_batches)
     assert ds.zero_optimization_stage == want["zero"] and "pipeline" not in data  # DeepSpeed reads no stage count from it
     assert want["pp"] == 1 or any(f"num_stages={want['pp']}" in c for c in data["comment"])
     assert ds.bfloat16_config.enabled
