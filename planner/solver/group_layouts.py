@@ -194,10 +194,28 @@ def group_layout_plan(profile: Profile, cluster: Cluster, global_batch: int, tex
                                   f"model chunks per rank of interleaved:{chunks} (the plan asks every stage for as many "
                                   f"blocks); give group {s.name!r} fewer stages")
         layouts.append(layout)
+    _check_fill_bubbles(layouts)
     dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "bf16"
     training = Training(global_batch, counts[loss_group], schedule=schedule, virtual_stages=chunks, dtype=dtype)  # type: ignore[arg-type]
     solver = solver or SolverInfo(method="hand-written", notes=f"layout {text}")
     return build_plan(profile, cluster, training, layouts, solver)
+
+
+def _check_fill_bubbles(layouts: list[GroupLayout]) -> None:
+    """A fill-bubbles group's replica runs on the ranks of one rank class (plans/schedule.py): its tp ranks must host
+    the same stages of every group."""
+    hosted: dict[int, list[tuple[str, int]]] = {}
+    for lay in layouts:
+        per = lay.dp * lay.tp
+        for r_i, r in enumerate(lay.ranks):
+            hosted.setdefault(r, []).append((lay.name, r_i // per))
+    for lay in (x for x in layouts if x.fill_bubbles):
+        for start in range(0, len(lay.ranks), lay.tp):
+            shards = lay.ranks[start:start + lay.tp]
+            if len({tuple(hosted[r]) for r in shards}) > 1:
+                raise MmplanError(f"group {lay.name!r}: fill-bubbles runs each replica on ranks hosting the same stages, "
+                                  f"but its tp ranks {', '.join(map(str, shards))} host different ones; drop fill-bubbles=true "
+                                  "or give it a tp whose ranks stay inside one stage of the group it shares them with")
 
 
 def _group_layout(profile: Profile, s: GroupSpec, blocks: tuple[str, ...], by_block: dict, chunks: int, first: int,

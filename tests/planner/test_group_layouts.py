@@ -142,7 +142,7 @@ def test_an_interleaved_group_holds_its_chunks_round_robin_beside_a_1f1b_encoder
     (4, "vision:dp=2,colocated-with=llm;llm:dp=2", ["2 GPUs (colocated groups share their host's)", "4"]),
     (4, "vision:dp=2,fill-bubbles=true;llm:dp=2", ["fill-bubbles", "colocated-with=GROUP"]),
     (2, "vision:dp=2,zero=1,colocated-with=llm,fill-bubbles=true;llm:dp=2", ["fill-bubbles needs zero=0"]),
-    (2, "vision:tp=2,colocated-with=llm,fill-bubbles=true;llm:pp=2", ["fill_bubbles", "tp ranks"]),
+    (2, "vision:tp=2,colocated-with=llm,fill-bubbles=true;llm:pp=2", ["fill-bubbles runs each replica", "tp ranks 0, 1", "fill-bubbles=true"]),
     (4, "vision:dp=2,schedule=interleaved:2;llm:pp=2", ["interleaved schedule needs pp >= 2"]),
     (4, "vision:dp=2,schedule=gpipe;llm:pp=2,schedule=interleaved:2", ["one schedule"]),
     (4, "vision:pp=2,schedule=interleaved:3;llm:pp=2,schedule=interleaved:2", ["interleaved:2 and interleaved:3"]),
