@@ -22,7 +22,8 @@ RECOMPUTES: tuple[str, ...] = get_args(Recompute)
 SPLITS: tuple[str, ...] = get_args(Split)
 
 _KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero", "sequence-parallel", "split")
-_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch", "sp": "sequence-parallel", "sequence_parallel": "sequence-parallel"}
+_ALIASES = {"micro_batch": "micro-batch", "mb": "micro-batch", "sp": "sequence-parallel", "sequence_parallel": "sequence-parallel",
+            "colocated_with": "colocated-with"}
 _EXAMPLE = ("tp=8,pp=2,dp=32[,micro-batch=1][,schedule=1f1b|gpipe|interleaved:2][,recompute=none|selective|layers|full]"
             "[,zero=1][,sequence-parallel=true][,split=layers|flops|encoders-first]")
 
@@ -90,17 +91,24 @@ def parse_layout(text: str, default_split: Split = "layers") -> LayoutSpec:
     sp = values.get("sequence-parallel", "false").lower()
     if sp not in ("true", "false", "on", "off", "1", "0"):
         raise MmplanError(f"sequence-parallel must be true or false, got {values['sequence-parallel']!r}")
-    split = values.get("split", default_split).lower()
-    if split not in SPLITS:
-        raise MmplanError(f"split must be one of {', '.join(SPLITS)}, got {values['split']!r}")
+    split = parse_split(values.get("split", default_split))
     return LayoutSpec(tp=_positive_int(values["tp"], "tp"), pp=_positive_int(values["pp"], "pp"),
                       dp=_positive_int(values["dp"], "dp"), micro_batch=_positive_int(values.get("micro-batch", "1"), "micro-batch"),
                       schedule=schedule, virtual_stages=chunks, recompute=recompute, zero=zero,  # type: ignore[arg-type]
                       split=split, sequence_parallel=sp in ("true", "on", "1"))  # type: ignore[arg-type]
 
 
-def layout_items(text: str) -> dict[str, str]:
-    """The `key=value` items of a layout by canonical key (aliases resolved), each checked to be known and given once."""
+def parse_split(value: str, where: str = "") -> Split:
+    """A `split=` value (layout_spec.Split), or one line naming the ones there are."""
+    split = value.lower()
+    if split not in SPLITS:
+        raise MmplanError(f"{where}split must be one of {', '.join(SPLITS)}, got {value!r}")
+    return split  # type: ignore[return-value]
+
+
+def layout_items(text: str, keys: Sequence[str] = _KEYS) -> dict[str, str]:
+    """The `key=value` items of a layout by canonical key (aliases resolved), each checked to be one of `keys` and
+    given once."""
     if not isinstance(text, str) or not text.strip():
         raise MmplanError(f"empty layout; write it as {_EXAMPLE}")
     values: dict[str, str] = {}
@@ -111,8 +119,8 @@ def layout_items(text: str) -> dict[str, str]:
         key = _ALIASES.get(key, key)
         if not item or not eq or not key or not value:
             raise MmplanError(f"layout item {item!r} is not key=value; write the layout as {_EXAMPLE}")
-        if key not in _KEYS:
-            raise MmplanError(f"unknown layout key {key!r} in {item!r}; known keys: {', '.join(_KEYS)}")
+        if key not in keys:
+            raise MmplanError(f"unknown layout key {key!r} in {item!r}; known keys: {', '.join(keys)}")
         if key in values:
             raise MmplanError(f"layout key {key!r} is given twice ({key}={values[key]} and {item})")
         values[key] = value

@@ -1,7 +1,7 @@
 """The Megatron-style split of a homogeneous layout into pipeline stages, and the plan that layout builds."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -46,40 +46,40 @@ def llm_layer_count(profile: Profile) -> int:
 
 
 def split_blocks(profile: Profile, parts: int, split: Split = "layers") -> list[tuple[str, ...]]:
-    """The model's blocks in `parts` contiguous chunks, cut as `split` says (layout_spec.Split).
+    """The model's blocks in `parts` contiguous chunks, cut as `split` says (layout_spec.Split; split_cuts)."""
+    blocks = profile.blocks
+    first = llm_start(profile) if split == "encoders-first" else 0
+    if parts < 1 or parts > len(blocks) - first:
+        raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
+                          f"use at most {len(blocks) - first} (pp x virtual stages)")
+    bounds = (0, *split_cuts(blocks, parts, split, first), len(blocks))
+    return [tuple(b.name for b in blocks[a:z]) for a, z in zip(bounds, bounds[1:])]
+
+
+def split_cuts(blocks: Sequence[Block], parts: int, split: Split, first: int = 0) -> tuple[int, ...]:
+    """Cut points (indices into `blocks` where chunks 1..parts-1 start) of a run of blocks -- the whole model, or one
+    group's blocks (a per-group `--layout`) -- in `parts` contiguous chunks, cut as `split` says; the caller checks
+    that 1 <= parts <= len(blocks) - first.
 
     layers: (nearly) equal layer count, Megatron-style. Each non-layer block goes with the layer before it (the
     blocks before the first layer with the first layer), so embeddings land in the first chunk and the final norm
     and head in the last. When the layer count does not divide evenly, the last chunks get one layer more (the
     first pipeline stage holds the most micro-batches in flight under 1F1B). Fewer layers than parts: every
     block counts as a layer.
-    encoders-first (Megatron's MIMO recipe): as layers, but only the LLM's layers count, so the encoders and
-    projectors all land on the first chunk with the LLM's embedding and first layers.
+    encoders-first (Megatron's MIMO recipe): as layers, but only the layers from block `first` on (the LLM's) count,
+    so the blocks before it (encoders and projectors) all land on the first chunk with the LLM's first layers.
     flops: the cuts nearest to equal shares of the forward + backward FLOPs (flops_cuts).
     """
-    blocks = profile.blocks
     if split == "flops":
-        if parts < 1 or parts > len(blocks):
-            raise MmplanError(f"cannot split the {len(blocks)} blocks of {profile.model!r} into {parts} pipeline chunks; "
-                              f"use at most {len(blocks)} (pp x virtual stages)")
-        bounds = (0, *flops_cuts([b.fwd_flops + b.bwd_flops for b in blocks], parts), len(blocks))
-        return [tuple(b.name for b in blocks[a:z]) for a, z in zip(bounds, bounds[1:])]
-    first = llm_start(profile) if split == "encoders-first" else 0
-    if parts < 1 or parts > len(blocks) - first:
-        raise MmplanError(f"cannot split the {len(blocks) - first} blocks of {profile.model!r} into {parts} pipeline chunks; "
-                          f"use at most {len(blocks) - first} (pp x virtual stages)")
+        return flops_cuts([b.fwd_flops + b.bwd_flops for b in blocks], parts)
+    first = first if split == "encoders-first" else 0
     starts = [i for i in range(first, len(blocks)) if is_layer(blocks[i])]
     if len(starts) < parts:
         starts = list(range(first, len(blocks)))
     starts[0] = 0  # the blocks before the first layer join it
-    spans = [blocks[a:b] for a, b in zip(starts, [*starts[1:], len(blocks)])]
-    q, r = divmod(len(spans), parts)
-    sizes = [q] * (parts - r) + [q + 1] * r
-    out, i = [], 0
-    for n in sizes:
-        out.append(tuple(b.name for u in spans[i:i + n] for b in u))
-        i += n
-    return out
+    q, r = divmod(len(starts), parts)
+    sizes = [q] * (parts - r) + [q + 1] * r  # spans per chunk: a span is a layer with the non-layer blocks after it
+    return tuple(starts[sum(sizes[:k])] for k in range(1, parts))
 
 
 def flops_cuts(flops: list[float], parts: int) -> tuple[int, ...]:
