@@ -30,6 +30,10 @@ CI_SLOW = {
     # among them) in the default format
     "runtime/test_resume.py::test_a_dp2_checkpoint_resumes_under_a_pp2_plan_with_parity":
         "runtime/test_dcp_checkpoint.py",
+    # 36 s loaded: a --layout colocated group filling an interleaved LLM's bubbles; the pp2 case of the same file covers
+    # --layout colocation, tests/runtime/test_mechanisms_parity.py (colocated-fills-bubbles) the filled bubbles
+    "runtime/test_colocated_layout_parity.py::test_a_colocated_layout_trains_like_the_reference[colocated-fill-interleaved]":
+        "runtime/test_colocated_layout_parity.py::test_a_colocated_layout_trains_like_the_reference[colocated-llm-pp2-layers]",
 }
 
 
