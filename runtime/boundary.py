@@ -7,8 +7,7 @@ replica go to which consumer replica, and, where the route re-batches between gr
 output for each and sums their gradients before its one backward. Remote pieces travel by isend/irecv with a unique
 tag per (route, piece, tensor, direction, window: a micro-batch unless the route re-batches); pieces between stages on the same rank are handed over
 through a local mailbox. Sends never block; receives block, and the static task order (schedule.py)
-guarantees the matching send was issued first; the trainer posts the next task's receives before running the
-current one (post_receives), so that they are announced to the senders early. With tensor parallelism a replica's tp ranks hold
+guarantees the matching send was issued first. With tensor parallelism a replica's tp ranks hold
 identical block outputs and input gradients. Between stages of equal tp > 1 on different ranks, Megatron's
 scatter/gather (Narayanan et al. 2021, section 4.1; cost_models/routes.route_time prices it so): tp-rank j
 of the sending replica sends the j-th 1/tp of each floating-point piece to tp-rank j of the receiving replica,
@@ -41,7 +40,6 @@ class Exchange:
         self.device = device
         self.mailbox: dict[tuple, torch.Tensor] = {}
         self.sends: list[dist.Work] = []
-        self.posted: dict[tuple, tuple[dist.Work, torch.Tensor]] = {}  # key -> receive posted ahead (post_receives)
         self.wait_s = 0.0
         self.bytes_sent = 0
         self.tp_groups: dict[str, Any] = {}  # stage key -> this rank's tp group there (set by the trainer)
@@ -75,59 +73,11 @@ class Exchange:
     def _get(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, key: tuple, tag: int) -> torch.Tensor:
         if src == self.rank:
             return self.mailbox.pop(key)
-        if key in self.posted:
-            work, buf = self.posted.pop(key)
-            if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
-                raise RuntimeError(f"rank {self.rank}: the receive posted ahead for {key} holds {tuple(buf.shape)} "
-                                   f"{buf.dtype}, not {tuple(shape)} {dtype}: schedule bug")
-            t0 = _now()
-            work.wait()
-            self.wait_s += _now() - t0
-            return buf
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         t0 = _now()
         dist.recv(buf, src, tag=tag)
         self.wait_s += _now() - t0
         return buf
-
-    def post_receives(self, receives: list[tuple[int, tuple[int, ...], torch.dtype, tuple]]) -> None:
-        """Post, without waiting, the receives (src rank, shape, dtype, key) of a task about to run, so that the
-        messages come in while this rank still computes: gloo's tcp transport sends an unbound buffer only once the
-        receiver has announced the matching receive (a round trip through both ranks' transport threads), which a
-        blocking receive announces only when the task needs the data -- on the 2-vCPU development VM the micro-batch
-        demo's solved plan waited there 1.5-11 ms per remote piece and 33 ms a step in all, for pieces sent a whole
-        task or more earlier. _get takes them in the same order as the blocking receives."""
-        for src, shape, dtype, key in receives:
-            if src != self.rank and key not in self.posted:
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
-                self.posted[key] = (dist.irecv(buf, src, tag=self.tag(*key)), buf)
-
-    def forward_receives(self, route_idx: int, replica: int, mb: int) -> list[tuple[int, tuple[int, ...], torch.dtype, tuple]]:
-        """What recv_forward takes from other ranks (src, shape, dtype, key), for routes without scatter/gather."""
-        route = self.stage_map.routes[route_idx]
-        if self._scattered(route):
-            return []
-        w, out = self._window(route_idx, mb, False), []
-        for k, p in self._pieces_of(route_idx, replica, mb, False):
-            src = self._rank(route.src, p.src_replica)
-            for leaf, (shape, dtype) in enumerate(self.specs[route.block].leaves):
-                full = (self._span(route.block, leaf, *self._global(route_idx, p, w)), *shape)
-                out.append((src, full, dtype, (route_idx, k, leaf, 0, w)))
-        return out
-
-    def backward_receives(self, route_idx: int, replica: int, mb: int) -> list[tuple[int, tuple[int, ...], torch.dtype, tuple]]:
-        """What recv_backward takes from other ranks (src, shape, dtype, key), for routes without scatter/gather."""
-        route = self.stage_map.routes[route_idx]
-        if self._scattered(route):
-            return []
-        w, out = self._window(route_idx, mb, True), []
-        for k, p in self._pieces_of(route_idx, replica, mb, True):
-            src = self._rank(route.dst, p.dst_replica)
-            for leaf, (shape, dtype) in enumerate(self.specs[route.block].leaves):
-                if dtype.is_floating_point:
-                    full = (self._span(route.block, leaf, *self._global(route_idx, p, w)), *shape)
-                    out.append((src, full, dtype, (route_idx, k, leaf, 1, w)))
-        return out
 
     def _scattered(self, route: Route) -> int:
         """tp when the route hands over by scatter/gather (see the module docstring), else 0."""
@@ -296,8 +246,6 @@ class Exchange:
             w.wait()
         self.sends.clear()
         self.wait_s += _now() - t0
-        if self.posted:
-            raise RuntimeError(f"{len(self.posted)} receives posted ahead were never taken: schedule bug")
         if self.mailbox:
             raise RuntimeError(f"{len(self.mailbox)} local hand-overs were never consumed: schedule bug")
 

@@ -133,8 +133,6 @@ class RankTrainer:
         compute = 0.0
         events: list[tuple[str, str, float, float]] = []
         for i, task in enumerate(self.tasks):
-            for ahead in self.tasks[i:i + 2] if i == 0 else self.tasks[i + 1:i + 2]:  # the next task's receives
-                self.exchange.post_receives(self.receives(ahead))  # come in while this one computes
             w0, c0 = self.exchange.wait_s, time.perf_counter()
             if task.kind == "F":
                 loss_sum += self.forward(task, batches, state)
@@ -171,18 +169,6 @@ class RankTrainer:
             compute_s=[r[2] for r in rows], comm_s=[r[3] for r in rows],
             idle_s=[max(0.0, r[1] - r[2] - r[3]) for r in rows], peak_memory_bytes=[r[4] for r in rows],
         )
-
-    def receives(self, task: Task) -> list:
-        """The messages from other ranks that `task`'s recv_forward / recv_backward calls take (Exchange)."""
-        lay, out = self.stage_map, []
-        if task.kind == "F":
-            for route in lay.routes_into(task.stage):
-                out += self.exchange.forward_receives(self.route_index[id(route)], task.replica, task.mb)
-        else:
-            for route in lay.routes_out_of(task.stage):
-                if has_backward(lay, route.dst):
-                    out += self.exchange.backward_receives(self.route_index[id(route)], task.replica, task.mb)
-        return out
 
     def forward(self, task: Task, batches: dict, state: dict) -> float:
         lay, rm = self.stage_map, self.rm
