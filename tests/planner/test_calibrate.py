@@ -132,7 +132,8 @@ def test_a_hanging_rank_hits_the_deadline(monkeypatch):
 
 
 class _RecordingAdam:
-    """Adam's stand-in: each step busies the rank for 2 ms and records when (CLOCK_MONOTONIC: one clock for all ranks)."""
+    """Adam's stand-in: each step busies the rank for 2 ms and records when (perf_counter is CLOCK_MONOTONIC on
+    Linux: one clock for all ranks)."""
 
     calls: list[tuple[float, float]] = []
 
