@@ -27,7 +27,11 @@ def conv_flops(shape: tuple[int, int, int] = CONV_SHAPE) -> int:
 OPTIMIZER_POINTS = ((1, 1 << 22), (1, 1 << 23), (64, 1 << 12), (256, 1 << 10), (32, 1 << 17))
 
 
-OPTIMIZER_POINTS_QUICK = ((1, 1 << 22), (64, 1 << 10), (128, 1 << 8))
+# Quick: one size past the caches (the per-byte cost), and many small tensors. (256, 1 << 10), OPTIMIZER_POINTS'
+# too, is a model's many tensors whose Adam state (4 MiB) leaves a core's 2 MiB L2: with both ranks stepping at once
+# it took 10-14 ms where 256 x (64, 1 << 10)'s per-tensor cost, in cache and not slowed by the other rank (1.4 ms
+# alone and at once), made 5.6 ms (2-vCPU development VM).
+OPTIMIZER_POINTS_QUICK = ((1, 1 << 22), (64, 1 << 10), (128, 1 << 8), (256, 1 << 10))
 
 
 # Adam steps before timing one: the first few steps of a 4M-element tensor take 30-40 ms here, the steady state

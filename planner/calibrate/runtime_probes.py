@@ -73,7 +73,7 @@ def _probe_step() -> Callable[[], Any]:
     return lambda: block(x).square().mean().backward()
 
 
-def _median_time(step: Callable[[], Any], seconds: float) -> float:
+def median_time(step: Callable[[], Any], seconds: float) -> float:
     """Median seconds of one call of `step` over `seconds` of repetitions (at least 5)."""
     times: list[float] = []
     end = time.perf_counter() + seconds
@@ -102,9 +102,9 @@ def slowdown_probe(rank: int, settings: Settings) -> tuple[list[float], list[flo
     for _ in range(_PROBE_TURNS):
         dist.barrier()
         if rank == 0:
-            alone.append(_median_time(step, settings.probe_s / 2))
+            alone.append(median_time(step, settings.probe_s / 2))
         dist.barrier()
-        together.append(_median_time(step, settings.probe_s / 2))
+        together.append(median_time(step, settings.probe_s / 2))
     return alone, together
 
 

@@ -131,6 +131,42 @@ def test_a_hanging_rank_hits_the_deadline(monkeypatch):
     assert time.monotonic() - start < 15  # the ranks were killed, not waited for
 
 
+class _RecordingAdam:
+    """Adam's stand-in: each step busies the rank for 2 ms and records when (perf_counter is CLOCK_MONOTONIC on
+    Linux: one clock for all ranks)."""
+
+    calls: list[tuple[float, float]] = []
+
+    def __init__(self, params, lr):
+        pass
+
+    def step(self):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.002:
+            pass
+        _RecordingAdam.calls.append((t0, time.perf_counter()))
+
+
+def _optimizer_points_late_rank_1(rank, world, settings, messages):
+    if rank == 1:
+        time.sleep(0.3)  # longer than rank 0 takes over all its points when it times them on its own
+    ranks_module._optimizer_points({}, settings, lambda step, f: None)
+    return {"calls": _RecordingAdam.calls}
+
+
+def test_the_optimizer_points_are_timed_with_every_rank_stepping_at_once(monkeypatch):
+    """The run's optimizer step runs on every rank at once (on a shared CPU each rank then steps up to 2x slower):
+    a rank late to the optimizer points still steps while the other times them, even when it arrives later than
+    that one could have finished on its own."""
+    monkeypatch.setattr(torch.optim, "Adam", _RecordingAdam)  # inherited by the forked ranks
+    monkeypatch.setattr(ranks_module, "_rank_measure", _optimizer_points_late_rank_1)
+    out = ranks_module.run_ranks(2, Settings.for_run(quick=True), Reporter(None), "fork")
+    first, last = out[1]["calls"][0][0], out[1]["calls"][-1][1]
+    timed = out[0]["calls"]
+    during = sum(first <= (a + b) / 2 <= last for a, b in timed)
+    assert during >= 0.8 * len(timed), (during, len(timed))
+
+
 # --- a real quick run --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
