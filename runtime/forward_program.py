@@ -34,7 +34,7 @@ from plans.errors import MmplanError
 from runtime.output_spec import OutputSpec
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.sample_probe import PROBE, SampleProbe, probe_key, shape_key
-from runtime.samples import batch_samples, sample_rows, split_samples
+from runtime.samples import batch_samples, check_traceable, model_inputs, sample_rows, split_samples
 from runtime.vocab_parallel import HeadPaths
 from runtime.source import model_loss
 
@@ -78,6 +78,7 @@ class ForwardProgram:
     """The Program interface of runtime/program.py for a model run by its own forward (see the module docstring)."""
 
     def __init__(self, model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module]):
+        check_traceable(batch, f"tracing {type(model).__name__}")
         self.modules = blocks
         self.inputs = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True
@@ -147,6 +148,7 @@ class ForwardProgram:
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
+        _refuse_sharded_idle([b for b in names if self._no_rows(b, samples, rows)], self.modules)
 
         def proxy(name: str, module: nn.Module):
             def forward(*args, **kwargs):
@@ -167,12 +169,23 @@ class ForwardProgram:
         with _patched(self.modules, proxy):
             try:
                 with vocab:
-                    out = model(**{**self.constants, **batch})
+                    out = model(**{**self.constants, **model_inputs(batch)})
             except _Stop:
-                return outputs, None
+                out = None
+        for name in [b for b in todo if self._no_rows(b, samples, rows)]:  # no image in this batch: ran on nothing
+            outputs[name] = self.zeros(name, samples, device, rows)
+            todo.discard(name)
+        if out is None:
+            return outputs, None
         if todo:
             raise MmplanError(f"block(s) {', '.join(sorted(todo)[:3])} did not run in the model's forward on this batch")
         return outputs, (model_loss(out) if want_loss else None)
+
+    def _no_rows(self, name: str, samples: int, rows: dict) -> bool:
+        """Whether block `name`'s output has no rows for this batch (its samples have none of its images)."""
+        spec = self.specs[name]
+        return not spec.fixed and bool(spec.leaves) and all(
+            sum(spec.sample_rows(i, rows, samples)) == 0 for i in range(len(spec.leaves)))
 
     def batch_rows(self, batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """Per key, the rows of each of the batch's samples: its inputs' (samples.sample_rows) and the probed block
@@ -188,6 +201,18 @@ class ForwardProgram:
         leaves = [torch.zeros((sum(spec.sample_rows(i, rows or {}, samples)), *shape), dtype=dtype, device=device)
                   for i, (shape, dtype) in enumerate(spec.leaves)]
         return tree_unflatten(leaves, spec.tree)
+
+
+def _refuse_sharded_idle(idle: list[str], modules: dict[str, nn.Module]) -> None:
+    """A block with no rows in this batch does not run here (run_stage); one sharded by ZeRO (FSDP2) would then
+    skip the all-gathers and reduce-scatters its data-parallel peers run for it, so refuse before any of them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [b for b in idle if isinstance(modules[b], FSDPModule)]
+    if sharded:
+        raise MmplanError(f"this rank's share of a micro-batch has no image, so block(s) {', '.join(sharded[:2])} run on "
+                          "nothing here, and under ZeRO (FSDP2) they would skip the collectives their data-parallel peers "
+                          "run: use zero 0 for their group, or data in which every share of a micro-batch has an image")
 
 
 def _rows(block: str, leaf: int, rows: int, samples: int, inputs: dict[str, tuple[int, ...]]) -> tuple[int, tuple | None]:

@@ -6,7 +6,7 @@ token ids (placeholders, then `text_tokens` text tokens), labels (the text; -100
 modality tensors of the configured sizes. An optional `"mmplan_inputs"` object in the config sets the sizes:
 `{"text_tokens": 32, "image_size": 448}` (Qwen2-VL and LLaVA-NeXT also take a list of sizes -- sides or
 [height, width] pairs -- that the images take in turn: images of different sizes; Qwen2-VL also
-`"images_per_sample"`, a count or a list of counts the samples take in turn). A family not listed here is refused in one line naming what to write.
+`"images_per_sample"`, a count or a list of counts the samples take in turn, 0 for a sample without an image). A family not listed here is refused in one line naming what to write.
 Always real CPU tensors, even under torch.device("meta"): token ids and grids decide shapes (runtime/fake_exec.py).
 """
 from __future__ import annotations
@@ -21,10 +21,27 @@ TEXT_TOKENS = 32  # text tokens per sample after the modality tokens
 Builder = Callable[[Any, int, dict, torch.Generator], dict]
 
 
-def _sizes(config) -> dict[str, int]:
+def _sizes(config, as_listed: bool = True) -> dict[str, int]:
+    """The config's `mmplan_inputs`; unless `as_listed`, a list of images per sample starts at its first sample with
+    an image (see example_inputs)."""
     sizes = dict(getattr(config, "mmplan_inputs", None) or {})
     sizes.setdefault("text_tokens", TEXT_TOKENS)
+    counts = _listed(sizes.get("images_per_sample", 1))
+    if not any(int(c) for c in counts):
+        raise MmplanError(f"\"images_per_sample\" {sizes['images_per_sample']!r}: no sample has an image, so the vision "
+                          "tower never runs; give at least one sample an image (or train the text model alone)")
+    if not as_listed and isinstance(sizes.get("images_per_sample"), (list, tuple)):
+        first = next(i for i, c in enumerate(counts) if int(c))
+        sizes["images_per_sample"] = counts[first:] + counts[:first]
     return sizes
+
+
+def cycle(config) -> int:
+    """Samples after which the config's listed sizes and counts recur (the product of the lists' lengths)."""
+    out = 1
+    for v in _sizes(config).values():
+        out *= len(v) if isinstance(v, (list, tuple)) else 1
+    return out
 
 
 def _text(config, micro_batch: int, length: int, avoid: set[int], gen: torch.Generator) -> torch.Tensor:
@@ -252,13 +269,24 @@ FAMILIES: dict[str, Builder] = {
 }
 
 
-def example_inputs(config, micro_batch: int) -> dict[str, Any]:
-    """A batch of `micro_batch` samples for the model of `config` (see the module docstring)."""
+SEVERAL_IMAGES = ("qwen2_vl", "qwen2_5_vl")  # the families whose builder takes images_per_sample
+
+
+def example_inputs(config, micro_batch: int, *, as_listed: bool = False) -> dict[str, Any]:
+    """A batch of `micro_batch` samples for the model of `config` (see the module docstring). By default the example
+    a model is traced and profiled by: a list of images per sample then starts at its first sample with an image, as
+    a trace sees only the blocks its samples run (Qwen2-VL's vision tower runs on no image-less sample);
+    `as_listed`: the samples in the config's order (runtime/hf.data_example: the data)."""
     with torch.device("cpu"):
         gen = torch.Generator().manual_seed(0)
         builder = FAMILIES.get(config.model_type)
+        counts = _listed(_sizes(config).get("images_per_sample", 1))
+        if config.model_type not in SEVERAL_IMAGES and any(int(c) != 1 for c in counts):
+            raise MmplanError(f"\"images_per_sample\" {counts!r}: mmplan builds one image per sample for HF model_type "
+                              f"{config.model_type!r} (several, or none, for {', '.join(SEVERAL_IMAGES)}); write a "
+                              "factory `package.module:factory` returning (model, batch) for other counts")
         if builder is not None:
-            return builder(config, micro_batch, _sizes(config), gen)
+            return builder(config, micro_batch, _sizes(config, as_listed), gen)
         if _text_only(config):
             text = _text(config, micro_batch, _sizes(config)["text_tokens"] + 1, set(), gen)
             return {"input_ids": text, "labels": text.clone()}
