@@ -148,7 +148,7 @@ class ForwardProgram:
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
-        _refuse_sharded_idle([b for b in names if self._no_rows(b, samples, rows)], self.modules)
+        _refuse_sharded_idle([b for b in names if self.no_rows(b, samples, rows)], self.modules)
 
         def proxy(name: str, module: nn.Module):
             def forward(*args, **kwargs):
@@ -172,7 +172,7 @@ class ForwardProgram:
                     out = model(**{**self.constants, **model_inputs(batch)})
             except _Stop:
                 out = None
-        for name in [b for b in todo if self._no_rows(b, samples, rows)]:  # no image in this batch: ran on nothing
+        for name in [b for b in todo if self.no_rows(b, samples, rows)]:  # no image in this batch: ran on nothing
             outputs[name] = self.zeros(name, samples, device, rows)
             todo.discard(name)
         if out is None:
@@ -181,7 +181,7 @@ class ForwardProgram:
             raise MmplanError(f"block(s) {', '.join(sorted(todo)[:3])} did not run in the model's forward on this batch")
         return outputs, (model_loss(out) if want_loss else None)
 
-    def _no_rows(self, name: str, samples: int, rows: dict) -> bool:
+    def no_rows(self, name: str, samples: int, rows: dict) -> bool:
         """Whether block `name`'s output has no rows for this batch (its samples have none of its images)."""
         spec = self.specs[name]
         return not spec.fixed and bool(spec.leaves) and all(

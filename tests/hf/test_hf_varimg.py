@@ -152,12 +152,20 @@ def test_what_is_not_built_is_refused_in_one_line(models, tmp_path):
 
 
 def test_zero_with_a_share_without_images_is_refused_in_one_line(models):
-    """Under ZeRO the vision blocks' FSDP2 collectives would run on one replica only: refused before any."""
-    plan = make_plan(models["qwen2_vl_text_first"], [{"name": "all", "dp": 2, "zero": 1,
-                                                      "stages": [(QVL + LLM, [0, 1])]}], micro_batches=4)
+    """Under ZeRO the vision blocks' FSDP2 collectives would run on one replica only: refused before launch for the
+    synthetic data (a share of 2 samples, one with an image, passes), and on the rank, before any, for other data."""
+    from pathlib import Path
+
+    from runtime.preflight import check_model, check_zero_shares
+
+    spec, path = models["qwen2_vl_text_first"], Path("plan.json")
+    zero = [{"name": "all", "dp": 2, "zero": 1, "stages": [(QVL + LLM, [0, 1])]}]
+    check_zero_shares(check_model(make_plan(spec, zero, micro_batches=2), path, spec), path, None)
+    plan = make_plan(spec, zero, micro_batches=4)
+    with pytest.raises(MmplanError, match="replica 0's share of micro-batch 0 of step 0 .samples 0..0. has no image"):
+        check_zero_shares(check_model(plan, path, spec), path, None)
     with pytest.raises(MmplanError, match="share of a micro-batch has no image.*use zero 0"):
-        launch(train_rank, plan.world_size, Job(plan=plan, model=models["qwen2_vl_text_first"], steps=1, seed=0),
-               timeout_s=120)
+        launch(train_rank, plan.world_size, Job(plan=plan, model=spec, steps=1, seed=0), timeout_s=120)
 
 
 def test_llava_next_tiles_per_sample_come_from_a_forward_of_that_sample(models):
