@@ -34,7 +34,7 @@ from plans.errors import MmplanError
 from runtime.output_spec import OutputSpec
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.sample_probe import PROBE, SampleProbe, probe_key, shape_key
-from runtime.samples import batch_samples, check_traceable, model_inputs, sample_rows, split_samples
+from runtime.samples import batch_samples, check_traceable, grid_rows, model_inputs, sample_rows, split_samples
 from runtime.vocab_parallel import HeadPaths
 from runtime.source import model_loss
 
@@ -105,9 +105,10 @@ class ForwardProgram:
             if any(s.startswith(BATCH) or s in batched for s in reads[b]):
                 batched.add(b)
         inputs = sample_rows(batch)
+        gridded = {k: r for k, r in inputs.items() if k in grid_rows(batch)}
         self.specs = {}
         for b, (tree, leaves) in specs.items():
-            rules = [_rows(b, i, s[0], n, inputs) if b in batched else (s[0], None) for i, (s, _) in enumerate(leaves)]
+            rules = [_rows(b, i, s[0], n, gridded) if b in batched else (s[0], None) for i, (s, _) in enumerate(leaves)]
             self.specs[b] = OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves), tuple(r for r, _ in rules),
                                        fixed=b not in batched,
                                        scaled=tuple(rule for _, rule in rules) if any(rule for _, rule in rules) else ())
@@ -217,9 +218,10 @@ def _refuse_sharded_idle(idle: list[str], modules: dict[str, nn.Module]) -> None
 
 def _rows(block: str, leaf: int, rows: int, samples: int, inputs: dict[str, tuple[int, ...]]) -> tuple[int, tuple | None]:
     """(rows of the first sample, None or (key, num, den)) of a block output leaf of `rows` rows: one per sample
-    (batch-major); else num/den of a packed input's rows per sample (inputs whose samples differ first, Qwen2-VL's
-    patches: its vision blocks keep or merge them), when that is whole for every sample; else what a forward of
-    each sample alone outputs (runtime/sample_probe.py: LLaVA-NeXT's tiles, which image_sizes decide)."""
+    (batch-major); else num/den of a packed input's rows per sample (`inputs`: those an image grid gives, whose
+    samples differ first; Qwen2-VL's patches: its vision blocks keep or merge them), when that is whole for every
+    sample; else what a forward of each sample alone outputs (runtime/sample_probe.py: LLaVA-NeXT's tiles, which
+    image_sizes decide, one image per sample or several)."""
     if rows == samples:
         return 1, None
     packed = sorted((k for k, r in inputs.items() if max(r) > 1), key=lambda k: len(set(inputs[k])) == 1)

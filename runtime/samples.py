@@ -109,6 +109,16 @@ def sample_rows(batch: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def grid_rows(batch: Mapping[str, Any]) -> set[str]:
+    """The keys whose rows per sample an image grid gives (the grids, and tensors of their t·h·w rows): the only
+    packed inputs a block output's rows may be a fixed multiple of (runtime/forward_program._rows); k·B rows of
+    k images each say nothing of what a block makes of them (LLaVA-NeXT's tiles per image follow its size)."""
+    grids = _grids(batch, batch_samples(batch))
+    sums = {sum(g) for _, g in grids.values()}
+    return set(grids) | {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and k not in grids
+                         and v.shape[0] in sums and v.shape[0] != batch_samples(batch)}
+
+
 def rows_per_sample(batch: Mapping[str, Any]) -> dict[str, int]:
     """Rows of the batch's first sample of every tensor with a leading dimension (1 for a batch-major tensor)."""
     return {k: rows[0] for k, rows in sample_rows(batch).items()}

@@ -57,6 +57,11 @@ PLANS = {  # Qwen2-VL, images of 16 and 8 pixels a side in turn: 16 and 4 patche
     "llava-next-pp2-in-vision": ("llava_next", [{"name": "all", "stages": [(NEXT_FIRST_HALF, [0]),
                                                                            (NEXT_VISION + LLM, [1])]}]),
     "llava-next-pp2-vision-llm": ("llava_next", [{"name": "all", "stages": [(NEXT_VISION, [0]), (LLM, [1])]}]),
+    # LLaVA-NeXT, two images per sample, of 16x16, 32x32, 30x12 pixels in turn: 8, 6, 8, 8 tiles per sample (3 + 5,
+    # 3 + 3, 5 + 3, 3 + 5): pixel_values' 2 rows per sample say nothing of the tiles, a forward of each sample does
+    "llava-next-two-images-dp2": ("llava_next_two", [{"name": "all", "dp": 2, "stages": [(NEXT_VISION + LLM, [0, 1])]}]),
+    "llava-next-two-images-non-colocated": ("llava_next_two", [{"name": "vision", "stages": [(NEXT_VISION, [0])]},
+                                                               {"name": "llm", "stages": [(LLM, [1])]}]),
     "llava-next-non-colocated": ("llava_next", [{"name": "vision", "stages": [(NEXT_VISION, [0])]},
                                                 {"name": "llm", "stages": [(LLM, [1])]}]),
 }
@@ -65,6 +70,7 @@ SIZES = {"qwen2_vl": (tiny_configs.qwen2_vl, {"image_size": [16, 8]}),
          "qwen2_5_vl": (tiny_families.qwen2_5_vl, {"image_size": [32, 16]}),
          "qwen2_vl_counts": (tiny_configs.qwen2_vl, {"image_size": [16, 8, 8], "images_per_sample": [1, 2, 0]}),
          "qwen2_vl_text_first": (tiny_configs.qwen2_vl, {"images_per_sample": [0, 1]}),
+         "llava_next_two": (tiny_families.llava_next, {"image_size": [[16, 16], [32, 32], [30, 12]], "images_per_sample": 2}),
          "llava_next": (tiny_families.llava_next, {"image_size": [[16, 16], [30, 12], [12, 30], [32, 32]]})}
 
 
@@ -131,8 +137,8 @@ def test_a_share_without_images_leaves_them_out_and_a_first_sample_without_one_i
 
 
 def test_what_is_not_built_is_refused_in_one_line(models, tmp_path):
-    """An example traced without images; LLaVA-NeXT with several images per sample; samples of different padded
-    tile counts in one batch (a user's torch Dataset)."""
+    """An example traced without images; LLaVA-NeXT with different numbers of images per sample; samples of different
+    padded tile counts in one batch (a user's torch Dataset)."""
     from runtime.hf import data_example, hf_source
     from runtime.program import trace_program
 
@@ -142,9 +148,9 @@ def test_what_is_not_built_is_refused_in_one_line(models, tmp_path):
         trace_program(model, first)
     directory = tiny_families.llava_next(tmp_path / "next")
     config = json.loads((directory / "config.json").read_text())
-    config["mmplan_inputs"]["images_per_sample"] = 2
+    config["mmplan_inputs"]["images_per_sample"] = [1, 2]
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(MmplanError, match="one image per sample for HF model_type 'llava_next'"):
+    with pytest.raises(MmplanError, match="'llava_next' takes the same number of images .at least 1. in every sample"):
         hf_source(f"hf:{directory}").factory(1)
     tiles = [{"pixel_values": torch.zeros(3, 3, 16, 16)}, {"pixel_values": torch.zeros(5, 3, 16, 16)}]
     with pytest.raises(MmplanError, match=r"shapes \(3, 3, 16, 16\) and \(5, 3, 16, 16\) cannot form one batch"):
