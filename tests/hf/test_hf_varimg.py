@@ -52,6 +52,11 @@ PLANS = {  # Qwen2-VL, images of 16 and 8 pixels a side in turn: 16 and 4 patche
     "no-image-micro-batch-pp2": ("qwen2_vl_text_first", [{"name": "all", "stages": [(QVISION, [0]), (QVL + LLM, [1])]}],
                                  {"micro_batches": 8}),
     "no-image-micro-batch-non-colocated": ("qwen2_vl_text_first", NON_COLOCATED, {"micro_batches": 8}),
+    # vision dp2 feeding one pipeline replica: replica 0's share of merged tokens has no rows (fan-in of 0 + 4)
+    "no-image-share-colocated": ("qwen2_vl_text_first", [{"name": "vision", "dp": 2, "stages": [(QVL, [0, 1])]},
+                                                         {"name": "llm", "colocated_with": "vision",
+                                                          "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}],
+                                 {"micro_batches": 4}),
     # LLaVA-NeXT, images of 16x16, 30x12, 12x30, 32x32 pixels: 3, 3, 3, 5 tiles, 36, 56, 52, 88 image tokens
     "llava-next-dp2": ("llava_next", [{"name": "all", "dp": 2, "stages": [(NEXT_VISION + LLM, [0, 1])]}]),
     "llava-next-pp2-in-vision": ("llava_next", [{"name": "all", "stages": [(NEXT_FIRST_HALF, [0]),
