@@ -34,7 +34,7 @@ from plans.errors import MmplanError
 from runtime.output_spec import OutputSpec
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.sample_probe import PROBE, SampleProbe, probe_key, shape_key
-from runtime.samples import batch_samples, sample_rows, split_samples
+from runtime.samples import batch_samples, check_traceable, grid_rows, model_inputs, sample_rows, split_samples
 from runtime.vocab_parallel import HeadPaths
 from runtime.source import model_loss
 
@@ -78,6 +78,7 @@ class ForwardProgram:
     """The Program interface of runtime/program.py for a model run by its own forward (see the module docstring)."""
 
     def __init__(self, model: nn.Module, batch: dict[str, Any], blocks: dict[str, nn.Module]):
+        check_traceable(batch, f"tracing {type(model).__name__}")
         self.modules = blocks
         self.inputs = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         self.constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}  # e.g. return_loss=True
@@ -104,9 +105,10 @@ class ForwardProgram:
             if any(s.startswith(BATCH) or s in batched for s in reads[b]):
                 batched.add(b)
         inputs = sample_rows(batch)
+        gridded = {k: r for k, r in inputs.items() if k in grid_rows(batch)}
         self.specs = {}
         for b, (tree, leaves) in specs.items():
-            rules = [_rows(b, i, s[0], n, inputs) if b in batched else (s[0], None) for i, (s, _) in enumerate(leaves)]
+            rules = [_rows(b, i, s[0], n, gridded) if b in batched else (s[0], None) for i, (s, _) in enumerate(leaves)]
             self.specs[b] = OutputSpec(tree, tuple((s[1:], dtype) for s, dtype in leaves), tuple(r for r, _ in rules),
                                        fixed=b not in batched,
                                        scaled=tuple(rule for _, rule in rules) if any(rule for _, rule in rules) else ())
@@ -147,6 +149,7 @@ class ForwardProgram:
         device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
         outputs: dict[str, Any] = {}
         todo = set(names)
+        _refuse_sharded_idle([b for b in names if self.no_rows(b, samples, rows)], self.modules)
 
         def proxy(name: str, module: nn.Module):
             def forward(*args, **kwargs):
@@ -167,12 +170,23 @@ class ForwardProgram:
         with _patched(self.modules, proxy):
             try:
                 with vocab:
-                    out = model(**{**self.constants, **batch})
+                    out = model(**{**self.constants, **model_inputs(batch)})
             except _Stop:
-                return outputs, None
+                out = None
+        for name in [b for b in todo if self.no_rows(b, samples, rows)]:  # no image in this batch: ran on nothing
+            outputs[name] = self.zeros(name, samples, device, rows)
+            todo.discard(name)
+        if out is None:
+            return outputs, None
         if todo:
             raise MmplanError(f"block(s) {', '.join(sorted(todo)[:3])} did not run in the model's forward on this batch")
         return outputs, (model_loss(out) if want_loss else None)
+
+    def no_rows(self, name: str, samples: int, rows: dict) -> bool:
+        """Whether block `name`'s output has no rows for this batch (its samples have none of its images)."""
+        spec = self.specs[name]
+        return not spec.fixed and bool(spec.leaves) and all(
+            sum(spec.sample_rows(i, rows, samples)) == 0 for i in range(len(spec.leaves)))
 
     def batch_rows(self, batch: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """Per key, the rows of each of the batch's samples: its inputs' (samples.sample_rows) and the probed block
@@ -190,11 +204,24 @@ class ForwardProgram:
         return tree_unflatten(leaves, spec.tree)
 
 
+def _refuse_sharded_idle(idle: list[str], modules: dict[str, nn.Module]) -> None:
+    """A block with no rows in this batch does not run here (run_stage); one sharded by ZeRO (FSDP2) would then
+    skip the all-gathers and reduce-scatters its data-parallel peers run for it, so refuse before any of them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [b for b in idle if isinstance(modules[b], FSDPModule)]
+    if sharded:
+        raise MmplanError(f"this rank's share of a micro-batch has no image, so block(s) {', '.join(sharded[:2])} run on "
+                          "nothing here, and under ZeRO (FSDP2) they would skip the collectives their data-parallel peers "
+                          "run: use zero 0 for their group, or data in which every share of a micro-batch has an image")
+
+
 def _rows(block: str, leaf: int, rows: int, samples: int, inputs: dict[str, tuple[int, ...]]) -> tuple[int, tuple | None]:
     """(rows of the first sample, None or (key, num, den)) of a block output leaf of `rows` rows: one per sample
-    (batch-major); else num/den of a packed input's rows per sample (inputs whose samples differ first, Qwen2-VL's
-    patches: its vision blocks keep or merge them), when that is whole for every sample; else what a forward of
-    each sample alone outputs (runtime/sample_probe.py: LLaVA-NeXT's tiles, which image_sizes decide)."""
+    (batch-major); else num/den of a packed input's rows per sample (`inputs`: those an image grid gives, whose
+    samples differ first; Qwen2-VL's patches: its vision blocks keep or merge them), when that is whole for every
+    sample; else what a forward of each sample alone outputs (runtime/sample_probe.py: LLaVA-NeXT's tiles, which
+    image_sizes decide, one image per sample or several)."""
     if rows == samples:
         return 1, None
     packed = sorted((k for k, r in inputs.items() if max(r) > 1), key=lambda k: len(set(inputs[k])) == 1)

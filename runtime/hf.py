@@ -21,7 +21,7 @@ from torch import nn
 from plans.errors import MmplanError
 from runtime.blocks import block_modules, is_hf_model  # noqa: F401  (is_hf_model: where callers look for it)
 from runtime.model_source import ModelSource
-from runtime.hf_inputs import example_inputs  # noqa: F401  (the example batch of a config; re-exported)
+from runtime.hf_inputs import cycle, example_inputs  # noqa: F401  (the example batch of a config; re-exported)
 from runtime.tensor_parallel import PLAN_ATTR
 
 PREFIX = "hf:"
@@ -164,15 +164,16 @@ def hf_source(spec: str):
 
 def data_example(spec: str, micro_batch: int, example: dict[str, Any]) -> dict[str, Any]:
     """The example batch the synthetic data derives its samples from (runtime/synthetic.py): for an `hf:` spec whose
-    "mmplan_inputs" list several image sizes, the config's batch of `micro_batch` samples (its samples cycle through
-    the sizes; built from the config alone, no model), floating tensors in `example`'s dtypes; else `example` (of
+    "mmplan_inputs" list several image sizes or counts, the config's batch of `micro_batch` samples, or of the
+    lists' whole cycle when longer (its samples take the sizes and counts in turn, in the config's order; built from
+    the config alone, no model), floating tensors in `example`'s dtypes; else `example` (of
     the run's traced batch, one sample: one size)."""
     if not is_hf_spec(spec):
         return example
     config = load_config(spec)
     if not any(isinstance(v, (list, tuple)) for v in _sizes_of(config).values()):
         return example
-    batch = example_inputs(config, micro_batch)
+    batch = example_inputs(config, max(micro_batch, cycle(config)), as_listed=True)  # every size, however small
     return {k: v.to(example[k].dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
             and isinstance(example.get(k), torch.Tensor) else v for k, v in batch.items()}
 

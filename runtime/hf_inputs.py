@@ -6,7 +6,8 @@ token ids (placeholders, then `text_tokens` text tokens), labels (the text; -100
 modality tensors of the configured sizes. An optional `"mmplan_inputs"` object in the config sets the sizes:
 `{"text_tokens": 32, "image_size": 448}` (Qwen2-VL and LLaVA-NeXT also take a list of sizes -- sides or
 [height, width] pairs -- that the images take in turn: images of different sizes; Qwen2-VL also
-`"images_per_sample"`, a count or a list of counts the samples take in turn). A family not listed here is refused in one line naming what to write.
+`"images_per_sample"`, a count or a list of counts the samples take in turn, 0 for a sample without an image;
+LLaVA-NeXT one count for every sample). A family not listed here is refused in one line naming what to write.
 Always real CPU tensors, even under torch.device("meta"): token ids and grids decide shapes (runtime/fake_exec.py).
 """
 from __future__ import annotations
@@ -21,10 +22,27 @@ TEXT_TOKENS = 32  # text tokens per sample after the modality tokens
 Builder = Callable[[Any, int, dict, torch.Generator], dict]
 
 
-def _sizes(config) -> dict[str, int]:
+def _sizes(config, as_listed: bool = True) -> dict[str, int]:
+    """The config's `mmplan_inputs`; unless `as_listed`, a list of images per sample starts at its first sample with
+    an image (see example_inputs)."""
     sizes = dict(getattr(config, "mmplan_inputs", None) or {})
     sizes.setdefault("text_tokens", TEXT_TOKENS)
+    counts = _listed(sizes.get("images_per_sample", 1))
+    if not any(int(c) for c in counts):
+        raise MmplanError(f"\"images_per_sample\" {sizes['images_per_sample']!r}: no sample has an image, so the vision "
+                          "tower never runs; give at least one sample an image (or train the text model alone)")
+    if not as_listed and isinstance(sizes.get("images_per_sample"), (list, tuple)):
+        first = next(i for i, c in enumerate(counts) if int(c))
+        sizes["images_per_sample"] = counts[first:] + counts[:first]
     return sizes
+
+
+def cycle(config) -> int:
+    """Samples after which the config's listed sizes and counts recur (the product of the lists' lengths)."""
+    out = 1
+    for v in _sizes(config).values():
+        out *= len(v) if isinstance(v, (list, tuple)) else 1
+    return out
 
 
 def _text(config, micro_batch: int, length: int, avoid: set[int], gen: torch.Generator) -> torch.Tensor:
@@ -72,8 +90,9 @@ def _llava(config, mb, sizes, gen):
 
 
 def _llava_next(config, mb, sizes, gen):
-    """LLaVA-NeXT's anyres: sample i's image (height, width) is `image_size`'s entry i (cycling; an int is a square;
-    by default the smallest grid pinpoint). Each image is its base tile plus the tiles of its best-fit pinpoint's
+    """LLaVA-NeXT's anyres: `images_per_sample` images per sample (the same count k in every sample, 1 by default),
+    image j's (height, width) `image_size`'s entry j (cycling; an int is a square; by default the smallest grid
+    pinpoint), sample i's images k·i .. k·i + k - 1 (pixel_values and image_sizes have one row per image). Each image is its base tile plus the tiles of its best-fit pinpoint's
     grid (transformers' image_size_to_num_patches), pixel_values padded to the batch's most tiles (the model
     selects each image's by image_sizes); its tokens are the base tile's patches and, per row of the grid's patch
     features unpadded to the image's aspect ratio, its patches and a newline (transformers' pack_image_features)."""
@@ -91,18 +110,31 @@ def _llava_next(config, mb, sizes, gen):
         rows, cols = get_anyres_image_grid_shape(hw, config.image_grid_pinpoints, side)
         unpadded = unpad_image(torch.empty(0, rows * per_side, cols * per_side), list(hw)).shape[1:]
         counts[hw] = base + unpadded[0] * (unpadded[1] + 1)
-    images = [sizes_in_turn[i % len(sizes_in_turn)] for i in range(mb)]
+    per = _same_count(sizes.get("images_per_sample", 1), config.model_type)
+    images = [sizes_in_turn[i % len(sizes_in_turn)] for i in range(mb * per)]  # sample i: images i·per .. i·per+per-1
     text = _text(config, mb, sizes["text_tokens"], {config.image_token_index}, gen)
     filler = _filler(config, config.image_token_index)
-    longest = max(counts.values())  # every batch as long, and as many tiles, whatever its samples' sizes
-    prefix = torch.tensor([[config.image_token_index] * counts[hw] + [filler] * (longest - counts[hw]) for hw in images])
+    longest = per * max(counts.values())  # every batch as long, and as many tiles, whatever its samples' sizes
+    tokens = [sum(counts[hw] for hw in images[i * per:(i + 1) * per]) for i in range(mb)]
+    prefix = torch.tensor([[config.image_token_index] * n + [filler] * (longest - n) for n in tokens])
     batch = _lm_batch(prefix, text)
-    pixels = _pixels(config, mb, side, gen, max(tiles.values()))
+    pixels = _pixels(config, mb * per, side, gen, max(tiles.values()))
     for i, hw in enumerate(images):
         pixels[i, tiles[hw]:] = 0  # padding tiles, as the processor pads them (the model never reads them)
     batch["pixel_values"] = pixels
     batch["image_sizes"] = torch.tensor(images)
     return batch
+
+
+def _same_count(value, model_type: str) -> int:
+    """One number of images for every sample (a family whose images no per-sample metadata assigns to samples:
+    that many rows of pixel_values and image_sizes each, runtime/samples.py)."""
+    counts = {int(c) for c in _listed(value)}
+    if len(counts) != 1 or min(counts) < 1:
+        raise MmplanError(f"\"images_per_sample\" {value!r}: HF model_type {model_type!r} takes the same number of "
+                          f"images (at least 1) in every sample here (any number, none included, for "
+                          f"{', '.join(SEVERAL_IMAGES)}); write a factory returning (model, batch) for other counts")
+    return counts.pop()
 
 
 def _listed(value) -> list:
@@ -252,13 +284,26 @@ FAMILIES: dict[str, Builder] = {
 }
 
 
-def example_inputs(config, micro_batch: int) -> dict[str, Any]:
-    """A batch of `micro_batch` samples for the model of `config` (see the module docstring)."""
+SEVERAL_IMAGES = ("qwen2_vl", "qwen2_5_vl")  # the families whose builder takes any images_per_sample
+SAME_COUNT = ("llava_next",)  # the families whose builder takes one images_per_sample for every sample
+
+
+def example_inputs(config, micro_batch: int, *, as_listed: bool = False) -> dict[str, Any]:
+    """A batch of `micro_batch` samples for the model of `config` (see the module docstring). By default the example
+    a model is traced and profiled by: a list of images per sample then starts at its first sample with an image, as
+    a trace sees only the blocks its samples run (Qwen2-VL's vision tower runs on no image-less sample);
+    `as_listed`: the samples in the config's order (runtime/hf.data_example: the data)."""
     with torch.device("cpu"):
         gen = torch.Generator().manual_seed(0)
         builder = FAMILIES.get(config.model_type)
+        counts = _listed(_sizes(config).get("images_per_sample", 1))
+        if config.model_type not in (*SEVERAL_IMAGES, *SAME_COUNT) and any(int(c) != 1 for c in counts):
+            raise MmplanError(f"\"images_per_sample\" {counts!r}: mmplan builds one image per sample for HF model_type "
+                              f"{config.model_type!r} (any number for {', '.join(SEVERAL_IMAGES)}; the same number in "
+                              f"every sample for {', '.join(SAME_COUNT)}); write a factory `package.module:factory` "
+                              "returning (model, batch) for other counts")
         if builder is not None:
-            return builder(config, micro_batch, _sizes(config), gen)
+            return builder(config, micro_batch, _sizes(config, as_listed), gen)
         if _text_only(config):
             text = _text(config, micro_batch, _sizes(config)["text_tokens"] + 1, set(), gen)
             return {"input_ids": text, "labels": text.clone()}

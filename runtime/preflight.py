@@ -152,6 +152,45 @@ def check_zero(plan: Plan, plan_path: Path) -> None:
                                   f"{ZERO_TIERS}: set zero=0 or change the tiers")
 
 
+def check_zero_shares(checked: CheckedModel, plan_path: Path, data: str | None) -> None:
+    """Under ZeRO, a data-parallel share of a micro-batch whose samples have no image leaves the blocks that read
+    the images idle on its rank, while FSDP2 runs their collectives on the others: refused (runtime/forward_program.py
+    refuses it on the rank, at its step, for any data). The built-in synthetic data is known here: sample i takes
+    template i mod T (runtime/synthetic.py), so the first T steps hold every share there is."""
+    from plans.stage_graph import slice_of
+    from runtime.hf import data_example
+    from runtime.rank import vocab_of
+    from runtime.synthetic import DerivedDataset
+    from runtime.train import step_samples
+
+    plan, program = checked.plan, checked.program
+    groups = [g for g in plan.groups if g.zero and g.dp > 1]
+    if not groups or data is not None or not hasattr(program, "no_rows"):
+        return
+    example = data_example(checked.spec, plan.training.micro_batch, checked.example)
+    if example is checked.example:
+        return  # the traced example's samples, each of which runs every block (samples.check_traceable)
+    dataset = DerivedDataset(example, vocab_of(checked.model), 0)
+    for g in groups:
+        mb = plan.micro_batch_of(g)
+        blocks = [b for st in g.stages for b in st.blocks]
+        for step in range(len(dataset.templates)):
+            for j in range(plan.training.global_batch // mb):
+                for r in range(g.dp):
+                    samples = step_samples(step, plan, j, *slice_of(r, g.dp, mb), mb)
+                    if any(dataset.has_rows(i) for i in samples):
+                        continue
+                    batch = dataset.sample_batch(samples)
+                    rows = program.batch_rows(batch)
+                    idle = [b for b in blocks if program.no_rows(b, len(samples), rows)]
+                    if idle:
+                        raise MmplanError(
+                            f"plan {plan_path}: group {g.name} runs ZeRO-{g.zero} over dp={g.dp}, but replica {r}'s share "
+                            f"of micro-batch {j} of step {step} (samples {samples.start}..{samples.stop - 1}) has no image, "
+                            f"so {idle[0]} would run on nothing there while FSDP2 runs its collectives on the others: use "
+                            "zero 0 for the group, or data in which every share of a micro-batch has an image")
+
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what joining a job reads (env:// rendezvous)
 LAUNCHER_VAR = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for every process it starts
 

@@ -12,6 +12,7 @@ from runtime.precision import cast_inputs, torch_dtype
 from runtime.source import model_loss
 from runtime.job import Job
 from runtime.rank import build_model, vocab_of
+from runtime.samples import model_inputs
 from runtime.train import step_samples
 
 
@@ -31,7 +32,7 @@ def reference_run(job: Job) -> dict[str, Any]:
         total = 0.0
         for j in range(m):
             batch = cast_inputs(dataset.sample_batch(step_samples(step, job.plan, j, 0, training.micro_batch)), dtype)
-            loss = model_loss(model(**batch)) / m
+            loss = model_loss(model(**model_inputs(batch))) / m
             loss.backward()
             total += float(loss.detach())
         if step == 0:

@@ -4,7 +4,7 @@ Most inputs are batch-major (dim 0 = samples). Some models take *packed* inputs 
 `pixel_values` are (patches of all images, patch dim), with `image_grid_thw` (one row per image) saying
 how the patches divide; their vision blocks' outputs are packed the same way. The rule here is derived
 from the data, not from the model's name: in a batch of B samples, B is the smallest leading dimension of
-its tensors other than grids (a sample may have no image), and
+its tensors other than grids and empty ones (a sample, or all of them, may have no image), and
 - a *grid* is an integer (R, 3) tensor of (t, h, w) per image (Qwen2-VL's `image_grid_thw` / `video_grid_thw`).
   Whose images its rows are is per-sample metadata: a *token-type* tensor (an integer (B, L) input named
   `*token_type_ids`: 0 on text, m > 0 on a modality's tokens, HF v5's `mm_token_type_ids`) has one run of m per
@@ -33,7 +33,7 @@ from plans.errors import MmplanError
 def batch_samples(batch: Mapping[str, Any]) -> int:
     """The number of samples in `batch`: its tensors' smallest leading dimension, grids aside (see above)."""
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()]
-    dims = [v.shape[0] for v in tensors if not _is_grid(v)] or [v.shape[0] for v in tensors]
+    dims = [v.shape[0] for v in tensors if not _is_grid(v) and v.shape[0]] or [v.shape[0] for v in tensors if v.shape[0]]
     if not dims:
         raise MmplanError("a batch needs at least one tensor with a batch dimension (dim 0)")
     return min(dims)
@@ -109,6 +109,16 @@ def sample_rows(batch: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def grid_rows(batch: Mapping[str, Any]) -> set[str]:
+    """The keys whose rows per sample an image grid gives (the grids, and tensors of their t·h·w rows): the only
+    packed inputs a block output's rows may be a fixed multiple of (runtime/forward_program._rows); k·B rows of
+    k images each say nothing of what a block makes of them (LLaVA-NeXT's tiles per image follow its size)."""
+    grids = _grids(batch, batch_samples(batch))
+    sums = {sum(g) for _, g in grids.values()}
+    return set(grids) | {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and k not in grids
+                         and v.shape[0] in sums and v.shape[0] != batch_samples(batch)}
+
+
 def rows_per_sample(batch: Mapping[str, Any]) -> dict[str, int]:
     """Rows of the batch's first sample of every tensor with a leading dimension (1 for a batch-major tensor)."""
     return {k: rows[0] for k, rows in sample_rows(batch).items()}
@@ -143,6 +153,24 @@ def split_samples(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch as the model's forward takes it: a packed input with no rows at all (a batch, or a micro-batch or
+    data-parallel shard of one, in which no sample has an image) left out, as a processor leaves a text-only batch's
+    pixel_values and grid out (a stock vision tower cannot run on zero images: Qwen2-VL's position ids concatenate
+    one tensor per image). The blocks that then do not run have no rows in this batch (ForwardProgram.run_stage)."""
+    return {k: v for k, v in batch.items() if not (isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 0)}
+
+
+def check_traceable(batch: Mapping[str, Any], what: str) -> None:
+    """A traced example must run every block, so no input of it may have no rows at all (samples without images:
+    the trace would not see the vision blocks, whose outputs then have no recorded shape)."""
+    empty = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 0]
+    if empty:
+        raise MmplanError(f"{what}: the example batch's {', '.join(map(repr, empty))} has no rows (no sample of it has "
+                          "an image), so its trace would not see the blocks that read it: give its first sample an "
+                          "image (later samples and the data may have none)")
+
+
 def collate(samples: Sequence[Mapping[str, Any]], packed: set[str]) -> dict[str, Any]:
     """One batch from per-sample dicts: a packed key's rows concatenated (each sample (k_i, ...); samples may have
     different k_i, e.g. images of different sizes, as long as the batch tells them apart: `sample_rows`), any
@@ -152,6 +180,11 @@ def collate(samples: Sequence[Mapping[str, Any]], packed: set[str]) -> dict[str,
     out = {}
     for k in samples[0]:
         values = [torch.as_tensor(s[k]) for s in samples]
+        shapes = {tuple(v.shape[1:]) if k in packed else tuple(v.shape) for v in values}  # what must agree
+        if len(shapes) > 1:
+            raise MmplanError(f"input {k!r}: samples of shapes {' and '.join(map(str, sorted(shapes)[:2]))} cannot form "
+                              "one batch; pad them to one shape (LLaVA-NeXT: pixel_values to the batch's most tiles, "
+                              "as its processor does, image_sizes telling each image's)")
         out[k] = torch.cat(values) if k in packed else torch.stack(values)
     rows = sample_rows(out)  # the batch must tell the samples' rows apart as they were (or refuses)
     if any(rows.get(k) != tuple(len(s[k]) for s in samples) for k in packed):

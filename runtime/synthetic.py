@@ -73,6 +73,11 @@ class DerivedDataset:
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         return self.templates[int(index) % len(self.templates)].sample(index)
 
+    def has_rows(self, index: int) -> bool:
+        """Whether sample `index` has rows of every packed input (an image; runtime/samples.model_inputs)."""
+        example = self.templates[int(index) % len(self.templates)].example
+        return all(example[k].shape[1] for k in self.packed)
+
     def sample_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         samples = [self.sample(i) for i in indices]
         if not samples:

@@ -33,7 +33,7 @@ from planner.commands.actual import Actual, on_actual_cluster
 from planner.commands.monitor import Monitor, MonitorOptions, check_monitor
 from runtime.checkpoint import remove_incomplete
 from runtime.preflight import (CheckedModel, backend, check_host_memory, check_launch, check_model, plan_model,
-                               check_runs, check_zero, launched_world_size)
+                               check_runs, check_zero, check_zero_shares, launched_world_size)
 from runtime.source import resolve
 from runtime.train import Job, train_rank
 
@@ -137,6 +137,7 @@ def run_plan(plan_path: Path, *, steps: int, model: str | None = None, seed: int
 
     with exit_at_once():  # the pre-check owns nothing yet
         check_zero(plan, plan_path)
+        check_zero_shares(prepared.checked, plan_path, None if data in (None, "builtin") else data)
         if launched is None:
             memory = prepared.evaluation.memory if prepared.evaluation is not None else (plan.predicted.memory if plan.predicted else ())
             check_host_memory(prepared.checked, plan_path, sum(m.gpu + m.cpu for m in memory))

@@ -28,6 +28,7 @@ from typing import Callable, Literal
 import torch
 
 from runtime.fake_exec import MetaFloats
+from runtime.samples import check_traceable
 from runtime.source import ModelSource, call_factory, model_dtype
 from plans.errors import MmplanError
 from plans.graph import Profile, ProfileOptions
@@ -86,6 +87,7 @@ def profile_model(
     if blocks > MAX_BLOCKS:  # before the trace, whose time and the solver's grow with them
         raise MmplanError(f"{source.name} has {blocks:,} blocks, more than the {MAX_BLOCKS:,} mmplan plans for")
     note("tracing forward and backward", 0.1)
+    check_traceable(batch, f"profiling {source.name}")
     try:
         records, trace = analyse(model, batch, fake=fake, fused=fused, softmax_grad_in_memory=softmax_grad_in_memory)
     except MmplanError:

@@ -43,11 +43,30 @@ PLANS = {  # Qwen2-VL, images of 16 and 8 pixels a side in turn: 16 and 4 patche
     "counts-colocated": ("qwen2_vl_counts", [{"name": "vision", "dp": 2, "stages": [(QVL, [0, 1])]},
                                              {"name": "llm", "colocated_with": "vision",
                                               "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}]),
+    # 0, 1, 0, 1, ... images per sample (the first sample has none; the trace starts at the first that has one):
+    # dp2 of one sample per replica and micro-batch, so replica 0's share never has an image (its vision blocks run
+    # on nothing, their gradients join the all-reduce as zeros); pp2 / non-colocated of one sample per micro-batch,
+    # so every other micro-batch sends the vision blocks' outputs (and their gradients) with no rows
+    "no-image-share-dp2": ("qwen2_vl_text_first", [{"name": "all", "dp": 2, "stages": [(QVL + LLM, [0, 1])]}],
+                           {"micro_batches": 4}),
+    "no-image-micro-batch-pp2": ("qwen2_vl_text_first", [{"name": "all", "stages": [(QVISION, [0]), (QVL + LLM, [1])]}],
+                                 {"micro_batches": 8}),
+    "no-image-micro-batch-non-colocated": ("qwen2_vl_text_first", NON_COLOCATED, {"micro_batches": 8}),
+    # vision dp2 feeding one pipeline replica: replica 0's share of merged tokens has no rows (fan-in of 0 + 4)
+    "no-image-share-colocated": ("qwen2_vl_text_first", [{"name": "vision", "dp": 2, "stages": [(QVL, [0, 1])]},
+                                                         {"name": "llm", "colocated_with": "vision",
+                                                          "stages": [(FIRST_LAYER, [0]), (LLM, [1])]}],
+                                 {"micro_batches": 4}),
     # LLaVA-NeXT, images of 16x16, 30x12, 12x30, 32x32 pixels: 3, 3, 3, 5 tiles, 36, 56, 52, 88 image tokens
     "llava-next-dp2": ("llava_next", [{"name": "all", "dp": 2, "stages": [(NEXT_VISION + LLM, [0, 1])]}]),
     "llava-next-pp2-in-vision": ("llava_next", [{"name": "all", "stages": [(NEXT_FIRST_HALF, [0]),
                                                                            (NEXT_VISION + LLM, [1])]}]),
     "llava-next-pp2-vision-llm": ("llava_next", [{"name": "all", "stages": [(NEXT_VISION, [0]), (LLM, [1])]}]),
+    # LLaVA-NeXT, two images per sample, of 16x16, 32x32, 30x12 pixels in turn: 8, 6, 8, 8 tiles per sample (3 + 5,
+    # 3 + 3, 5 + 3, 3 + 5): pixel_values' 2 rows per sample say nothing of the tiles, a forward of each sample does
+    "llava-next-two-images-dp2": ("llava_next_two", [{"name": "all", "dp": 2, "stages": [(NEXT_VISION + LLM, [0, 1])]}]),
+    "llava-next-two-images-non-colocated": ("llava_next_two", [{"name": "vision", "stages": [(NEXT_VISION, [0])]},
+                                                               {"name": "llm", "stages": [(LLM, [1])]}]),
     "llava-next-non-colocated": ("llava_next", [{"name": "vision", "stages": [(NEXT_VISION, [0])]},
                                                 {"name": "llm", "stages": [(LLM, [1])]}]),
 }
@@ -55,6 +74,8 @@ SIZES = {"qwen2_vl": (tiny_configs.qwen2_vl, {"image_size": [16, 8]}),
          "qwen2_vl_two": (tiny_configs.qwen2_vl, {"image_size": [16, 8, 8], "images_per_sample": 2}),
          "qwen2_5_vl": (tiny_families.qwen2_5_vl, {"image_size": [32, 16]}),
          "qwen2_vl_counts": (tiny_configs.qwen2_vl, {"image_size": [16, 8, 8], "images_per_sample": [1, 2, 0]}),
+         "qwen2_vl_text_first": (tiny_configs.qwen2_vl, {"images_per_sample": [0, 1]}),
+         "llava_next_two": (tiny_families.llava_next, {"image_size": [[16, 16], [32, 32], [30, 12]], "images_per_sample": 2}),
          "llava_next": (tiny_families.llava_next, {"image_size": [[16, 16], [30, 12], [12, 30], [32, 32]]})}
 
 
@@ -103,6 +124,61 @@ def test_images_per_sample_follow_the_token_types():
         collate(untyped, packed)
 
 
+def test_a_share_without_images_leaves_them_out_and_a_first_sample_without_one_is_not_traced(models):
+    """A batch (or a replica's share of one) with no image has packed inputs of no rows: it is still one sample, and
+    the model takes it without them (a stock vision tower cannot run on zero images). The hf: example a model is
+    traced by starts at the first sample with an image; the data keeps the config's order (its first has none)."""
+    from runtime.hf import data_example, hf_source
+    from runtime.samples import batch_samples, model_inputs
+
+    model, example = hf_source(models["qwen2_vl_text_first"]).factory(1)
+    assert example["image_grid_thw"].shape[0] == 1
+    data = data_example(models["qwen2_vl_text_first"], 1, example)  # a micro-batch of 1: the lists' whole cycle
+    assert sample_rows(data)["pixel_values"] == (0, 16)
+    first = split_samples(data)[0]
+    assert batch_samples(first) == 1 and sample_rows(first)["pixel_values"] == (0,)
+    assert set(model_inputs(first)) == set(first) - {"pixel_values", "image_grid_thw"}
+    assert float(model(**model_inputs(first)).loss.detach()) > 0
+
+
+def test_what_is_not_built_is_refused_in_one_line(models, tmp_path):
+    """An example traced without images; LLaVA-NeXT with different numbers of images per sample; samples of different
+    padded tile counts in one batch (a user's torch Dataset)."""
+    from runtime.hf import data_example, hf_source
+    from runtime.program import trace_program
+
+    model, example = hf_source(models["qwen2_vl_text_first"]).factory(1)
+    first = split_samples(data_example(models["qwen2_vl_text_first"], 1, example))[0]
+    with pytest.raises(MmplanError, match="'pixel_values', 'image_grid_thw' has no rows.*give its first sample an image"):
+        trace_program(model, first)
+    directory = tiny_families.llava_next(tmp_path / "next")
+    config = json.loads((directory / "config.json").read_text())
+    config["mmplan_inputs"]["images_per_sample"] = [1, 2]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MmplanError, match="'llava_next' takes the same number of images .at least 1. in every sample"):
+        hf_source(f"hf:{directory}").factory(1)
+    tiles = [{"pixel_values": torch.zeros(3, 3, 16, 16)}, {"pixel_values": torch.zeros(5, 3, 16, 16)}]
+    with pytest.raises(MmplanError, match=r"shapes \(3, 3, 16, 16\) and \(5, 3, 16, 16\) cannot form one batch"):
+        collate(tiles, set())
+
+
+def test_zero_with_a_share_without_images_is_refused_in_one_line(models):
+    """Under ZeRO the vision blocks' FSDP2 collectives would run on one replica only: refused before launch for the
+    synthetic data (a share of 2 samples, one with an image, passes), and on the rank, before any, for other data."""
+    from pathlib import Path
+
+    from runtime.preflight import check_model, check_zero_shares
+
+    spec, path = models["qwen2_vl_text_first"], Path("plan.json")
+    zero = [{"name": "all", "dp": 2, "zero": 1, "stages": [(QVL + LLM, [0, 1])]}]
+    check_zero_shares(check_model(make_plan(spec, zero, micro_batches=2), path, spec), path, None)
+    plan = make_plan(spec, zero, micro_batches=4)
+    with pytest.raises(MmplanError, match="replica 0's share of micro-batch 0 of step 0 .samples 0..0. has no image"):
+        check_zero_shares(check_model(plan, path, spec), path, None)
+    with pytest.raises(MmplanError, match="share of a micro-batch has no image.*use zero 0"):
+        launch(train_rank, plan.world_size, Job(plan=plan, model=spec, steps=1, seed=0), timeout_s=120)
+
+
 def test_llava_next_tiles_per_sample_come_from_a_forward_of_that_sample(models):
     """The hf: batch gives each sample its image size (tokens after unpadding differ); the trace's one sample
     cannot tell the others' tiles, so each distinct sample is probed once (transformers' own tile count)."""
@@ -141,9 +217,9 @@ def test_the_runs_synthetic_data_has_images_of_every_size(models):
 
 @pytest.mark.parametrize("case", list(PLANS))
 def test_images_of_varied_sizes_and_counts_match_the_single_process_reference(case, models):
-    kind, groups = PLANS[case]
+    kind, groups, *options = PLANS[case]
     model = models[kind]
-    plan = make_plan(model, groups)
+    plan = make_plan(model, groups, **(options[0] if options else {}))
     job = Job(plan=plan, model=model, steps=STEPS, seed=0, probe_grads=True)
     ref = reference_run(job)
     results = launch(train_rank, plan.world_size, job, timeout_s=240)
