@@ -33,3 +33,17 @@ def test_the_save_time_comparison_prints_each_format():
     for label in ("dcp ", "gather ", "dcp async ", "dcp / gather:"):
         assert f"  {label}" in res.stdout, res.stdout
     assert "the step blocked" in res.stdout and "MB on disk" in res.stdout
+
+
+def test_growth_is_the_floor_rising_not_a_spike():
+    """A leak raises the least value of the last samples; a sample taken mid-write (a file swapped, an fd briefly
+    open) is a spike above the floor and is not growth."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    assert soak.floor_growth([17, 17, 18, 17, 17, 17, 18, 17]) == 0  # transient fds, then the last sample high
+    assert soak.floor_growth([1.14, 1.14, 1.14, 2.22, 2.21, 1.14, 1.14, 2.22]) == 0
+    assert soak.floor_growth([10, 11, 12, 13, 14, 15, 16, 17]) == 6  # one more each sample: a leak
+    assert soak.floor_growth([5, 6]) == 1
