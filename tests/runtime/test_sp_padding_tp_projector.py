@@ -16,10 +16,11 @@ from runtime.launch import RankContext, launch
 from runtime.models.layers import TransformerLayer, recompute_attention_core
 from runtime.models.projector import Projector
 from runtime.reference import reference_run
-from runtime.sequence_parallel import SequenceRun, sequence_parallel_params, set_sequence_ends, sync_sequence_parallel_grads
+from runtime.sequence_parallel import SequenceRun, set_sequence_ends
 from runtime.tensor_parallel import apply_tp, full_parameter_names
 from runtime.train import Job, RankTrainer
 from tests.runtime.plan_builder import make_plan, profile
+from tests.runtime.test_vocab_sequence_parallel import assert_matches_unsharded, sharded_result
 
 B, S, D = 2, 7, 16  # 7 positions: tp=2 pads them to 8
 
@@ -57,10 +58,7 @@ def padded_worker(ctx: RankContext, tier: str) -> dict:
         apply_tp(layer, group, ctx.rank, 2, sequence_parallel=True)
         set_sequence_ends(layer, group, scatter_in=i == 0, gather_out=i == 1, run=seq_run)
     got = run(sp)
-    sync_sequence_parallel_grads([p for layer in sp for p in sequence_parallel_params(layer)], group)
-    got["params"] = {n: p.grad for n, p in sp.named_parameters()}
-    shards = {f"{i}.{n}": info for i, layer in enumerate(sp) for n, info in full_parameter_names(layer).items()}
-    return {"ref": ref, "got": got, "shards": shards}
+    return sharded_result(sp, ref, got, group)
 
 
 @pytest.mark.parametrize("tier", ["keep", "selective", "recompute"])
@@ -68,16 +66,8 @@ def test_sequence_parallel_pads_an_odd_sequence_exactly(tier):
     """Padded positions change nothing: outputs, input gradients and every parameter gradient equal the unsharded
     layers' (the norms and row-parallel biases included, whose gradients sum over the padded slices)."""
     for res in launch(padded_worker, 2, tier, timeout_s=60):
-        ref, got = res["ref"], res["got"]
-        assert got["out"].shape == (B, S, D)
-        for key in ("out", "x.grad"):
-            assert rel_err(got[key], ref[key]) <= 1e-5, key
-        for name, grad in got["params"].items():
-            want = ref["params"][name][res["shards"][name].full_slice()]
-            if name.endswith("wk.bias"):  # zero in exact arithmetic: rounding noise only
-                assert (grad - want).abs().max() <= 1e-5 * ref["params"][name.replace("bias", "weight")].abs().max()
-            else:
-                assert rel_err(grad, want) <= 1e-5, name
+        assert res["got"]["out"].shape == (B, S, D)
+        assert_matches_unsharded(res)
 
 
 def projector_worker(ctx: RankContext, merge: int) -> dict:

@@ -109,25 +109,36 @@ def sp_worker(ctx: RankContext, payload: tuple[str, bool]) -> dict:
         apply_tp(layer, group, ctx.rank, 2, sequence_parallel=True)
         set_sequence_ends(layer, group, scatter_in=i == 0, gather_out=i == 1)
     got = run(sp)
+    return sharded_result(sp, ref, got, group)
+
+
+def sharded_result(sp: nn.Module, ref: dict, got: dict, group) -> dict:
+    """A worker's result: the reference and the sequence-parallel run, its layers' gradients synced over `group`,
+    and where each sharded parameter sits in the full one."""
     sync_sequence_parallel_grads([p for layer in sp for p in sequence_parallel_params(layer)], group)
     got["params"] = {n: p.grad for n, p in sp.named_parameters()}
     shards = {f"{i}.{n}": info for i, layer in enumerate(sp) for n, info in full_parameter_names(layer).items()}
     return {"ref": ref, "got": got, "shards": shards}
 
 
+def assert_matches_unsharded(res: dict) -> None:
+    """Outputs, input gradients and every parameter gradient (its shard of the full one) equal the unsharded run's."""
+    ref, got = res["ref"], res["got"]
+    for key in ("out", "x.grad"):
+        assert rel_err(got[key], ref[key]) <= 1e-5, key
+    for name, grad in got["params"].items():
+        want = ref["params"][name][res["shards"][name].full_slice()]
+        if name.endswith("wk.bias"):  # zero in exact arithmetic: rounding noise only
+            assert (grad - want).abs().max() <= 1e-5 * ref["params"][name.replace("bias", "weight")].abs().max()
+        else:
+            assert rel_err(grad, want) <= 1e-5, name
+
+
 @pytest.mark.parametrize("kind,selective", [("gpt", False), ("llama", False), ("llama", True)])
 def test_sequence_parallel_layers_match_unsharded(kind, selective):
     results = launch(sp_worker, 2, (kind, selective), timeout_s=60)
     for res in results:
-        ref, got = res["ref"], res["got"]
-        for key in ("out", "x.grad"):
-            assert rel_err(got[key], ref[key]) <= 1e-5, key
-        for name, grad in got["params"].items():
-            want = ref["params"][name][res["shards"][name].full_slice()]
-            if name.endswith("wk.bias"):  # zero in exact arithmetic: rounding noise only
-                assert (grad - want).abs().max() <= 1e-5 * ref["params"][name.replace("bias", "weight")].abs().max()
-            else:
-                assert rel_err(grad, want) <= 1e-5, name
+        assert_matches_unsharded(res)
     assert torch.equal(results[0]["got"]["out"], results[1]["got"]["out"])
 
 
