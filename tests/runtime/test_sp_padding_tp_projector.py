@@ -8,19 +8,19 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch import nn
 
 from plans.plan import Memory, check_plan
 from runtime.launch import RankContext, launch
-from runtime.models.layers import TransformerLayer, recompute_attention_core
+from runtime.models.layers import TransformerLayer
 from runtime.models.projector import Projector
 from runtime.reference import reference_run
 from runtime.sequence_parallel import SequenceRun, set_sequence_ends
 from runtime.tensor_parallel import apply_tp, full_parameter_names
-from runtime.train import Job, RankTrainer
+from runtime.train import Job
 from tests.runtime.plan_builder import make_plan, profile
-from tests.runtime.test_vocab_sequence_parallel import assert_matches_unsharded, sharded_result
+from tests.runtime.test_vocab_sequence_parallel import (assert_matches_reference, assert_matches_unsharded, forward_under,
+                                                      sharded_result, train_with_info)
 
 B, S, D = 2, 7, 16  # 7 positions: tp=2 pads them to 8
 
@@ -42,12 +42,7 @@ def padded_worker(ctx: RankContext, tier: str) -> dict:
 
     def run(layers: nn.Module) -> dict:
         h = xi = x.clone().requires_grad_()
-        for layer in layers:
-            if tier == "recompute":
-                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
-            else:
-                with recompute_attention_core() if tier == "selective" else torch.enable_grad():
-                    h = layer(h)
+        h = forward_under(layers, h, tier)
         h.backward(grad_out)
         return {"out": h.detach(), "x.grad": xi.grad}
 
@@ -100,16 +95,6 @@ def test_projector_is_column_then_row_parallel(merge):
 
 
 # ----------------------------------------------------------------------------------------------- whole runs
-def train_with_info(ctx: RankContext, job: Job) -> dict:
-    torch.manual_seed(job.seed)
-    trainer = RankTrainer(ctx, job)
-    try:
-        info = {k: (v.vocab_blocks, v.sequence_blocks) for k, v in trainer.stage_tp.items()}
-        return {**trainer.run(), "info": info}
-    finally:
-        trainer.close()
-
-
 def vision_tp_plan(*, sp: bool, tier: str | None = None):
     """tiny-vlm with its ViT (17 tokens: 16 patches and a class token) and projector at tp=2 on ranks 0-1, the LLM
     on rank 2."""
@@ -133,10 +118,4 @@ def test_tiny_vlm_vision_tp2_padded_sequence_parallel_and_tp_projector_match_ref
     assert results[0]["info"]["vision/0"] == ([], layers if sp else [])
     losses = [m["loss"] for m in results[2]["metrics"]] or [m["loss"] for m in results[0]["metrics"]]
     assert len(losses) == 20
-    for got, want in zip(losses, ref["losses"], strict=True):
-        assert abs(got - want) <= 1e-5 * abs(want)
-    grads = {k: v for r in results for k, v in r["grads"].items()}
-    assert set(grads) == set(ref["grads"])
-    scale = max(float(g.abs().max()) for g in ref["grads"].values())
-    for name, want in ref["grads"].items():
-        assert float((grads[name] - want).abs().max()) <= 1e-5 * max(float(want.abs().max()), 1e-3 * scale), name
+    assert_matches_reference(losses, results, ref)
