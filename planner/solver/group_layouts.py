@@ -5,7 +5,9 @@ micro-batch count within the shared global batch: Group.micro_batches), and the 
 Ranks: each group on ranks of its own, in the order written (non-colocated), unless it writes `colocated-with=GROUP`:
 then it time-shares that group's ranks (Group.colocated_with; the same GPU count, its own tp, pp and dp over them in
 Megatron order), and `fill-bubbles=true` runs its replicas' tasks in the idle slots of each rank class
-(Group.fill_bubbles). A profile group the layout does not name joins the named group before it in execution order
+(Group.fill_bubbles). `lookahead=K` lets a group's stages run K forwards ahead of 1F1B's in-flight limit (an
+encoder on its own ranks running ahead of the LLM it feeds, holding K more micro-batches of activations:
+Group.lookahead). A profile group the layout does not name joins the named group before it in execution order
 (a projector goes with its encoder), or the one after it when none comes before.
 
 Stages: each group's blocks are cut into its pp stages (pp * V chunks under interleaved:V) by `split=` as the
@@ -30,7 +32,7 @@ from plans.graph import Profile
 from plans.plan import Memory, Plan, SolverInfo, Training
 
 _GROUP_KEYS = ("tp", "pp", "dp", "micro-batch", "schedule", "recompute", "zero", "sequence-parallel", "split",
-               "colocated-with", "fill-bubbles")
+               "colocated-with", "fill-bubbles", "lookahead")
 EXAMPLE = "vision:dp=64,micro-batch=1;llm:tp=8,dp=8,micro-batch=1"
 _BOOLS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
 
@@ -52,6 +54,7 @@ class GroupSpec:
     virtual_stages: int = 1  # model chunks per stage; > 1 only with schedule interleaved
     colocated_with: str | None = None  # the group whose ranks it time-shares; None: ranks of its own
     fill_bubbles: bool = False  # colocated: its replicas' tasks in each rank class's idle slots
+    lookahead: int = 0  # micro-batches its stages run ahead of 1F1B's in-flight limit (Group.lookahead)
 
     @property
     def world_size(self) -> int:
@@ -76,7 +79,12 @@ def parse_group_layouts(text: str) -> tuple[tuple[GroupSpec, ...], str]:
     if twice:
         raise MmplanError(f"group {twice[0]!r} is laid out twice in --layout; give each group once")
     _check_colocation(specs)
-    return tuple(specs), plan_schedule(specs)[0]
+    schedule = plan_schedule(specs)[0]
+    ahead = next((s for s in specs if s.lookahead), None)
+    if ahead is not None and schedule == "gpipe":
+        raise MmplanError(f"group {ahead.name!r}: lookahead={ahead.lookahead} lets 1F1B stages run forwards ahead of their "
+                          "in-flight limit; gpipe runs every forward first anyway: drop lookahead or schedule=gpipe")
+    return tuple(specs), schedule
 
 
 def plan_schedule(specs: tuple[GroupSpec, ...] | list[GroupSpec]) -> tuple[Schedule, int]:
@@ -118,7 +126,7 @@ def _spec(name: str, values: dict[str, str]) -> GroupSpec:
     spec = GroupSpec(name, positive("tp", "1"), positive("pp", "1"), positive("dp", "1"), positive("micro-batch", "1"),
                      recompute, zero, boolean("sequence-parallel"),  # type: ignore[arg-type]
                      parse_split(values.get("split", "flops"), f"group {name!r}: "), schedule, chunks,
-                     values.get("colocated-with"), boolean("fill-bubbles"))
+                     values.get("colocated-with"), boolean("fill-bubbles"), positive("lookahead", "0", zero=True))
     if spec.schedule == "interleaved" and spec.pp < 2:
         raise MmplanError(f"group {name!r}: the interleaved schedule needs pp >= 2, got pp={spec.pp}; write pp=2 or more, "
                           "or drop schedule=interleaved")
@@ -233,7 +241,7 @@ def _group_layout(profile: Profile, s: GroupSpec, blocks: tuple[str, ...], by_bl
     cuts = split_cuts([by_block[b] for b in blocks], parts, s.split, own)
     layout = GroupLayout(s.name, blocks, cuts, s.dp, s.tp, megatron_ranks(s.dp, s.tp, s.pp, first), zero=s.zero,
                          colocated_with=s.colocated_with, sequence_parallel=s.sequence_parallel, chunks=chunks,
-                         fill_bubbles=s.fill_bubbles, micro_batches=micro_batches)
+                         fill_bubbles=s.fill_bubbles, micro_batches=micro_batches, lookahead=s.lookahead)
     memory = tuple(Memory(activations=recomputed_tiers(profile, stage, s.recompute)) for stage in layout.stage_blocks())
     return replace(layout, memory=memory)
 

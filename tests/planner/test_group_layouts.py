@@ -35,7 +35,7 @@ def test_each_group_gets_its_layout_ranks_and_micro_batch_count():
     ("vision:dp=2;vision:dp=1;llm:dp=1", ["'vision'", "twice"]),
     ("audio:dp=2;llm:dp=2", ["'audio'", "does not have", "vision"]),
     ("vision:dp=2,split=even;llm:dp=2", ["split must be one of layers, flops, encoders-first"]),
-    ("vision:dp=2,lookahead=1;llm:dp=2", ["unknown layout key 'lookahead'", "colocated-with"]),
+    ("vision:dp=2,look-ahead=1;llm:dp=2", ["unknown layout key 'look-ahead'", "lookahead"]),
     ("vision:dp=1;llm:dp=1", ["2 GPUs", "4"]),
     ("vision:dp=3;llm:dp=1", ["not divisible by dp*micro-batch"]),
     ("vision:dp=2,schedule=gpipe;llm:dp=2,schedule=1f1b", ["one schedule"]),
@@ -109,6 +109,19 @@ def test_fill_bubbles_is_written_on_a_colocated_group():
     assert plan.group("vision").fill_bubbles and not plan.group("llm").fill_bubbles
 
 
+def test_lookahead_is_written_per_group_and_lets_the_encoder_run_ahead():
+    """`lookahead=2` on an encoder with ranks of its own: the plan's group carries it and the one schedule lets its
+    stage run 2 more forwards before its first backward than 1F1B's d + 1 (plans/schedule.py: d + 1 + k)."""
+    from plans.schedule import schedule
+
+    text = "vision:dp=1,micro-batch=1{};llm:pp=2,micro-batch=1"
+    ahead, plain = (group_layout_plan(profile("tiny-vlm"), local_cluster(3), 8, text.format(k)) for k in (",lookahead=2", ""))
+    assert [(g.name, g.lookahead) for g in ahead.groups] == [("vision", 2), ("llm", 0)]
+    assert [g.lookahead for g in plain.groups] == [0, 0]
+    warmup = [schedule(stage_graph(p), p.training.schedule).warmup[0] for p in (ahead, plain)]
+    assert warmup == [5, 3], warmup
+
+
 @pytest.mark.parametrize("split", ["layers", "flops", "encoders-first"])
 def test_a_group_holding_the_whole_model_is_split_as_the_one_layout_spec_splits_it(split):
     """One code path: a per-group split= cuts a group's blocks as the one-layout --layout cuts the model (split_blocks)."""
@@ -144,6 +157,8 @@ def test_an_interleaved_group_holds_its_chunks_round_robin_beside_a_1f1b_encoder
     (2, "vision:dp=2,zero=1,colocated-with=llm,fill-bubbles=true;llm:dp=2", ["fill-bubbles needs zero=0"]),
     (2, "vision:tp=2,colocated-with=llm,fill-bubbles=true;llm:pp=2", ["fill-bubbles runs each replica", "tp ranks 0, 1", "fill-bubbles=true"]),
     (4, "vision:dp=2,schedule=interleaved:2;llm:pp=2", ["interleaved schedule needs pp >= 2"]),
+    (3, "vision:dp=1,lookahead=2;llm:pp=2,schedule=gpipe", ["'vision'", "lookahead=2", "gpipe"]),
+    (3, "vision:dp=1,lookahead=-1;llm:pp=2", ["lookahead must be a non-negative integer"]),
     (4, "vision:dp=2,schedule=gpipe;llm:pp=2,schedule=interleaved:2", ["one schedule"]),
     (4, "vision:pp=2,schedule=interleaved:3;llm:pp=2,schedule=interleaved:2", ["interleaved:2 and interleaved:3"]),
     (3, "vision:dp=1;llm:pp=2,schedule=interleaved:3", ["'llm' has 5 block(s)", "2 x 3 = 6"]),
