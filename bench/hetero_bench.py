@@ -6,7 +6,9 @@ One row per case: the solved step, the best homogeneous plan (one layout for eve
 DP, every dimension searched) and the best Megatron-style plan (encoders and projector on the first pipeline stage,
 LLM layers even, Megatron's grid with every divisor micro-batch), the speed-ups over both, the targets beside them
 (never below 1.00x; the ViT-22B cases >= 1.10x over homogeneous and >= 1.20x over megatron) and the mechanism
-planner/solver/explain.py names. All from one solve() call per case, under --time-limit. Profiles are built on the
+planner/solver/explain.py names. All from one solve() call per case, under --time-limit. --ceiling solves each case
+once more with its encoders costing nothing (free_encoders): the homogeneous step over that step is the most any
+placement of the encoders can gain over the homogeneous plan. Profiles are built on the
 meta device (real sizes, nothing allocated) and cached in --cache. The numbers are the cost model's predictions:
 nothing here is tuned to meet the targets.
 """
@@ -16,7 +18,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,6 +97,21 @@ def layout_of(plan) -> str:
                      + (" coloc" if g.colocated_with else "") for g in plan.groups)
 
 
+def free_encoders(profile: Profile) -> Profile:
+    """The profile with every block outside the last block's group (the encoders and projectors) costing nothing: no
+    FLOPs, time, parameters or saved activations (their outputs still flow to the LLM). No plan of the real model
+    is faster than the best plan of this one (the cost model never prices less work slower), so the homogeneous
+    step over this step bounds what any placement of the encoders -- bubble filling, running ahead, their own
+    layout -- can gain over the homogeneous plan."""
+    sink = profile.blocks[-1].group
+    free = dict(params=0, param_bytes=0, fwd_flops=0.0, bwd_flops=0.0, activation_bytes=0.0, fwd_ms=None, bwd_ms=None,
+                fwd_ms_per_sample=None, bwd_ms_per_sample=None, fwd_matmul_flops=0.0, bwd_matmul_flops=0.0,
+                fwd_attention_flops=0.0, bwd_attention_flops=0.0, fwd_memory_bytes=0.0, bwd_memory_bytes=0.0,
+                fwd_gemms=(), bwd_gemms=(), matmuls=0, activation_replicated_bytes=0.0, attention_core_bytes=0.0,
+                attention_core_gemms=(), param_tensors=0)
+    return replace(profile, blocks=tuple(b if b.group == sink else replace(b, **free) for b in profile.blocks), ties=())
+
+
 def run_case(case: Case, profile: Profile, time_limit: float, schedule: str) -> dict:
     """One solve under the time limit; when the limit left no time for the Megatron-style baseline inside it, that
     baseline is searched here on its own (another time limit's worth), so that the row still has it (marked *)."""
@@ -116,7 +133,16 @@ def run_case(case: Case, profile: Profile, time_limit: float, schedule: str) -> 
              (("homogeneous", bases.get("homogeneous")), ("megatron", bases.get("megatron")))}
     speedups = {k: (v / sol.step_time_s if v is not None else None) for k, v in steps.items()}
     named = {k: "; ".join(mechanisms(sol.plan, b)) or "the same layout" for k, b in bases.items()}
-    return dict(case=case, sol=sol, wall=wall, steps=steps, speedups=speedups, late=late, why=named)
+    return dict(case=case, sol=sol, wall=wall, steps=steps, speedups=speedups, late=late, why=named,
+                share=encoder_share(profile))
+
+
+def encoder_share(profile: Profile) -> float:
+    """The FLOPs (forward + backward) of every block outside the last block's group (the encoders and projectors in
+    front of an LLM) over the model's."""
+    sink = profile.blocks[-1].group
+    work = [(b.fwd_flops + b.bwd_flops, b.group != sink) for b in profile.blocks]
+    return sum(f for f, enc in work if enc) / sum(f for f, _ in work)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,23 +151,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="solve --time-limit per case (seconds)")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "mmplan-hetero-bench")
     parser.add_argument("--schedule", default="interleaved", help="solve --schedule (default interleaved: 1F1B and interleaved)")
+    parser.add_argument("--ceiling", action="store_true", help="also solve each case with its encoders free "
+                        "(free_encoders, one more solve per case): the most any encoder placement can gain")
     args = parser.parse_args(argv)
     wanted = [c for c in args.cases.split(",") if c]
     cases = [c for i, c in enumerate(CASES) if not wanted or str(i) in wanted or c.model in wanted]
     print(f"{'case':<34} {'GPUs':>13} {'batch':>5} {'solved s':>9} {'homog s':>9} {'megatron s':>10} "
-          f"{'vs homogeneous':<20} {'vs megatron':<20} {'solve s':>7}  plan; why")
+          f"{'vs homogeneous':<20} {'vs megatron':<20} {'enc FLOPs':>9} {'solve s':>7}  plan; why")
     for case in cases:
-        row = run_case(case, profile_of(case.model, args.cache), args.time_limit, args.schedule)
+        profile = profile_of(case.model, args.cache)
+        row = run_case(case, profile, args.time_limit, args.schedule)
         sol, steps, speedups = row["sol"], row["steps"], row["speedups"]
+        ceiling = ""
+        if args.ceiling and steps["homogeneous"] is not None:
+            free = solve(free_encoders(profile), parse_cluster(case.cluster), case.global_batch, time_limit=args.time_limit,
+                         schedule=args.schedule, baseline=False)
+            ceiling = (f"; encoders free: {free.step_time_s:.3f} s, so at most {steps['homogeneous'] / free.step_time_s:.2f}x "
+                       f"over homogeneous" + (" [stopped at the time limit]" if free.stopped_early else ""))
         th, tm = (1.10, 1.20) if case.vit22b else (1.00, 1.00)
         fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
         why = "; ".join(f"vs {k}: {v}" for k, v in row["why"].items())
         print(f"{case.name:<34} {case.cluster:>13} {case.global_batch:>5} {sol.step_time_s:>9.3f} "
               f"{fmt(steps['homogeneous']):>9} {fmt(steps['megatron']) + row['late']:>10} "
               f"{target_text(speedups['homogeneous'], th):<20} {target_text(speedups['megatron'], tm):<20} "
-              f"{row['wall']:>7.1f}  {sol.structure}: {layout_of(sol.plan)}; {why}"
-              + (" [stopped at the time limit]" if sol.stopped_early else ""), flush=True)
+              f"{row['share']:>9.1%} {row['wall']:>7.1f}  {sol.structure}: {layout_of(sol.plan)}; {why}"
+              + (" [stopped at the time limit]" if sol.stopped_early else "") + ceiling, flush=True)
     print("* the Megatron-style baseline searched after the solve, which the time limit ended before it")
+    print("enc FLOPs: the encoders' and projectors' share of the model's FLOPs (encoder_share); their share of the step "
+          "can be larger (short sequences, small GEMMs). --ceiling bounds what any placement of them can gain: the best "
+          "step with the encoders free (free_encoders)")
 
 
 if __name__ == "__main__":
