@@ -1,7 +1,7 @@
 """ViT-22B + GPT-175B at 1,536 / 2,048 / 3,072 A100-80G, batch 1,536 (issue 33's micro-batch cliff): the solved step
 per cluster, the linear ideal from the smallest cluster, the 10 % target beside it, and where each step goes.
 
-Run: python bench/fsdp_scaling_bench.py [--time-limit 60] [--cache DIR]
+Run: python bench/fsdp_scaling_bench.py [--time-limit 600] [--cache DIR]
 
 Per cluster one solve() call (bench/hetero_bench.py's case and profile) under --time-limit, then the step's parts
 averaged over the GPUs (compute, exposed communication, bubble: planner/solver/explain.per_gpu) and, beside the
@@ -55,7 +55,9 @@ def zero_rows(profile, cluster, gpus: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=60.0, help="solve --time-limit per cluster (seconds)")
+    parser.add_argument("--time-limit", type=float, default=600.0,
+                        help="solve --time-limit per cluster (seconds; the default lets each search finish: 120-280 s "
+                             "on a 2-core machine)")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "mmplan-hetero-bench")
     args = parser.parse_args(argv)
     profile = profile_of(MODEL, args.cache)
