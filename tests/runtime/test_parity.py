@@ -95,9 +95,19 @@ def assert_executed_order_is_predicted(plan, model: str, measured: dict[int, lis
 
 
 def reference(model: str, job: Job):
+    """The single-process reference of the job, cached per (model, training); run at one intra-op thread as every rank
+    runs (runtime/launch.RANK_THREADS): at torch's default two, on the shared 2-core box at load ~5, its 20 steps took
+    25-53 s instead of 1 s (OpenMP threads spinning against the other jobs)."""
     key = (model, job.plan.training)
     if key not in _REFERENCE:
-        _REFERENCE[key] = reference_run(job)
+        from runtime.launch import RANK_THREADS
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(RANK_THREADS)
+        try:
+            _REFERENCE[key] = reference_run(job)
+        finally:
+            torch.set_num_threads(previous)
     return _REFERENCE[key]
 
 

@@ -1,7 +1,8 @@
 """Per-group step shapes train like the single-process reference, in the predicted order: an encoder on its own ranks
 with fewer micro-batches than the LLM (its forward over several LLM micro-batches at once, its backward after all of
-their gradients), with more (the LLM waits for several), with ZeRO on one group and TP on the other, and the local
-analogue of NVIDIA's layout (the encoder data-parallel, the LLM tensor-parallel at one sample per micro-batch)."""
+their gradients), with more (the LLM waits for several), with ZeRO on one group and TP on the other, the same on
+colocated groups (time-sharing, or filling the LLM's bubbles), and the local analogue of NVIDIA's layout (the encoder
+data-parallel, the LLM tensor-parallel at one sample per micro-batch)."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,22 @@ PLANS = {
         {"name": "vision", "tp": 2, "micro_batches": 4, "stages": [(ENC, [0, 1])]},
         {"name": "llm", "dp": 2, "zero": 1, "stages": [(["llm"], [2, 3])]},
     ], {"micro_batches": 2}),
+    # colocated: vision dp 2 at ZeRO-3 with 2 micro-batches time-sharing ranks 0, 1 with the LLM at tp 2 with 4
+    "colocated-encoder-zero3-coarser-llm-tp2": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "zero": 3, "micro_batches": 2, "stages": [(ENC, [0, 1])]},
+        {"name": "llm", "tp": 2, "colocated_with": "vision", "stages": [(["llm"], [0, 1])]},
+    ], {"micro_batches": 4}),
+    # colocated: vision at tp 2 with 4 micro-batches, the LLM on dp 2 at ZeRO-1 with 2
+    "colocated-encoder-tp2-finer-llm-zero1": ("tiny-vlm", [
+        {"name": "vision", "tp": 2, "micro_batches": 4, "stages": [(ENC, [0, 1])]},
+        {"name": "llm", "dp": 2, "zero": 1, "colocated_with": "vision", "stages": [(["llm"], [0, 1])]},
+    ], {"micro_batches": 2}),
+    # colocated, filling bubbles: vision dp 2 x tp 2 with 2 micro-batches in the idle slots of a 2-stage tp 2 LLM with 4
+    "colocated-fill-encoder-coarser-llm-tp2": ("tiny-vlm", [
+        {"name": "vision", "dp": 2, "tp": 2, "micro_batches": 2, "fill_bubbles": True, "stages": [(ENC, [0, 1, 2, 3])]},
+        {"name": "llm", "tp": 2, "colocated_with": "vision",
+         "stages": [(["llm.embed", "llm.layers.0"], [0, 1]), (["llm"], [2, 3])]},
+    ], {"micro_batches": 4}),
 }
 
 
