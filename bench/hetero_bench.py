@@ -103,13 +103,18 @@ def free_encoders(profile: Profile) -> Profile:
     is faster than the best plan of this one (the cost model never prices less work slower), so the homogeneous
     step over this step bounds what any placement of the encoders -- bubble filling, running ahead, their own
     layout -- can gain over the homogeneous plan."""
-    sink = profile.blocks[-1].group
     free = dict(params=0, param_bytes=0, fwd_flops=0.0, bwd_flops=0.0, activation_bytes=0.0, fwd_ms=None, bwd_ms=None,
                 fwd_ms_per_sample=None, bwd_ms_per_sample=None, fwd_matmul_flops=0.0, bwd_matmul_flops=0.0,
                 fwd_attention_flops=0.0, bwd_attention_flops=0.0, fwd_memory_bytes=0.0, bwd_memory_bytes=0.0,
                 fwd_gemms=(), bwd_gemms=(), matmuls=0, activation_replicated_bytes=0.0, attention_core_bytes=0.0,
                 attention_core_gemms=(), param_tensors=0)
-    return replace(profile, blocks=tuple(b if b.group == sink else replace(b, **free) for b in profile.blocks), ties=())
+    return replace(profile, blocks=tuple(replace(b, **free) if enc else b for b, enc in encoder_blocks(profile)), ties=())
+
+
+def encoder_blocks(profile: Profile) -> list[tuple]:
+    """(block, whether it is outside the last block's group: an encoder or projector in front of the LLM)."""
+    sink = profile.blocks[-1].group
+    return [(b, b.group != sink) for b in profile.blocks]
 
 
 def run_case(case: Case, profile: Profile, time_limit: float, schedule: str) -> dict:
@@ -140,8 +145,7 @@ def run_case(case: Case, profile: Profile, time_limit: float, schedule: str) -> 
 def encoder_share(profile: Profile) -> float:
     """The FLOPs (forward + backward) of every block outside the last block's group (the encoders and projectors in
     front of an LLM) over the model's."""
-    sink = profile.blocks[-1].group
-    work = [(b.fwd_flops + b.bwd_flops, b.group != sink) for b in profile.blocks]
+    work = [(b.fwd_flops + b.bwd_flops, enc) for b, enc in encoder_blocks(profile)]
     return sum(f for f, enc in work if enc) / sum(f for f, _ in work)
 
 
