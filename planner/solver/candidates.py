@@ -227,6 +227,35 @@ def ahead_layouts(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus:
     return out
 
 
+def colocated_layouts(unit: Unit, setting: Setting, micro_batches: int, *, max_gpus: int, depths: Sequence[int],
+                      sizes: Iterable[int], limit: float = math.inf, times: BlockTimes | None = None,
+                      deadline: float = math.inf) -> list[Layout]:
+    """A colocated source's unpipelined layouts on as many ranks as a sink layout (`sizes`), sized for every sink
+    depth of `depths`: for each (tp, dp, ZeRO, sequence parallelism, depth), the fastest policy that fits the GPU
+    alone, and every slower policy of setting.policies that holds less GPU memory than each faster one kept.
+    The source shares its ranks with the sink, so the fastest policy alone (unit_layouts' per-stage choice) may
+    leave the sink no room where a leaner one (recomputing its activations) would (the old candidates are a subset)."""
+    times = times or BlockTimes(setting)
+    sizes = set(sizes)
+    fronts: dict[tuple, list[Layout]] = {}
+    for pol in setting.policies:
+        one = replace(setting, policies=(pol,))
+        for lay in unit_layouts(unit, one, micro_batches, max_gpus=max_gpus, downstream=depths, merge_depths=False,
+                                max_pp=1, limit=limit, times=times, deadline=deadline):
+            if lay.gpus in sizes:
+                key = (lay.tp, lay.dp, lay.zero, lay.reshard_after_forward, lay.sequence_parallel, lay.downstream)
+                fronts.setdefault(key, []).append(lay)
+    out: list[Layout] = []
+    for lays in fronts.values():
+        lays.sort(key=lambda lay: (lay.bound.own, max(lay.gpu_bytes)))
+        least = math.inf
+        for lay in lays:
+            if max(lay.gpu_bytes) < least:
+                out.append(lay)
+                least = max(lay.gpu_bytes)
+    return out
+
+
 def _layouts_of(seg: Segments, depth: int, downstream: Sequence[int], merge: bool, limit: float = math.inf,
                 work: float = 0.0) -> list[Layout]:
     """Layouts of every pp <= depth at one (tp, dp, ZeRO, m); pp whose bound m * work / pp reaches `limit` are

@@ -10,7 +10,7 @@ from typing import Literal
 
 from planner.solver.allocate import Allocator, Choice, Solver, assign_ranks
 from planner.solver.bounds import Layout
-from planner.solver.candidates import _layouts_of, ahead_layouts, sp_values, unit_layouts, unit_runs, zero_stages
+from planner.solver.candidates import _layouts_of, ahead_layouts, colocated_layouts, sp_values, unit_layouts, unit_runs, zero_stages
 from planner.solver.construct import GroupLayout, build_plan
 from planner.solver.segments import BlockTimes, Segments
 from planner.solver.space import Setting, Unit
@@ -197,9 +197,8 @@ def _candidates(search: Search, structure: Structure, units: tuple[Unit, ...], s
                 per_unit.append(ahead_layouts(unit, setting, m, max_gpus=n - min(lay.gpus for lay in sink_layouts),
                                               depths=depths, limit=limit, times=times, deadline=search.deadline))
             else:
-                sizes = {lay.gpus for lay in sink_layouts}
-                per_unit.append([lay for lay in unit_layouts(unit, setting, m, max_gpus=n, downstream=depths, merge_depths=False,
-                                                             max_pp=1, limit=limit, times=times, deadline=search.deadline) if lay.gpus in sizes])
+                per_unit.append(colocated_layouts(unit, setting, m, max_gpus=n, depths=depths, sizes={lay.gpus for lay in sink_layouts},
+                                                  limit=limit, times=times, deadline=search.deadline))
         for u, lays in enumerate(per_unit):
             out[u] += [lay for lay in lays if lay.bound.own < limit]
         if search.best is None and all(out):

@@ -117,3 +117,31 @@ def test_vectorised_stage_figures_equal_the_cost_model(seed):
         assert g0[a, b] + flight * g1[a, b] == pytest.approx(mem.gpu, rel=REL)
         assert c0[a, b] + flight * c1[a, b] == pytest.approx(mem.cpu, rel=REL, abs=1e-6)
         assert n0[a, b] + flight * n1[a, b] == pytest.approx(mem.nvme, rel=REL, abs=1e-6)
+
+
+def test_a_colocated_source_also_gets_every_leaner_policy_and_keeps_its_fastest():
+    # a source sharing the sink's ranks: per (tp, dp, ZeRO, ...) its fastest fitting policy (what unit_layouts picks)
+    # and the slower policies holding less GPU memory than each faster one kept (candidates.colocated_layouts)
+    from planner.solver.candidates import colocated_layouts, unit_layouts
+
+    extra = 0
+    for seed in range(12):
+        profile, cluster, *_, global_batch, schedule, _, _ = random_plan(seed)
+        unit = profile_units(profile, "chain")[0]
+        setting = Setting(cluster, global_batch, schedule, policies=GPU_ONLY)
+        sizes = {g for g in range(1, cluster.world_size + 1) if allowed_gpus(g, cluster)}
+        old = [lay for lay in unit_layouts(unit, setting, 1, max_gpus=cluster.world_size, downstream=[1, 2],
+                                           merge_depths=False, max_pp=1) if lay.gpus in sizes]
+        new = colocated_layouts(unit, setting, 1, max_gpus=cluster.world_size, depths=[1, 2], sizes=sizes)
+        key = lambda lay: (lay.tp, lay.dp, lay.zero, lay.reshard_after_forward, lay.sequence_parallel, lay.downstream)
+        fronts: dict[tuple, list] = {}
+        for lay in new:
+            fronts.setdefault(key(lay), []).append(lay)
+        for lay in old:  # the fastest policy of each run is still there, with the same figures
+            assert any(n.policies == lay.policies and n.bound.own == pytest.approx(lay.bound.own, rel=REL)
+                       for n in fronts[key(lay)])
+        for lays in fronts.values():  # slower only where leaner
+            lays.sort(key=lambda lay: lay.bound.own)
+            assert all(max(b.gpu_bytes) < max(a.gpu_bytes) for a, b in zip(lays, lays[1:]))
+        extra += len(new) - len(old)
+    assert extra > 0  # some runs gained a leaner variant
