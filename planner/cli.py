@@ -246,7 +246,7 @@ def solve(
         raise MmplanError("--layout fixes the schedule itself: write schedule=... in the layout" if layout is not None else
                           f"--baseline {baseline} has a schedule of its own ({'gpipe' if baseline == 'gpipe-even' else '1f1b'}, "
                           f"{'pp > 1' if baseline == 'gpipe-even' else 'pp = 1'}): drop --schedule")
-    megatron_schedules = {"gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved": ("1f1b", "interleaved:2")}[schedule] \
+    megatron_schedules = {"gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved": tuple(s for s in MEGATRON_SCHEDULES if s != "gpipe")}[schedule] \
         if "--schedule" in given else MEGATRON_SCHEDULES
     with console.progress("solving", enabled=not quiet and not as_json) as note:
         solution, prof = run_solve(profile_path=profile_path, cluster=cluster, global_batch=global_batch, output=output,

@@ -145,7 +145,7 @@ def best_homogeneous(profile: Profile, cluster: Cluster, global_batch: int, *, s
     return search(profile, cluster, global_batch, specs, method="baseline:homogeneous")
 
 
-MEGATRON_SCHEDULES = ("1f1b", "gpipe", "interleaved:2")
+MEGATRON_SCHEDULES = ("1f1b", "gpipe", "interleaved:2", "interleaved:4")
 ALL_ZEROS = (0, 1, 2, 3)
 MEGATRON_ZEROS = (0, 1)  # Megatron-LM's data parallelism: plain, or its distributed optimizer (ZeRO-1)
 MEGATRON_RECOMPUTES: tuple[Recompute, ...] = ("none", "selective", "full")

@@ -60,7 +60,11 @@ from plans.units import format_capacity
 Placement = Literal["auto", "colocated", "non-colocated"]
 PLACEMENTS: tuple[str, ...] = ("auto", "colocated", "non-colocated")
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # interleaved: 1f1b layouts and interleaved chain ones
-VIRTUAL_STAGES = (2,)  # model chunks per rank of the interleaved chain layouts (--schedule interleaved; as the Megatron grid)
+# model chunks per rank of the interleaved chain layouts (--schedule interleaved; as the Megatron grid,
+# baselines.MEGATRON_SCHEDULES): with 4 the ViT-22B + GPT-175B plans of bench/hetero_bench.py gain 3-4 % (1,536 A100:
+# 13.675 -> 13.118 s, pp 6 at tp 4 instead of pp 3 at tp 8; 3,072: 7.781 -> 7.563 s), Narayanan et al. 2021's bubble
+# (p - 1) / (v m) halved again
+VIRTUAL_STAGES = (2, 4)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,11 @@ PLANS = {
     "pp2-interleaved-v2": ("tiny-vlm", [
         {"name": "all", "stages": [(["vision", "vision_proj", "llm.embed", "llm.layers.1"], [0]), (["llm"], [1])]},
     ], {"schedule": "interleaved", "virtual_stages": 2, "micro_batches": 4}),
+    # interleaved 1F1B, v = 4 (solve's VIRTUAL_STAGES): stage 0 runs chunks 0, 2, 4, 6 of the model, stage 1 chunks 1, 3, 5, 7
+    "pp2-interleaved-v4": ("tiny-vlm", [
+        {"name": "all", "stages": [(["vision.patch_embed", "vision.layers.0", "vision.norm", "llm.embed", "llm.layers.1"], [0]),
+                                   (["vision", "vision_proj", "llm"], [1])]},
+    ], {"schedule": "interleaved", "virtual_stages": 4, "micro_batches": 4}),
     # interleaved with memory tiers: stage 0's two chunks share one parameter store on the CPU (offloaded activations)
     "pp2-interleaved-v2-tiers": ("tiny-vlm", [
         {"name": "all", "stages": [
