@@ -163,7 +163,7 @@ def profile(
         from planner.profiler.show import render_profile
 
         render_profile(prof, console.out)
-        console.out.print(f"wrote [bold]{console.safe(output)}[/]", markup=True)
+        console.out.print(f"wrote [bold]{console.safe(output)}[/]", soft_wrap=True, markup=True)
 
 
 @app.command()

@@ -135,7 +135,7 @@ def measured_cluster(spec: Cluster, note: Callable[[str, float], None] = lambda 
 
     if spec.world_size < 2:  # gloo collectives need two ranks to be measured
         return spec
-    measured = calibrate(ranks=spec.world_size, quick=True, progress=lambda step, f: note(f"calibrating: {step}", 0.02 + 0.08 * f))
+    measured = calibrate(ranks=spec.world_size, quick=True, progress=lambda step, f: note(f"calibrating: {step}", 0.1 + 0.08 * f))
     device = replace(measured.device, memory_bytes=spec.device.memory_bytes)
     cluster = replace(measured, name=f"{spec.name} (measured)", device=device, host_memory_bytes=spec.host_memory_bytes,
                       nvme_bytes=spec.nvme_bytes)
@@ -153,11 +153,13 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
     from plans.plan import save_plan
     from plans.serial import write_atomic
 
-    cluster = measured_cluster(spec, note) if calibrate else spec
-    write_atomic(out / "cluster.toml", cluster_to_toml(cluster))
-    note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.1)
+    # the profile first: it builds the model, so a model that cannot be built is refused before the calibration's
+    # seconds (and its progress lines)
+    note(f"profiling {source.name} (measuring each distinct block on the CPU)", 0.02)
     profile = profile_model(source, micro_batch=profile_micro_batch, device="cpu", measure=True, reps=3)
     save_profile(profile, out / "profile.json")
+    cluster = measured_cluster(spec, note) if calibrate else spec
+    write_atomic(out / "cluster.toml", cluster_to_toml(cluster))
     note("solving", 0.2)
     solution = solve(profile, cluster, global_batch)
     # every one-layout plan the solver compared with (its homogeneous and megatron baselines, each the best of its
