@@ -45,8 +45,10 @@ def feasible(units, combo, structure, cluster) -> bool:
     return len({lay.gpus for lay in combo}) == 1 and sum(max(lay.gpu_bytes) for lay in combo) <= cluster.device.memory_bytes
 
 
+# enumerate_limit 0: every sub-problem solved as an ILP; None: the default, small ones enumerated (allocate.ENUMERATE_LIMIT)
+@pytest.mark.parametrize("enumerate_limit", [0, None], ids=["ilp", "enumerated"])
 @pytest.mark.parametrize("seed,structure", [(0, "non-colocated"), (9, "non-colocated"), (10, "non-colocated"), (17, "non-colocated"), (0, "colocated"), (6, "colocated")])
-def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, structure, monkeypatch):
+def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, structure, enumerate_limit, monkeypatch):
     units, per_unit, cluster = candidates(seed, structure)
     if any(not c for c in per_unit):
         pytest.skip("a unit without candidates")
@@ -58,7 +60,7 @@ def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, st
     every = [combined_bound(units, combo, structure, cluster) for combo in combos]
     monkeypatch.undo()
     assert all(e <= b * (1 + 1e-12) for e, b in zip(every, tighter))
-    alloc = Allocator(units, per_unit, structure, cluster)
+    alloc = Allocator(units, per_unit, structure, cluster, enumerate_limit=enumerate_limit)
     floors, seen = [], set()
     for _ in range(12):
         choice = alloc.next()
@@ -78,8 +80,30 @@ def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, st
 
 def test_highs_and_cbc_agree():
     units, per_unit, cluster = candidates(9, "non-colocated")
-    first = [Allocator(units, per_unit, "non-colocated", cluster, solver).next() for solver in ("highs", "cbc")]
+    first = [Allocator(units, per_unit, "non-colocated", cluster, solver, enumerate_limit=0).next() for solver in ("highs", "cbc")]
     assert first[0].floor == pytest.approx(first[1].floor, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed,structure", [(0, "non-colocated"), (9, "non-colocated"), (6, "colocated"), (10, "colocated")])
+def test_enumerated_sub_problems_propose_what_the_ilp_proposes(seed, structure):
+    """Under allocate.ENUMERATE_LIMIT combinations the objective is evaluated for all of them instead of solving the
+    sub-ILP: the same floors as the ILP proposes, in order. HiGHS's are exact to its tolerances only: its MIP
+    feasibility tolerance (1e-6) lets T sit up to 1e-6 s below a term (here once, so that floor came after a larger
+    one); the enumeration's are exact and come sorted."""
+    units, per_unit, cluster = candidates(seed, structure)
+    if any(not c for c in per_unit):
+        pytest.skip("a unit without candidates")
+    runs = []
+    for limit in (0, None):
+        alloc, floors = Allocator(units, per_unit, structure, cluster, enumerate_limit=limit), []
+        while len(floors) < 60 and (choice := alloc.next()) is not None:
+            floors.append(choice.floor)
+            alloc.exclude(choice)
+        runs.append(floors)
+    ilp, enumerated = runs
+    assert len(ilp) == len(enumerated) > 1
+    assert enumerated == sorted(enumerated)
+    assert enumerated == pytest.approx(sorted(ilp), rel=1e-9, abs=1.01e-6)
 
 
 def test_missing_solvers_are_reported(monkeypatch):
