@@ -4,6 +4,8 @@ default suite stays near ten minutes on 2 cores. They are also marked `ci_slow`:
 run (`python -m pytest -m ci_slow`, .ci/run); `python -m pytest -m slow` runs every slow test."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 # node id (without the "tests/" prefix) -> the default-run test that covers the same behaviour more cheaply.
@@ -45,3 +47,13 @@ def pytest_collection_modifyitems(config, items):
         if nodeid in CI_SLOW:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.ci_slow)
+
+
+# pytest-xdist's `-n auto` (pyproject.toml's addopts): one worker per core, at most MAX_WORKERS -- the multi-rank
+# tests start 2-4 processes of their own, and each worker holds its own torch and session fixtures
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
