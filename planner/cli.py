@@ -258,7 +258,8 @@ def solve(
     if as_json:
         print(json.dumps(solution_json(solution, output, prof), allow_nan=False))
     elif not quiet:
-        console.out.print(render_solution(solution, prof, output))
+        console.out.print(render_solution(solution, prof))
+        console.out.print(f"wrote [bold]{console.safe(output)}[/]", soft_wrap=True, markup=True)
     _refuse_unfit(solution.plan, output, allow_unfit)
 
 

@@ -109,7 +109,7 @@ def why_solved(solution: Solution, profile: Profile) -> dict[str, str]:
             for name, b in solution.baselines.items()}
 
 
-def render_solution(solution: Solution, profile: Profile, output: str | os.PathLike):
+def render_solution(solution: Solution, profile: Profile):
     """Rich renderables of the summary: one row per group (layout, cut points, GPUs and their modalities, tiers),
     then the predicted step, memory and the speed-up over the best homogeneous plan of the same run."""
     plan, p = solution.plan, solution.plan.predicted
@@ -158,7 +158,6 @@ def render_solution(solution: Solution, profile: Profile, output: str | os.PathL
                      f"plans simulated, {how}")
     if solution.stopped_early:
         lines.append("[yellow]the time limit stopped the search: this is the best plan found so far[/]")
-    lines.append(f"wrote [bold]{safe(output)}[/]")
     return Stack(table, *(Text.from_markup(line) for line in lines))
 
 
