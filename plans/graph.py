@@ -245,13 +245,18 @@ def profile_fingerprint(profile: "Profile") -> str:
 
 
 def check(profile: Profile, what: str = "profile") -> Profile:
-    """Consistency beyond the schema: unique names, edges between known blocks, matching fingerprint."""
+    """Consistency beyond the schema: unique names, measured times in pairs, edges between known blocks, matching
+    fingerprint."""
     names = [b.name for b in profile.blocks]
     seen: set[str] = set()
     for n in names:
         if n in seen:
             raise FormatError(f"{what}: block {n!r} appears twice")
         seen.add(n)
+    for b in profile.blocks:  # a measurement times both passes (the cost model uses a block's only with both)
+        if (b.fwd_ms is None) != (b.bwd_ms is None):
+            raise FormatError(f"{what}: block {b.name!r} has a measured {'forward' if b.bwd_ms is None else 'backward'} "
+                              f"time but no {'backward' if b.bwd_ms is None else 'forward'} one (fwd_ms and bwd_ms come together)")
     for e in profile.edges:
         for end in (e.src, e.dst):
             if end not in seen:

@@ -104,6 +104,8 @@ CASES: dict[str, Callable[[Inputs], Case]] = {
     "show: a plan given as profile": lambda x: Case(["show", x.plan], "mmplan.plan/3"),
     "show: profile whose blocks were edited": lambda x: Case(["show", x.write("p.json", _edit_params(x.profile.read_text()))],
                                                              "fingerprint"),
+    "show: a block timed forward only": lambda x: Case(["show", x.write("p.json", _forward_only(x.profile.read_text()))],
+                                                       "no backward"),
     "show: binary file": lambda x: Case(["show", x.write("p.json", b"\xff\xfe\x00\x81garbage")], "UTF-8"),
     "show: nesting too deep for JSON": lambda x: Case(["show", x.write("p.json", "[" * 100_000)], "nest"),
     "show: missing profile": lambda x: Case(["show", x.tmp / "missing.json"], "cannot read"),
@@ -261,6 +263,14 @@ def _edit_params(text: str) -> str:
     """A profile with one block's structure (class, parameter shapes) changed by hand: its fingerprint no longer matches."""
     doc = json.loads(text)
     doc["blocks"][0]["structure"] = "0" * 12
+    return json.dumps(doc)
+
+
+def _forward_only(text: str) -> str:
+    """A profile with one block's forward time measured and its backward time not (hypothesis found `show` crashing
+    on one)."""
+    doc = json.loads(text)
+    doc["blocks"][0].update(fwd_ms=1.5, bwd_ms=None)
     return json.dumps(doc)
 
 
