@@ -47,7 +47,8 @@ def feasible(units, combo, structure, cluster) -> bool:
 
 # enumerate_limit 0: every sub-problem solved as an ILP; None: the default, small ones enumerated (allocate.ENUMERATE_LIMIT)
 @pytest.mark.parametrize("enumerate_limit", [0, None], ids=["ilp", "enumerated"])
-@pytest.mark.parametrize("seed,structure", [(0, "non-colocated"), (9, "non-colocated"), (10, "non-colocated"), (17, "non-colocated"), (0, "colocated"), (6, "colocated")])
+# seed 8, not 0, non-colocated: seed 0 leaves a unit without candidates, so that case only ever skipped
+@pytest.mark.parametrize("seed,structure", [(8, "non-colocated"), (9, "non-colocated"), (10, "non-colocated"), (17, "non-colocated"), (0, "colocated"), (6, "colocated")])
 def test_ilp_solutions_come_in_bound_order_and_the_first_is_the_minimum(seed, structure, enumerate_limit, monkeypatch):
     units, per_unit, cluster = candidates(seed, structure)
     if any(not c for c in per_unit):
@@ -84,7 +85,7 @@ def test_highs_and_cbc_agree():
     assert first[0].floor == pytest.approx(first[1].floor, rel=1e-6)
 
 
-@pytest.mark.parametrize("seed,structure", [(0, "non-colocated"), (9, "non-colocated"), (6, "colocated"), (10, "colocated")])
+@pytest.mark.parametrize("seed,structure", [(9, "non-colocated"), (17, "non-colocated"), (6, "colocated"), (10, "colocated")])
 def test_enumerated_sub_problems_propose_what_the_ilp_proposes(seed, structure):
     """Under allocate.ENUMERATE_LIMIT combinations the objective is evaluated for all of them instead of solving the
     sub-ILP: the same floors as the ILP proposes, in order. HiGHS's are exact to its tolerances only: its MIP
