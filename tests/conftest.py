@@ -40,9 +40,9 @@ CI_SLOW = {
 
 
 # The files that take longest in the default run (seconds on one process, this 2-core machine, 2026-12-04): they
-# are handed to the xdist workers first (longest first), so no worker is left running one of them alone at the end
-# (the README's Quickstart test, last in collection order, ran its 100-190 s `mmplan demo` while the other worker
-# idled). Order only: a file missing here runs in collection order after these.
+# are handed to the xdist workers first (longest first), so that none of them starts last and runs alone at the end
+# (the README's Quickstart test, 100-190 s, comes last in collection order; measured gain small: 985.7 -> 972.4 s).
+# Order only: a file missing here runs in collection order after these.
 LONGEST_FILES = (
     "planner/test_solve.py",  # 257 s
     "test_readme.py",  # 103 s
