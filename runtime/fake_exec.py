@@ -25,8 +25,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from runtime.tensor_tree import tensors_in
 
 _aten = torch.ops.aten
 
@@ -40,7 +42,7 @@ class RealIntegers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        flat = tensors_in((args, kwargs))
         if flat and all(_is_real(x) for x in flat):
             with _disable_current_modes():
                 return func(*args, **kwargs)

@@ -27,11 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from plans.errors import MmplanError
 
 from .tensor_parallel import copy_to_tp_region, reduce_from_tp_region
+from .tensor_tree import tensors_in
 from .tp_shards import LAYOUT_ATTR, ShardInfo, TPLayout
 
 # glue allowed between the head and the loss: it must keep the vocabulary as the last dim
@@ -145,7 +145,7 @@ class HeadPaths(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        heads = {self.logits[id(x)] for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and id(x) in self.logits}
+        heads = {self.logits[id(x)] for x in tensors_in((args, kwargs)) if id(x) in self.logits}
         if heads and getattr(func, "__name__", "") not in _METADATA:
             first = self.logits.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
             if func is F.cross_entropy and heads == {first}:

@@ -17,6 +17,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 
 from runtime.fake_exec import fake_batch, fakify_module, static_fake
 from runtime.source import model_loss
+from runtime.tensor_tree import tensors_in
 from runtime.vocab_parallel import HeadPaths
 from plans.capabilities import TP_SINGLE_REGION_KINDS
 from plans.errors import MmplanError
@@ -98,8 +99,7 @@ class _FlopCount(TorchDispatchMode):
                     else:
                         rec.fwd_flops += flops / 2
             else:  # a GEMM: its FLOPs and the bytes it reads and writes (its shape, for the roofline)
-                nbytes = sum(tensor_bytes(x) for x in (*tree_flatten((args, kwargs))[0], *tree_flatten(out)[0])
-                             if isinstance(x, torch.Tensor))
+                nbytes = sum(tensor_bytes(x) for x in (*tensors_in((args, kwargs)), *tensors_in(out)))
                 self.trace.count(flops, nbytes=nbytes)
         else:
             if packet in SOFTMAX:

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from runtime.tensor_tree import tensors_in
+
 _aten = torch.ops.aten
 
 
@@ -139,13 +141,13 @@ class Trace:
         owner, backward = self.owner()
         if owner is None or getattr(func, "is_view", False) or func._overloadpacket in NO_TRAFFIC:
             return
-        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        outputs = tensors_in(out)
         if not outputs:  # metadata queries (aten.device, sizes) move nothing
             return
         rec = self.records[owner]
         outside = not backward and not any(holds_linear(m) for m, _ in self.stack)
-        reads = [(self.produced.get(x.untyped_storage()._cdata), tensor_bytes(x)) for x in tree_flatten((args, kwargs))[0]
-                 if isinstance(x, torch.Tensor) and tuple(x.shape) not in rec.param_shapes]
+        reads = [(self.produced.get(x.untyped_storage()._cdata), tensor_bytes(x)) for x in tensors_in((args, kwargs))
+                 if tuple(x.shape) not in rec.param_shapes]
         if self.softmax_grad_in_memory and func._overloadpacket is _aten._softmax_backward_data:
             for entry, _ in reads:  # made by a kernel of its own (Megatron-LM's attention-dropout backward)
                 if entry is not None:
@@ -162,14 +164,13 @@ class Trace:
         """An op reads its inputs: a memory-bound op of the same block and pass could read them in the same fused
         kernel as their producer; anything else (a GEMM, attention, another block, glue) needs them in memory."""
         where = self.owner()
-        for x in tree_flatten((args, kwargs))[0]:
-            if isinstance(x, torch.Tensor):
-                entry = self.produced.get(x.untyped_storage()._cdata)
-                if entry is not None:
-                    if memory_bound and (entry[1], entry[2]) == where:
-                        entry[4] += tensor_bytes(x)  # what this read moves (a view may be part of the storage)
-                    else:
-                        entry[5] = True
+        for x in tensors_in((args, kwargs)):
+            entry = self.produced.get(x.untyped_storage()._cdata)
+            if entry is not None:
+                if memory_bound and (entry[1], entry[2]) == where:
+                    entry[4] += tensor_bytes(x)  # what this read moves (a view may be part of the storage)
+                else:
+                    entry[5] = True
 
     def materialise(self, t: torch.Tensor) -> None:
         """`t` is saved for backward or leaves its block: it is written to memory whatever kernels surround it."""
