@@ -77,6 +77,9 @@ def test_quickstart_main_command_verbatim(scratch):
     res = run(quickstart()[0], scratch)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "speed-up" in res.stdout
+    # the machine's speed before each round of runs against the profile's moment, in the verdict's panel
+    panel = " ".join(res.stdout.replace("│", " ").split())
+    assert re.search(r"timed alone before each round of runs: (\d+\.\d\dx, ){2}\d+\.\d\dx its time in the profile", panel), panel[-1500:]
     for name in ("profile.json", "plan.json", "homogeneous.json", "run-solved.jsonl", "run-homogeneous.jsonl"):
         assert (scratch / "mmplan-demo" / name).is_file(), name
     assert list((scratch / "mmplan-demo" / "traces").glob("*.json"))

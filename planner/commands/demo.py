@@ -85,6 +85,9 @@ class DemoResult:
     load: tuple[float, ...] = ()  # 1-minute load average before each run (os.getloadavg), in the order they ran
     others: tuple[Trained, ...] = ()  # the other baselines trained (a distinct layout the solver also compared with)
     case: str | None = None  # the --case it ran (None: a model or cluster of the caller's)
+    # before each round of runs: the model's forward + backward timed alone, over its time in the profile
+    # (profiler.measure.machine_speed; empty for a profile without whole-model times)
+    speed: tuple[float, ...] = ()
 
 
 def run_demo(out: Path, *, case: str = DEFAULT_CASE, model: str | None = None, cluster: str | None = None,
@@ -146,6 +149,7 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
               profile_micro_batch: int, note: Callable[[str, float], None], started: float) -> DemoResult:
     from cost_models.cluster_toml import cluster_to_toml
     from planner.commands.compare import load_compared, write_traces
+    from planner.profiler.measure import machine_speed
     from planner.profiler.profile import profile_model
     from planner.commands.run import run_plan
     from planner.solver.solve import solve
@@ -173,8 +177,15 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
     medians: dict[str, list[float]] = {name: [] for name in plans}
     first: dict[str, tuple[Path, list]] = {}
     load: list[float] = []
+    speed: list[float] = []
     order = [name for _ in range(runs) for name in plans]  # alternated: load hits every plan alike
     for i, name in enumerate(order):
+        if i % len(plans) == 0:  # before each round of runs: the machine's speed against the profile's moment
+            note(f"timing the model's forward + backward against its profile (round {i // len(plans) + 1} of {runs})",
+                 0.25 + 0.7 * i / len(order))
+            ratio = machine_speed(source, profile)
+            if ratio is not None:
+                speed.append(ratio)
         note(f"training the {name} plan for {steps} steps (run {i // len(plans) + 1} of {runs})", 0.25 + 0.7 * i / len(order))
         log = out / (f"run-{name}.jsonl" if name not in first else f"run-{name}-{i // len(plans) + 1}.jsonl")
         load.append(os.getloadavg()[0])
@@ -193,7 +204,7 @@ def _run_demo(out: Path, source, spec: Cluster, global_batch: int, steps: int, r
     note("done", 1.0)
     return DemoResult(out, profile, trained["solved"], trained[kind], solution.solve_time_s,
                       time.perf_counter() - started, cluster, kind, tuple(load),
-                      tuple(trained[k] for k in baselines if k != kind))
+                      tuple(trained[k] for k in baselines if k != kind), speed=tuple(speed))
 
 
 def _distinct_baselines(baselines: dict[str, Plan]) -> dict[str, Plan]:

@@ -384,7 +384,10 @@ def render_demo(result: DemoResult) -> Stack:
     verdict = (f"measured speed-up of the solved plan over the fastest-measured one-layout plan ({result.baseline_kind} baseline): "
                f"[bold]{speedup:.2f}x[/] (predicted {predicted:.2f}x)"
                + (" — the solver chose the homogeneous layout itself" if same else "")
-               + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else ""))
+               + (f"\nload average before each run: {', '.join(f'{x:.1f}' for x in result.load)}" if result.load else "")
+               + (f"\nthe model's forward + backward, timed alone before each round of runs: "
+                  f"{', '.join(f'{x:.2f}x' for x in result.speed)} its time in the profile (the predictions use the "
+                  "profile's: a machine shared with other jobs changes speed)" if result.speed else ""))
     from planner.commands.demo import CASES
 
     named = plan_mechanisms(s.plan)
@@ -404,7 +407,8 @@ def render_demo(result: DemoResult) -> Stack:
 
 def demo_json(result: DemoResult) -> dict[str, Any]:
     """The `mmplan demo --json` object: per plan its layout, predicted and measured step (the median of its runs'
-    median steps), each run's median, its losses; the speed-ups; the load average before each run."""
+    median steps), each run's median, its losses; the speed-ups; the load average before each run; the machine's
+    speed before each round of runs against the profile's (DemoResult.speed)."""
     def plan(t) -> dict[str, Any]:
         return {"layout": layout_text(t.plan), "predicted_step_s": t.predicted_step_s, "measured_step_s": t.measured_step_s,
                 "runs_s": list(t.runs_s), "first_loss": t.metrics[0]["loss"], "last_loss": t.metrics[-1]["loss"]}
@@ -419,4 +423,6 @@ def demo_json(result: DemoResult) -> dict[str, Any]:
         "measured_speedup": b.measured_step_s / s.measured_step_s,
         "out": str(result.out), "model": result.profile.model, "cluster": result.cluster.name if result.cluster else None,
         "load": list(result.load), "wall_s": result.wall_s, "solve_time_s": result.solve_time_s,
+        # before each round of runs: the model's forward + backward alone over its time in the profile
+        "machine_speed": list(result.speed),
     }

@@ -180,6 +180,34 @@ def measure_model(model: nn.Module, batches: list[dict[str, Any]], device: torch
     return out
 
 
+def profiled_model_ms(profile) -> float | None:
+    """The whole model's forward + backward at the profile's micro-batch as the profile measured it: its blocks'
+    measured times add up to it (_in_context fits them so). None when a block has no measured time (a meta profile,
+    or one measured on a GPU, where the whole model is not timed)."""
+    if not profile.blocks or any(b.fwd_ms is None or b.bwd_ms is None for b in profile.blocks):
+        return None
+    return sum(b.fwd_ms + b.bwd_ms for b in profile.blocks)
+
+
+def machine_speed(source, profile, reps: int = ROUND_REPS) -> float | None:
+    """How much longer (> 1) or shorter the model's forward + backward takes in this process now than when it was
+    profiled: measure_model again, as the profile did (the ranks' threads, its micro-batch and dtype), over
+    profiled_model_ms. A shared machine's speed drifts between the profile and a run minutes later, and a
+    prediction made from the profile drifts with it. None for a profile without whole-model times on the CPU."""
+    from planner.profiler.analyse import cast_model
+    from planner.profiler.profile import DTYPES
+    from runtime.source import call_factory
+
+    then = profiled_model_ms(profile)
+    if then is None or then <= 0 or profile.measured_on != "cpu":
+        return None
+    with rank_threads("cpu"):
+        model, batch = call_factory(source, profile.micro_batch)
+        batch = cast_model(model, batch, DTYPES[profile.dtype])
+        (now, _spread), = measure_model(model, [batch], torch.device("cpu"), reps)
+    return now / then
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

@@ -32,6 +32,7 @@ def test_demo_json_shape_on_a_small_setting(tmp_path):
     assert out["predicted_speedup"] == pytest.approx(out["homogeneous"]["predicted_step_s"] / out["solved"]["predicted_step_s"])
     assert out["measured_speedup"] == pytest.approx(out["homogeneous"]["measured_step_s"] / out["solved"]["measured_step_s"])
     assert set(out["baselines"]) <= {"homogeneous", "megatron"} and len(out["load"]) == 1 + len(out["baselines"])
+    assert len(out["machine_speed"]) == 1 and out["machine_speed"][0] > 0  # one round of runs, timed before it
 
 
 def test_the_default_setting_exists():

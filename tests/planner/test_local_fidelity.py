@@ -190,12 +190,13 @@ def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypa
     from runtime.launch import RANK_THREADS
     from runtime.source import resolve
 
-    seen = []
+    seen, timed = [], []
     real = measure_module.measure_model
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
+        timed.append(real(*args, **kwargs))
+        return timed[-1]
 
     monkeypatch.setattr(measure_module, "measure_model", spy)
     before = torch.get_num_threads()
@@ -203,6 +204,21 @@ def test_profile_measure_times_with_runs_threads_and_records_the_spread(monkeypa
     assert seen == [RANK_THREADS] and torch.get_num_threads() == before
     assert profile.options.threads == RANK_THREADS and profile.measure_spread >= 0
     assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in profile.blocks)
+    # the blocks' times add up to the whole model's at the profiled micro-batch (what machine_speed compares with)
+    whole_ms = timed[0][0][0]
+    assert measure_module.profiled_model_ms(profile) == pytest.approx(whole_ms, rel=1e-6)
+
+    # timed again later: the ratio to the profile's time, measured as the profile measured it (the ranks' threads)
+    def later(model, batches, device, reps):
+        seen.append(torch.get_num_threads())
+        assert len(batches) == 1 and next(iter(batches[0].values())).shape[0] == profile.micro_batch
+        return [(1.25 * whole_ms, 0.0)]
+
+    monkeypatch.setattr(measure_module, "measure_model", later)
+    assert measure_module.machine_speed(resolve("tiny-vlm"), profile) == pytest.approx(1.25)
+    assert seen[-1] == RANK_THREADS and torch.get_num_threads() == before
+    meta = profile_model(resolve("tiny-vlm"))  # no measured times: nothing to compare with
+    assert measure_module.profiled_model_ms(meta) is None and measure_module.machine_speed(resolve("tiny-vlm"), meta) is None
 
 
 def test_measure_model_repeats_until_the_median_is_stable():
