@@ -201,7 +201,7 @@ def solve(
     global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the plan.")] = Path("plan.json"),
     placement: Annotated[Literal["auto", "colocated", "non-colocated"], typer.Option(help="Groups on the same ranks ([cyan]colocated[/]), on disjoint ones ([cyan]non-colocated[/]), or the best of both and of one shared layout ([cyan]auto[/]).")] = "auto",
-    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved"], typer.Option(help="Pipeline schedule of every group; [cyan]interleaved[/] searches heterogeneous layouts as 1f1b. Left out, the Megatron-style baseline's grid holds 1F1B, GPipe and interleaved 1F1B (v = 2), emitted where faster; given, only that schedule (interleaved: with 1F1B).")] = "1f1b",
+    schedule: Annotated[Literal["1f1b", "gpipe", "interleaved"], typer.Option(help="Pipeline schedule of every group; [cyan]interleaved[/] searches heterogeneous layouts as 1f1b. Left out, the Megatron-style baseline's grid holds 1F1B, GPipe and interleaved 1F1B (v = 2 and 4 model chunks per rank), emitted where faster; given, only that schedule (interleaved: with 1F1B).")] = "1f1b",
     micro_batch: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (over a group's data-parallel replicas); default: searched.")] = None,
     time_limit: Annotated[Optional[float], typer.Option(help="Seconds: return the best plan found so far when they are up.")] = None,
     solver: Annotated[Literal["highs", "cbc"], typer.Option(help="ILP solver (HiGHS in-process; CBC is the fallback).")] = "highs",
